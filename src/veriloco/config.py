@@ -1,0 +1,250 @@
+"""Typed configuration: one dataclass per TOML section, `--section.key=value` overrides.
+
+Precedence: command line > config file > defaults. An unknown section or key, or a value of the
+wrong type, raises `ConfigError` with one line that names the key and lists the valid ones; the
+CLI turns it into exit code 2.
+
+Every field carries its documentation in the `doc` metadata, which `veriloco config --help`
+style listings and the README's config reference are generated from (`describe()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Bad configuration: one line naming the key and what is wrong."""
+
+
+def _f(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    """[model] the small byte-level GPT (model.py)."""
+
+    n_layer: int = _f(4, "number of transformer blocks")
+    n_head: int = _f(4, "attention heads per block")
+    d_model: int = _f(128, "embedding width")
+    ctx: int = _f(128, "context length in tokens")
+    vocab_size: int = _f(256, "vocabulary size; 256 = bytes; a token .bin file may need more")
+
+
+@dataclass
+class DataConfig:
+    """[data] where tokens come from (data.py)."""
+
+    source: str = _f(
+        "stdlib",
+        "'stdlib' (the embedded corpus: this Python's standard library source), "
+        "a text file, a directory of text files, or a nanoGPT-style token .bin file",
+    )
+    bin_dtype: str = _f("uint16", "element type of a token .bin file: uint16 or uint32")
+    eval_fraction: float = _f(0.05, "fraction of the corpus (its tail) held out for eval")
+    chunk_bytes: int = _f(65536, "corpus chunk size for the Merkle tree and the store")
+    max_bytes: int = _f(0, "use only the first max_bytes of the corpus; 0 = all of it")
+
+
+@dataclass
+class TrainConfig:
+    """[train] the inner loop (inner.py) and the run length."""
+
+    mode: str = _f("diloco", "'diloco' (outer rounds) or 'ddp' (all-reduce every step, baseline)")
+    rounds: int = _f(30, "number of outer rounds")
+    inner_steps: int = _f(50, "H in DiLoCo: local AdamW steps per round")
+    batch_size: int = _f(16, "sequences per inner step per worker")
+    lr: float = _f(3e-3, "peak inner learning rate (AdamW)")
+    warmup_steps: int = _f(50, "linear warmup steps of the inner LR")
+    min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the gradient norm to this; 0 = no clipping")
+    eval_batches: int = _f(8, "held-out batches per eval (split across workers)")
+    eval_every: int = _f(1, "eval the global params every this many rounds (and at the end)")
+    threads: int = _f(1, "torch threads per process")
+
+
+@dataclass
+class OuterConfig:
+    """[outer] the outer optimizer applied to the averaged pseudo-gradient (outer.py)."""
+
+    lr: float = _f(0.7, "outer learning rate (DiLoCo: 0.7)")
+    momentum: float = _f(0.9, "outer momentum (DiLoCo: 0.9)")
+    nesterov: bool = _f(True, "Nesterov momentum (DiLoCo); false = heavy ball")
+
+
+@dataclass
+class TopologyConfig:
+    """[topology] how many workers (and, later, pipeline stages per worker)."""
+
+    workers: int = _f(4, "number of workers, one process each on a local run")
+
+
+@dataclass
+class CompressConfig:
+    """[compress] how a delta becomes a packet (compress/)."""
+
+    codec: str = _f("fp32", "codec spec, e.g. 'fp32'")
+
+
+@dataclass
+class RunConfig:
+    """[run] seeds, backend, timeouts, output."""
+
+    seed: int = _f(0, "run seed: model init and every batch derive from it")
+    backend: str = _f("auto", "'gloo', 'nccl', or 'auto' (nccl when CUDA is available)")
+    timeout_s: float = _f(120.0, "collective timeout: a dead peer is an error after this long")
+    max_packet_bytes: int = _f(1 << 30, "packets larger than this are rejected before decoding")
+
+
+@dataclass
+class Config:
+    """The whole configuration; each attribute is one TOML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (what goes into the run manifest)."""
+        return dataclasses.asdict(self)
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in fields(Config)}
+
+
+def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
+    where = f"{section}.{key}"
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - every field is one of the four
+        raise ConfigError(f"{where}: unsupported field type {typ}")
+    raise ConfigError(f"{where}: expected {typ.__name__}, got {type(value).__name__} {value!r:.60}")
+
+
+def _apply(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(
+            f"unknown section [{section}] in {origin}; valid sections: {', '.join(sections)}"
+        )
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] in {origin} must be a table")
+    obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in fields(obj)]
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown key {section}.{key} in {origin}; valid keys of [{section}]: {', '.join(names)}"
+            )
+        setattr(obj, key, _coerce(section, key, value, hints[key]))
+
+
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    body = text[2:] if text.startswith("--") else text
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"override {text!r} is not of the form --section.key=value")
+    dotted, raw = body.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:  # a TOML literal (number, bool, quoted string) ...
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:  # ... or a bare string
+        value = raw
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file at `path` (if any), then `--section.key=value` overrides."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            _apply(cfg, section, values, str(p))
+    for text in overrides or []:
+        section, key, value = _parse_override(text)
+        _apply(cfg, section, {key: value}, "the command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    m, t, d = cfg.model, cfg.train, cfg.data
+    need(m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}")
+    need(m.d_model % m.n_head == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head})")
+    need(m.ctx >= 2, f"model.ctx must be >= 2, got {m.ctx}")
+    need(m.vocab_size >= 2, f"model.vocab_size must be >= 2, got {m.vocab_size}")
+    need(t.mode in ("diloco", "ddp"), f"train.mode must be 'diloco' or 'ddp', got {t.mode!r}")
+    need(t.rounds >= 1, f"train.rounds must be >= 1, got {t.rounds}")
+    need(t.inner_steps >= 1, f"train.inner_steps must be >= 1, got {t.inner_steps}")
+    need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
+    need(t.eval_every >= 1, f"train.eval_every must be >= 1, got {t.eval_every}")
+    need(t.threads >= 1, f"train.threads must be >= 1, got {t.threads}")
+    need(0 < d.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {d.eval_fraction}")
+    need(d.chunk_bytes >= 1024, f"data.chunk_bytes must be >= 1024, got {d.chunk_bytes}")
+    need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype must be uint16 or uint32, got {d.bin_dtype!r}")
+    need(cfg.outer.lr > 0, f"outer.lr must be > 0, got {cfg.outer.lr}")
+    need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
+    need(cfg.topology.workers >= 1, f"topology.workers must be >= 1, got {cfg.topology.workers}")
+    need(cfg.run.backend in ("auto", "gloo", "nccl"), f"run.backend must be auto, gloo or nccl, got {cfg.run.backend!r}")
+    need(cfg.run.timeout_s > 0, f"run.timeout_s must be > 0, got {cfg.run.timeout_s}")
+
+
+def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (e.g. a run manifest), validating it."""
+    cfg = Config()
+    for section, values in data.items():
+        _apply(cfg, section, values, "the manifest")
+    validate(cfg)
+    return cfg
+
+
+def describe() -> str:
+    """Markdown reference of every section and key with type, default and doc."""
+    lines = []
+    for name, cls in _sections().items():
+        lines.append(f"### [{name}]\n\n{(cls.__doc__ or '').split('] ', 1)[-1].strip()}\n")
+        lines.append("| key | type | default | meaning |\n|---|---|---|---|")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            lines.append(f"| `{f.name}` | {hints[f.name].__name__} | `{f.default!r}` | {f.metadata.get('doc', '')} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""Packets: one worker's encoded delta for one round, as safetensors bytes.
+
+Layout: tensors named `<param>/<part>` (the codec's parts), and safetensors metadata
+`veriloco.packet = "1"`, `codecs` = canonical JSON {param: codec spec},
+`shapes` = canonical JSON {param: [dims]}. A packet's sha256 is its name in the store.
+Decoding never unpickles, checks the size before parsing, and checks every name, spec and
+shape against what the receiver expects; anything else is a `PacketError`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .compress import Codec, CodecError, codec_from_spec
+from .hashing import canonical_json
+
+FORMAT = "1"
+
+
+class PacketError(ValueError):
+    """A packet is malformed, oversized, or does not match the model it claims to update."""
+
+
+def encode_packet(delta: dict[str, torch.Tensor], codecs: dict[str, Codec]) -> bytes:
+    """Encode every tensor of `delta` with its codec from `codecs` into safetensors bytes."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key in sorted(delta):
+        for part, t in codecs[key].encode(key, delta[key]).items():
+            tensors[f"{key}/{part}"] = t.contiguous()
+    meta = {
+        "veriloco.packet": FORMAT,
+        "codecs": canonical_json({k: codecs[k].spec() for k in sorted(delta)}).decode(),
+        "shapes": canonical_json({k: list(delta[k].shape) for k in sorted(delta)}).decode(),
+    }
+    return st_save(tensors, metadata=meta)
+
+
+def _header(data: bytes) -> dict:
+    if len(data) < 8:
+        raise PacketError(f"packet of {len(data)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8 or n > 16 << 20:
+        raise PacketError(f"packet header claims {n} bytes, packet has {len(data) - 8}")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PacketError(f"packet header is not JSON: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise PacketError("packet header has no __metadata__")
+    return header
+
+
+def packet_codecs(data: bytes) -> dict[str, str]:
+    """{param: codec spec} of a packet, read from its header without decoding tensors."""
+    meta = _header(data)["__metadata__"]
+    try:
+        codecs = json.loads(meta.get("codecs", ""))
+    except json.JSONDecodeError:
+        raise PacketError("packet metadata 'codecs' is not JSON") from None
+    if not isinstance(codecs, dict) or not all(isinstance(v, str) for v in codecs.values()):
+        raise PacketError("packet metadata 'codecs' must map names to spec strings")
+    return codecs
+
+
+def decode_packet(
+    data: bytes, expected_shapes: dict[str, tuple[int, ...]], max_bytes: int
+) -> dict[str, torch.Tensor]:
+    """Decode a peer's packet into fp32 tensors of exactly `expected_shapes`."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise PacketError("packet is not bytes")
+    if len(data) > max_bytes:
+        raise PacketError(f"packet is {len(data)} bytes, over the limit of {max_bytes}")
+    header = _header(bytes(data))
+    meta = header["__metadata__"]
+    if meta.get("veriloco.packet") != FORMAT:
+        raise PacketError(f"packet format {meta.get('veriloco.packet')!r} is not {FORMAT!r}")
+    codecs = packet_codecs(bytes(data))
+    try:
+        shapes = json.loads(meta.get("shapes", ""))
+    except json.JSONDecodeError:
+        raise PacketError("packet metadata 'shapes' is not JSON") from None
+    want = {k: list(v) for k, v in expected_shapes.items()}
+    if set(codecs) != set(want) or shapes != want:
+        missing = sorted(set(want) - set(codecs))
+        extra = sorted(set(codecs) - set(want))
+        raise PacketError(
+            f"packet does not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+            if missing or extra
+            else "packet shapes do not match the model"
+        )
+    try:
+        tensors = st_load(bytes(data))
+    except Exception as e:  # safetensors raises its own error types on malformed input
+        raise PacketError(f"packet is not valid safetensors: {str(e)[:120]}") from None
+    grouped: dict[str, dict[str, torch.Tensor]] = {k: {} for k in want}
+    for name, t in tensors.items():
+        key, _, part = name.rpartition("/")
+        if key not in grouped or not part:
+            raise PacketError(f"packet has a tensor {name!r:.80} that belongs to no parameter")
+        grouped[key][part] = t
+    out: dict[str, torch.Tensor] = {}
+    for key, parts in grouped.items():
+        try:
+            value = codec_from_spec(codecs[key]).decode(parts, tuple(want[key]))
+        except CodecError as e:
+            raise PacketError(f"tensor {key}: {e}") from None
+        if not torch.isfinite(value).all():
+            raise PacketError(f"tensor {key} decodes to non-finite values")
+        out[key] = value
+    return out
