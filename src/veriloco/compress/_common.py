@@ -1,0 +1,79 @@
+"""Small helpers shared by the codecs: input checks, spec-parameter parsing, bit packing."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import CodecError
+
+
+def flat_fp32(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a flat, contiguous fp32 copy-free view where possible; rejects NaN/inf.
+
+    A non-finite delta is a bug on the sender; failing here names it instead of letting every
+    receiver reject the packet.
+    """
+    x = tensor.detach().to(torch.float32).reshape(-1).contiguous()
+    if x.numel() and not torch.isfinite(x).all():
+        raise ValueError(f"{name}: cannot encode a tensor with NaN or inf values")
+    return x
+
+
+def exact_parts(parts: dict[str, torch.Tensor], names: set[str], codec: str) -> None:
+    """Parts from a peer must be exactly `names`: nothing missing, nothing extra."""
+    if set(parts) != names:
+        raise CodecError(f"{codec} parts must be {sorted(names)}, got {sorted(parts)[:8]}")
+
+
+def parse_int(codec: str, params: dict[str, str], key: str, default: int, lo: int, hi: int) -> int:
+    """Integer spec parameter `key` in [lo, hi]."""
+    raw = params.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CodecError(f"{codec}: {key}={raw!r:.40} is not an integer") from None
+    if not lo <= value <= hi:
+        raise CodecError(f"{codec}: {key}={value} is outside [{lo}, {hi}]")
+    return value
+
+
+def parse_float(codec: str, params: dict[str, str], key: str, default: float) -> float:
+    """Finite float spec parameter `key` (range checks are the caller's)."""
+    raw = params.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CodecError(f"{codec}: {key}={raw!r:.40} is not a number") from None
+    if not math.isfinite(value):
+        raise CodecError(f"{codec}: {key}={raw!r:.40} is not finite")
+    return value
+
+
+def check_keys(codec: str, params: dict[str, str], allowed: set[str]) -> None:
+    """Reject spec parameters the codec does not know."""
+    extra = sorted(set(params) - allowed)
+    if extra:
+        raise CodecError(f"{codec}: unknown parameter(s) {extra}; known: {sorted(allowed)}")
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Bool vector -> uint8 bytes, little-endian within each byte, zero padded."""
+    n = bits.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8)
+    padded[:n] = bits.to(torch.uint8)
+    return (padded.reshape(-1, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` bits of uint8 `data` as a bool vector (inverse of `pack_bits`)."""
+    return ((data.reshape(-1, 1) >> _BIT_SHIFTS) & 1).reshape(-1)[:n].bool()

@@ -1,0 +1,195 @@
+"""Corpus, Merkle root, and deterministic batches.
+
+The embedded default corpus is this Python's own standard library source: every top-level
+module `<stdlib>/*.py` (found through `sysconfig`), sorted by file name, excluding modules whose
+name starts with `test` or `_test`; subpackages (and so `idlelib`, `test/`) are not included.
+Each file contributes `# file: <name>\\n` followed by its bytes, so the corpus exists on every
+machine with no download (its Merkle root differs between Python versions and is recorded in the
+run manifest). A user may instead point `[data] source` at a text file, a directory of text
+files (every regular file under it, sorted by relative path), or a nanoGPT-style token `.bin`
+(a flat array of uint16/uint32 token ids).
+
+The corpus is cut into `chunk_bytes` chunks whose sha256 hashes are the leaves of a Merkle tree
+(RFC 9162 hashing, the same as the ledger's); the root names the corpus in the manifest, and the
+chunks go into the run's store so a run directory is self-contained.
+
+`batch(seed, worker, round, step)` is a pure function of its arguments: the sequence offsets
+come from sha256 of the arguments (no RNG library whose stream could change between versions),
+so anyone holding the corpus can recompute exactly which tokens a worker trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import DataConfig
+from .hashing import canonical_json, sha256_hex
+from .merkle import merkle_root
+
+
+class DataError(ValueError):
+    """A corpus cannot be read or is unusable (missing, empty, too small for the context)."""
+
+
+def stdlib_files() -> list[Path]:
+    """The fixed, sorted selection of standard-library modules that forms the default corpus."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        p
+        for p in root.glob("*.py")
+        if p.is_file() and not p.name.startswith(("test", "_test"))
+    ]
+    return sorted(files, key=lambda p: p.name)
+
+
+def _read_text_sources(paths: list[tuple[str, Path]]) -> bytes:
+    parts = []
+    for name, p in paths:
+        parts.append(f"# file: {name}\n".encode())
+        parts.append(p.read_bytes())
+        parts.append(b"\n")
+    return b"".join(parts)
+
+
+@dataclass
+class Corpus:
+    """Tokens of a corpus with its split, chunk hashes and Merkle root."""
+
+    tokens: np.ndarray  # 1-D uint8 (bytes) or uint16/uint32 (token .bin)
+    raw: bytes  # the bytes that were chunked and hashed (text bytes or the .bin file)
+    kind: str  # "text" or "bin"
+    chunk_bytes: int
+    eval_fraction: float
+
+    def __post_init__(self) -> None:
+        self.chunks = [
+            self.raw[i : i + self.chunk_bytes] for i in range(0, len(self.raw), self.chunk_bytes)
+        ]
+        self.chunk_hashes = [sha256_hex(c) for c in self.chunks]
+        self.root = merkle_root([bytes.fromhex(h) for h in self.chunk_hashes])
+        n = len(self.tokens)
+        self.eval_start = int(n * (1 - self.eval_fraction))
+
+    def manifest(self) -> dict:
+        """What the store keeps next to the chunks to rebuild this corpus."""
+        return {
+            "kind": self.kind,
+            "dtype": str(self.tokens.dtype),
+            "chunk_bytes": self.chunk_bytes,
+            "eval_fraction": self.eval_fraction,
+            "chunks": self.chunk_hashes,
+            "root": self.root,
+            "tokens": int(len(self.tokens)),
+        }
+
+    def manifest_bytes(self) -> bytes:
+        return canonical_json(self.manifest())
+
+
+def _tokens_from(raw: bytes, kind: str, dtype: str) -> np.ndarray:
+    if kind == "text":
+        return np.frombuffer(raw, dtype=np.uint8)
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) % itemsize:
+        raise DataError(f"token .bin has {len(raw)} bytes, not a multiple of {dtype} ({itemsize})")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
+    """Read the corpus named by `cfg.source` and check it fits the model."""
+    src = cfg.source
+    if src == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise DataError("no standard-library sources found through sysconfig")
+        raw, kind = _read_text_sources([(p.name, p) for p in files]), "text"
+    else:
+        path = Path(src)
+        if not path.exists():
+            raise DataError(f"data.source not found: {path}")
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            if not files:
+                raise DataError(f"data.source directory {path} has no files")
+            raw, kind = _read_text_sources([(str(p.relative_to(path)), p) for p in files]), "text"
+        elif path.suffix == ".bin":
+            raw, kind = path.read_bytes(), "bin"
+        else:
+            raw, kind = path.read_bytes(), "text"
+    if cfg.max_bytes:
+        raw = raw[: cfg.max_bytes]
+        if kind == "bin":
+            raw = raw[: len(raw) - len(raw) % np.dtype(cfg.bin_dtype).itemsize]
+    return corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
+
+
+def corpus_from_raw(raw: bytes, kind: str, cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
+    """Build a Corpus from raw bytes (also how a stored corpus is rebuilt)."""
+    tokens = _tokens_from(raw, kind, cfg.bin_dtype)
+    if kind == "text" and vocab_size < 256:
+        raise DataError(f"a byte-level corpus needs model.vocab_size >= 256, got {vocab_size}")
+    if kind == "bin" and len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataError(
+            f"token .bin has token id {int(tokens.max())} >= model.vocab_size {vocab_size}"
+        )
+    corpus = Corpus(tokens, raw, kind, cfg.chunk_bytes, cfg.eval_fraction)
+    need = 4 * (ctx + 1)
+    if corpus.eval_start < need or len(tokens) - corpus.eval_start < ctx + 2:
+        raise DataError(
+            f"corpus of {len(tokens)} tokens is too small for ctx {ctx} with eval_fraction "
+            f"{cfg.eval_fraction}"
+        )
+    return corpus
+
+
+def _offset(tag: str, n_positions: int) -> int:
+    h = hashlib.sha256(tag.encode()).digest()
+    return int.from_bytes(h[:8], "little") % n_positions
+
+
+def batch_offsets(
+    corpus: Corpus, seed: int, worker: int, round: int, step: int, batch_size: int, ctx: int
+) -> list[int]:
+    """Start offsets (in the training split) of the sequences of one inner step's batch."""
+    n_positions = corpus.eval_start - ctx - 1
+    return [
+        _offset(f"veriloco/batch/{seed}/{worker}/{round}/{step}/{i}", n_positions)
+        for i in range(batch_size)
+    ]
+
+
+def _gather(tokens: np.ndarray, offsets: list[int], ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = np.stack([tokens[o : o + ctx + 1] for o in offsets]).astype(np.int64)
+    t = torch.from_numpy(seqs)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def batch(
+    corpus: Corpus, seed: int, worker: int, round: int, step: int, batch_size: int, ctx: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of shape (batch_size, ctx): the same tokens on any machine."""
+    return _gather(corpus.tokens, batch_offsets(corpus, seed, worker, round, step, batch_size, ctx), ctx)
+
+
+def eval_batches(
+    corpus: Corpus, n_batches: int, batch_size: int, ctx: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed held-out batches, evenly spread over the eval split (same every round)."""
+    n_positions = len(corpus.tokens) - corpus.eval_start - ctx - 1
+    total = n_batches * batch_size
+    offsets = [corpus.eval_start + (i * n_positions) // total for i in range(total)]
+    return [
+        _gather(corpus.tokens, offsets[b * batch_size : (b + 1) * batch_size], ctx)
+        for b in range(n_batches)
+    ]
+
+
+def batch_digest(inputs: torch.Tensor, targets: torch.Tensor) -> str:
+    """sha256 of one batch's tokens: the leaf a worker commits for every inner step."""
+    return sha256_hex(inputs.numpy().tobytes() + targets[:, -1:].numpy().tobytes())

@@ -1,0 +1,118 @@
+"""Exchange: every worker's packet reaches every other worker, each packet kept separate.
+
+`start(packet) -> handle` returns at once; `handle.wait() -> [packet of rank 0, 1, ...]` blocks
+until all arrive (torchft's prepare_sync / perform_sync split), so a caller can run the next
+round's inner steps while the exchange is in flight (DiLoCoX's one-step delay).
+
+Mechanism: an all-gather of variable-size byte tensors over torch.distributed (gloo on CPU, NCCL
+on GPU) — first the sizes, then one broadcast per source rank of exactly its bytes, so no byte of
+padding is sent and each packet stays whole for per-worker verification. It runs on a background
+thread over a process group of its own, so collectives of other groups (eval) never interleave
+with it. The group's timeout turns a dead peer into an `ExchangeError` instead of a hang.
+
+Bytes are counted from the tensors actually handed to the collectives: a worker *sends* its
+packet (and its 8-byte size) to each of the other W-1 workers and *receives* theirs. When a
+`Link` is given, `wait()` does not return before `latency + max(sent, received) * 8 / bandwidth`
+has passed since `start()`: the emulated slow link shows up in wall-clock time, and overlaps
+with whatever the caller does meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class ExchangeError(RuntimeError):
+    """The exchange failed (a peer died, timed out, or sent an oversized packet)."""
+
+
+@dataclass
+class ExchangeStats:
+    """Byte and time accounting of one exchange."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0  # from start() to the end of wait(), link pacing included
+    paced_s: float = 0.0  # of which: waiting for the emulated link
+
+
+class ExchangeHandle:
+    """An exchange in flight; `wait()` returns every rank's packet, in rank order."""
+
+    def __init__(self, thread: threading.Thread, box: dict, started: float, link) -> None:
+        self._thread, self._box, self._started, self._link = thread, box, started, link
+        self.stats = ExchangeStats()
+        self._result: list[bytes] | None = None
+
+    def wait(self) -> list[bytes]:
+        if self._result is not None:
+            return self._result
+        self._thread.join()
+        if "error" in self._box:
+            raise ExchangeError(self._box["error"])
+        packets: list[bytes] = self._box["packets"]
+        self.stats.bytes_sent = self._box["sent"]
+        self.stats.bytes_received = self._box["received"]
+        if self._link is not None:
+            from .link import pace  # the link module is optional at import time
+
+            self.stats.paced_s = pace(self._started, self.stats.bytes_sent, self.stats.bytes_received, self._link)
+        self.stats.seconds = time.perf_counter() - self._started
+        self._result = packets
+        return packets
+
+
+class Exchange:
+    """All-gather of packets among the ranks of `group` (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, max_packet_bytes: int, link=None, device: str = "cpu") -> None:
+        self.group = group
+        self.max_packet_bytes = max_packet_bytes
+        self.link = link
+        self.device = torch.device(device)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.size)]
+
+    def start(self, packet: bytes) -> ExchangeHandle:
+        """Begin sending `packet`; returns at once."""
+        box: dict = {}
+        started = time.perf_counter()
+        thread = threading.Thread(target=self._run, args=(packet, box), daemon=True)
+        thread.start()
+        return ExchangeHandle(thread, box, started, self.link)
+
+    def _run(self, packet: bytes, box: dict) -> None:
+        try:
+            sizes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+            mine = torch.tensor([len(packet)], dtype=torch.int64, device=self.device)
+            dist.all_gather_single(sizes, mine, group=self.group)
+            sizes_list = [int(s) for s in sizes.cpu()]
+            for r, n in enumerate(sizes_list):
+                if n < 0 or n > self.max_packet_bytes:
+                    raise ExchangeError(f"rank {r} announced a packet of {n} bytes (limit {self.max_packet_bytes})")
+            bufs = []
+            works = []
+            for r, n in enumerate(sizes_list):
+                if r == self.rank:
+                    buf = torch.frombuffer(bytearray(packet), dtype=torch.uint8).to(self.device) if n else torch.empty(0, dtype=torch.uint8, device=self.device)
+                else:
+                    buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+                bufs.append(buf)
+                if n:
+                    works.append(dist.broadcast(buf, src=self._ranks[r], group=self.group, async_op=True))
+            for w in works:
+                w.wait()
+            box["packets"] = [packet if r == self.rank else bytes(b.cpu().numpy().tobytes()) for r, b in enumerate(bufs)]
+            peers = self.size - 1
+            box["sent"] = (len(packet) + 8) * peers
+            box["received"] = sum(sizes_list) - len(packet) + 8 * peers
+        except ExchangeError as e:
+            box["error"] = str(e)
+        except Exception as e:  # gloo/NCCL raise RuntimeError/DistBackendError on timeout or a dead peer
+            box["error"] = f"exchange failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -1,0 +1,107 @@
+"""A small GPT, written to be cut into pipeline stages.
+
+Blocks live in a `ModuleDict` keyed by their global layer index, and the embedding and the head
+are optional, so a pipeline stage is the same module with some layers absent (torchtitan's
+habit): parameter names stay identical between the full model and its stages, which is what
+lets a stage's delta, packet and checkpoint line up with the full model's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a 4x MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc_out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Byte-level GPT. `layers` selects which blocks this module holds (default: all);
+    `embed`/`head` say whether it holds the token+position embedding and the final norm+head.
+
+    forward(tokens) -> logits for the full model; a middle stage maps hidden -> hidden.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[int] | None = None,
+        embed: bool = True,
+        head: bool = True,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        layers = list(range(cfg.n_layer)) if layers is None else layers
+        if embed:
+            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.pos_emb = nn.Embedding(cfg.ctx, cfg.d_model)
+        else:
+            self.tok_emb = self.pos_emb = None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layers})
+        if head:
+            self.ln_f = nn.LayerNorm(cfg.d_model)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        else:
+            self.ln_f = self.lm_head = None
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith(("proj.weight", "fc_out.weight")):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(pos)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def build_model(cfg: ModelConfig, seed: int) -> GPT:
+    """The full model, initialised from `seed` alone (every worker builds the same G_0)."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return GPT(cfg)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,120 @@
+"""The run directory: manifest, per-round records, metrics and summary.
+
+```
+RUN/
+  manifest.json   config, model-init hash, corpus root, code version; its hash is the run id
+  store/          content-addressed blobs: corpus chunks, packets, checkpoints
+  workers/W/      each worker's private state (inner optimizer), for resume
+  rounds.jsonl    one JSON line per completed round: the verifiable record
+  metrics.jsonl   one JSON line per round: numbers for plots
+  summary.json    written at the end of the run
+```
+A line of rounds.jsonl is written only after everything it names is in the store, so the last
+complete line is always a consistent point to resume from; a torn last line (a crash mid-write)
+is ignored and truncated on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .hashing import canonical_json, json_hash
+
+
+class RunDirError(ValueError):
+    """A run directory is missing, incomplete, or holds malformed records."""
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file and rename (nothing half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """Paths and readers/writers of one run directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.manifest_path = self.root / "manifest.json"
+        self.rounds_path = self.root / "rounds.jsonl"
+        self.metrics_path = self.root / "metrics.jsonl"
+        self.summary_path = self.root / "summary.json"
+        self.store_dir = self.root / "store"
+
+    def worker_dir(self, worker: int) -> Path:
+        return self.root / "workers" / str(worker)
+
+    # -- manifest ---------------------------------------------------------------------------
+    def write_manifest(self, manifest: dict[str, Any]) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.manifest_path, canonical_json(manifest) + b"\n")
+        return json_hash(manifest)
+
+    def read_manifest(self) -> dict[str, Any]:
+        if not self.manifest_path.is_file():
+            raise RunDirError(f"{self.root} is not a run directory: no manifest.json")
+        try:
+            manifest = json.loads(self.manifest_path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RunDirError(f"{self.manifest_path} is not valid JSON: {e}") from None
+        if not isinstance(manifest, dict) or "config" not in manifest:
+            raise RunDirError(f"{self.manifest_path} has no config")
+        return manifest
+
+    # -- records ------------------------------------------------------------------------------
+    def append_jsonl(self, path: Path, obj: dict[str, Any]) -> None:
+        line = json.dumps(obj, sort_keys=True, allow_nan=False) + "\n"
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def append_round(self, record: dict[str, Any]) -> None:
+        self.append_jsonl(self.rounds_path, record)
+
+    def append_metrics(self, metrics: dict[str, Any]) -> None:
+        self.append_jsonl(self.metrics_path, metrics)
+
+    def read_jsonl(self, path: Path) -> list[dict[str, Any]]:
+        """Complete lines of a JSONL file; a torn last line is skipped, a bad middle line is an error."""
+        if not path.exists():
+            return []
+        lines = path.read_bytes().split(b"\n")
+        out = []
+        for i, raw in enumerate(lines):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if i == len(lines) - 1:  # no trailing newline: a torn write
+                    break
+                raise RunDirError(f"{path.name} line {i + 1} is not valid JSON") from None
+            if not isinstance(obj, dict):
+                raise RunDirError(f"{path.name} line {i + 1} is not a JSON object")
+            out.append(obj)
+        return out
+
+    def rounds(self) -> list[dict[str, Any]]:
+        return self.read_jsonl(self.rounds_path)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return self.read_jsonl(self.metrics_path)
+
+    def truncate_to(self, n_rounds: int) -> None:
+        """Keep the first n_rounds records of rounds.jsonl and metrics.jsonl (resume)."""
+        for path, keep in ((self.rounds_path, self.rounds()), (self.metrics_path, self.metrics())):
+            kept = [o for o in keep if o.get("round", -1) < n_rounds]
+            data = "".join(json.dumps(o, sort_keys=True, allow_nan=False) + "\n" for o in kept)
+            atomic_write(path, data.encode())
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write(self.summary_path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())

@@ -1,0 +1,139 @@
+"""Launching a run: the manifest, the run id, local worker processes or torchrun, and resume.
+
+A local run spawns one process per worker with torch.multiprocessing, joined by gloo on
+loopback at a free port. Under `torchrun` the same worker entry point (`python -m veriloco.run`)
+reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment torchrun sets.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import __version__
+from .config import Config, config_from_dict, load_config
+from .data import load_corpus
+from .hashing import json_hash
+from .model import build_model
+from .records import RunDir, RunDirError
+from .round import init_distributed, train_worker
+from .store import LocalStore
+from .task import CorpusTask, Task, model_init_hash
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
+    """Load the corpus into the run's store, write the manifest; the run id is its hash."""
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+    manifest = {
+        "config": cfg.to_dict(),
+        "corpus_root": corpus.root,
+        "model_init_hash": model_init_hash(build_model(cfg.model, cfg.run.seed)),
+        "code_version": __version__,
+        "worker_keys": [],
+    }
+    run_id = json_hash(manifest)[:16]
+    run = RunDir(out or Path("runs") / run_id)
+    if run.rounds_path.exists() and run.rounds():
+        raise RunDirError(f"{run.root} already holds a run; use --resume {run.root} or another --out")
+    store = LocalStore(run.store_dir)
+    for chunk in corpus.chunks:
+        store.put(chunk)
+    manifest["corpus_manifest"] = store.put(corpus.manifest_bytes())
+    manifest["run_id"] = run_id
+    run.write_manifest(manifest)
+    return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
+
+
+def _spawned(rank: int, world: int, cfg: Config, task: Task, run_dir: str, start_round: int, port: int, quiet: bool) -> None:
+    init_distributed(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+    try:
+        summary = train_worker(cfg, rank, world, task, run_dir, start_round, quiet)
+        if summary is not None:
+            RunDir(run_dir).write_summary(summary)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(cfg: Config, task: Task, run: RunDir, start_round: int = 0, quiet: bool = False) -> dict:
+    """Run workers as local processes; returns the summary."""
+    world = cfg.topology.workers
+    port = free_port()
+    mp.spawn(_spawned, args=(world, cfg, task, str(run.root), start_round, port, quiet), nprocs=world, join=True)
+    import json
+
+    return json.loads(run.summary_path.read_text())
+
+
+def train(cfg: Config, out: str | None = None, quiet: bool = False) -> tuple[RunDir, dict]:
+    """Train the built-in GPT task with `cfg`; returns the run directory and the summary."""
+    run, task = prepare_run(cfg, out)
+    return run, launch(cfg, task.as_task(), run, 0, quiet)
+
+
+def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
+    """Train a user's Task (own model and data) through the same round engine."""
+    run = RunDir(out)
+    run.write_manifest({"config": cfg.to_dict(), "code_version": __version__, "task": repr(task.make_model)})
+    return launch(cfg, task, run, 0, quiet)
+
+
+def resume(run_dir: str, quiet: bool = False) -> tuple[RunDir, dict]:
+    """Continue a run from its last complete round (a torn last line is dropped)."""
+    run = RunDir(run_dir)
+    manifest = run.read_manifest()
+    cfg = config_from_dict(manifest["config"])
+    done = len(run.rounds())
+    if done >= cfg.train.rounds:
+        raise RunDirError(f"{run.root} is already complete ({done}/{cfg.train.rounds} rounds)")
+    for w in range(cfg.topology.workers):
+        if done and not (run.worker_dir(w) / f"state-{done - 1}.safetensors").exists():
+            raise RunDirError(f"worker {w} has no saved state for round {done - 1} in {run.root}")
+    run.truncate_to(done)
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
+    return run, launch(cfg, task.as_task(), run, done, quiet)
+
+
+def torchrun_main(argv: list[str]) -> None:
+    """Entry point under torchrun: `python -m veriloco.run CONFIG.toml --out DIR [--k.v=x ...]`."""
+    args = [a for a in argv if a.startswith("--") and "=" in a and not a.startswith("--out=")]
+    rest = [a for a in argv if a not in args]
+    out = None
+    if "--out" in rest:
+        i = rest.index("--out")
+        out = rest[i + 1]
+        rest = rest[:i] + rest[i + 2 :]
+    cfg = load_config(rest[0] if rest else None, args)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg.topology.workers = world
+    run, task = prepare_run(cfg, out) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (None, None)
+    init_distributed(cfg, rank, world, "env://")
+    dist.barrier()
+    if task is None:
+        run = RunDir(out or "")
+        task = CorpusTask(cfg, run.store_dir, run.read_manifest()["corpus_manifest"])
+    try:
+        summary = train_worker(cfg, rank, world, task.as_task(), str(run.root), 0)
+        if summary is not None:
+            run.write_summary(summary)
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torchrun_main(sys.argv[1:])

@@ -1,0 +1,93 @@
+"""What is trained: a model factory, a loss, deterministic batches, and held-out batches.
+
+The round engine only sees a `Task`, so people who bring their own `nn.Module` and data train
+it exactly the way the built-in GPT is trained (see examples/custom_model.py). A task's callables
+must be importable top-level functions or picklable objects: local runs hand them to the worker
+processes this project spawns itself (never to or from a peer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import Config
+from .data import Corpus, batch, corpus_from_raw, eval_batches
+from .model import build_model, lm_loss
+from .store import LocalStore, StoreError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Task:
+    """The four things the engine needs from a user.
+
+    make_model: builds the model; must give identical params every call (seed inside).
+    loss: loss(model, inputs, targets) -> scalar tensor.
+    batch: batch(worker, round, step) -> (inputs, targets), a pure function.
+    eval_batches: eval_batches() -> list of held-out (inputs, targets), the same every call.
+    """
+
+    make_model: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    batch: Callable[[int, int, int], Batch]
+    eval_batches: Callable[[], list[Batch]]
+
+
+def _gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return lm_loss(model(x), y)
+
+
+def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> Corpus:
+    """Rebuild the corpus from the run's store, checking every chunk and the Merkle root."""
+    import json
+
+    man = json.loads(store.get(manifest_digest, max_bytes=64 << 20))
+    raw = b"".join(store.get(h) for h in man["chunks"])
+    corpus = corpus_from_raw(raw, man["kind"], cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+    if corpus.root != man["root"]:
+        raise StoreError(f"corpus root {corpus.root} does not match the manifest's {man['root']}")
+    return corpus
+
+
+class CorpusTask:
+    """The built-in task: the small GPT on a Merkle-committed corpus from the run's store."""
+
+    def __init__(self, cfg: Config, store_dir: str | Path, corpus_manifest: str) -> None:
+        self.cfg, self.store_dir, self.corpus_manifest = cfg, str(store_dir), corpus_manifest
+        self._corpus: Corpus | None = None
+
+    @property
+    def corpus(self) -> Corpus:
+        if self._corpus is None:
+            self._corpus = load_stored_corpus(LocalStore(self.store_dir), self.corpus_manifest, self.cfg)
+        return self._corpus
+
+    def as_task(self) -> Task:
+        return Task(self.make_model, _gpt_loss, self.batch, self.eval_batches)
+
+    def make_model(self) -> nn.Module:
+        return build_model(self.cfg.model, self.cfg.run.seed)
+
+    def batch(self, worker: int, round: int, step: int) -> Batch:
+        t = self.cfg.train
+        return batch(self.corpus, self.cfg.run.seed, worker, round, step, t.batch_size, self.cfg.model.ctx)
+
+    def eval_batches(self) -> list[Batch]:
+        t = self.cfg.train
+        return eval_batches(self.corpus, t.eval_batches, t.batch_size, self.cfg.model.ctx)
+
+
+def model_init_hash(model: nn.Module) -> str:
+    """sha256 of the initial params (goes into the run manifest)."""
+    from .hashing import tensors_hash
+
+    return tensors_hash({k: v for k, v in model.state_dict().items()})
+
+
+__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash"]
