@@ -17,10 +17,10 @@ sha256(key), so runs are reproducible.
 
 P and Q are sent as fp16, Q divided by its absmax, which is sent as one fp32 scale `s` (P is
 orthonormal; Q has the scale of M, and small deltas would otherwise fall into fp16's subnormal
-range): 2 * r * (m + n) + 4 bytes.
-Where that saves nothing (2r(m + n) + 4 >= 2mn, i.e. about r(m + n) >= mn) and for tensors with ndim < 2 (biases, norms),
-the codec sends the values as fp16 instead (2 bytes per element), in a part named `v` rather
-than `p`/`q`; which form to expect follows from the shape and rank, so a peer cannot choose.
+range): 2 * r * (m + n) + 4 bytes. Where that saves nothing (2r(m + n) + 4 >= 2mn, about
+r(m + n) >= mn) and for tensors with ndim < 2 (biases, norms), the codec sends the values as
+fp16 instead (2 bytes per element), in a part named `v` rather than `p`/`q`/`s`; which form to
+expect follows from the shape and rank, so a peer cannot choose.
 DiLoCoX (arXiv 2506.21263) combines such low-rank compression with quantisation for
 pseudo-gradients.
 """

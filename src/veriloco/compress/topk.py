@@ -3,8 +3,7 @@
 Keeps the `k = ceil(D * n)` entries of largest magnitude (at least one; ties broken by lower
 index, so the choice is deterministic) and drops the rest. Used with error feedback, the dropped
 part is sent in later rounds: Stich et al. 2018 (arXiv 1809.07599), DeMo (Peng et al. 2024,
-arXiv 2411.19870) and SparseLoCo (Sarfi et al. 2025,
-arXiv 2508.15706) do this for (pseudo-)gradients.
+arXiv 2411.19870) and SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706) do this for (pseudo-)gradients.
 
 Values, in increasing index order: `bits=8` sends int8 codes with one fp32 scale
 `max|kept| / 127` (error <= scale / 2 per kept entry); `bits=16` sends fp16 (relative error
@@ -27,7 +26,15 @@ import math
 
 import torch
 
-from ._common import check_keys, exact_parts, flat_fp32, pack_bits, parse_float, parse_int, unpack_bits
+from ._common import (
+    check_keys,
+    exact_parts,
+    flat_fp32,
+    pack_bits,
+    parse_float,
+    parse_int,
+    unpack_bits,
+)
 from .base import Codec, CodecError, expect_part, numel_of, register_codec
 from .casts import FP16_MAX
 
@@ -163,7 +170,9 @@ class TopKCodec(Codec):
             codes = expect_part(parts, "v", torch.int8, k).reshape(-1).to(torch.int16)
             scale = expect_part(parts, "s", torch.float32, 1).reshape(())
             if not torch.isfinite(scale) or scale < 0 or (codes.abs() > 127).any():
-                raise CodecError("topk int8 values need a finite scale >= 0 and codes in [-127, 127]")
+                raise CodecError(
+                    "topk int8 values need a finite scale >= 0 and codes in [-127, 127]"
+                )
             values = codes.to(torch.float32) * scale
         if k:
             out[decode_indices(data, n, k)] = values
