@@ -88,3 +88,112 @@ class LocalStore:
             if sub.is_dir() and len(sub.name) == 2:
                 out += [sub.name + p.name for p in sorted(sub.iterdir()) if not p.name.startswith(".")]
         return out
+
+
+# ---- remote stores (fsspec) -------------------------------------------------------------------
+
+# Object stores publish an object whole or not at all on a single PUT, so a blob is written in
+# place there (with a conditional "create" where the backend supports it); everywhere else we
+# write a temporary name and rename, which is atomic on a local disk and on in-memory filesystems.
+_ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
+class FsspecStore:
+    """Content-addressed blobs under any fsspec URL (`memory://`, `file://`, `s3://bucket/p`...).
+
+    Same layout as LocalStore (`<root>/ab/cdef...`) and the same guarantees:
+    - every `get` checks the size against `max_bytes` *before* reading, then the sha256;
+    - publication is atomic: on object stores (s3, gcs, azure) one PUT with mode="create"
+      (a conditional put: an existing blob, which has the same bytes by construction, is kept);
+      on other filesystems the bytes go to `ab/.tmp-<random>` and are then `fs.mv`-ed into place.
+    `storage_options` are passed to fsspec (credentials, endpoints).
+    """
+
+    def __init__(self, url: str, **storage_options: object) -> None:
+        import fsspec  # imported here so LocalStore users need not have it
+
+        self.url = url
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except (ValueError, ImportError) as e:
+            raise StoreError(f"cannot open store {url}: {e}") from None
+        self.root = root.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.atomic_put = any(p in _ATOMIC_PUT_PROTOCOLS for p in protocols)
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def _path(self, digest: str) -> str:
+        check_digest(digest)
+        return f"{self.root}/{digest[:2]}/{digest[2:]}"
+
+    def put(self, data: bytes) -> str:
+        """Store `data`; return its sha256. Idempotent: an existing blob is not rewritten."""
+        digest = sha256_hex(data)
+        path = self._path(digest)
+        if self.fs.exists(path):
+            return digest
+        if self.atomic_put:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                pass  # someone published the same bytes first
+            return digest
+        parent = f"{self.root}/{digest[:2]}"
+        self.fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.tmp-{os.urandom(8).hex()}"
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, path)
+        except BaseException:
+            if self.fs.exists(tmp):
+                self.fs.rm_file(tmp)
+            raise
+        return digest
+
+    def get(self, digest: str, max_bytes: int | None = None) -> bytes:
+        """Bytes of blob `digest`; StoreError if missing, larger than `max_bytes`, or corrupt."""
+        path = self._path(digest)
+        try:
+            size = int(self.fs.info(path)["size"])
+        except FileNotFoundError:
+            raise StoreError(f"blob {digest} is missing from {self.url}") from None
+        if max_bytes is not None and size > max_bytes:
+            raise StoreError(f"blob {digest} is {size} bytes, over the limit {max_bytes}")
+        try:
+            # read at most one byte past the limit, in case the size we were told was a lie
+            end = None if max_bytes is None else max_bytes + 1
+            data = self.fs.cat_file(path, start=0, end=end)
+        except FileNotFoundError:
+            raise StoreError(f"blob {digest} is missing from {self.url}") from None
+        if max_bytes is not None and len(data) > max_bytes:
+            raise StoreError(f"blob {digest} is over the limit {max_bytes} bytes")
+        if sha256_hex(data) != digest:
+            raise StoreError(f"blob {digest} is corrupt: its bytes hash to {sha256_hex(data)}")
+        return data
+
+    def has(self, digest: str) -> bool:
+        """True when blob `digest` is present (its hash is checked on `get`, not here)."""
+        return bool(self.fs.exists(self._path(digest)))
+
+    def path_of(self, digest: str) -> str:
+        """The blob's path inside `self.fs` (for tests and tools that corrupt it on purpose)."""
+        return self._path(digest)
+
+    def digests(self) -> list[str]:
+        """All blob names, sorted (temporary files are skipped)."""
+        out = []
+        for p in self.fs.find(self.root):
+            sub, _, name = self.fs._strip_protocol(p)[len(self.root) + 1 :].partition("/")
+            if len(sub) == 2 and _HEX64.match(sub + name):
+                out.append(sub + name)
+        return sorted(out)
+
+
+def open_store(url_or_path: str | os.PathLike[str]) -> LocalStore | FsspecStore:
+    """A LocalStore for a plain path or a `file://` URL (it fsyncs); an FsspecStore otherwise."""
+    s = os.fspath(url_or_path)
+    if s.startswith("file://"):
+        return LocalStore(s[len("file://") :])
+    if "://" in s:
+        return FsspecStore(s)
+    return LocalStore(s)

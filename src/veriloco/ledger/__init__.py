@@ -13,6 +13,7 @@ from .entry import (
     entry_hash,
     make_entry,
     parse_entry,
+    verdict_reason,
 )
 from .merkle import (
     EMPTY_ROOT,
@@ -46,4 +47,5 @@ __all__ = [
     "verify_chain",
     "verify_consistency",
     "verify_inclusion",
+    "verdict_reason",
 ]

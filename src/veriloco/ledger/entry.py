@@ -58,7 +58,9 @@ def make_entry(
     """The entry for `round` of run `run_id`, as an in-toto Statement.
 
     `checkpoint` is the sha256 of the new checkpoint blob (the Statement's subject);
-    `commitments` are JSON objects, each with a `verdict`: "accept" or "reject: <reason>";
+    `commitments` are JSON objects, each with a `verdict`: a reason code string ("accept" or a
+    `verify` reason such as "cosine_outlier") or an object with one under "reason" (as
+    `verify.screen.Verdict.to_dict()` gives);
     `aggregate_hash` is None when no update was accepted; `extra` fields go into the predicate.
     Raises LedgerError if a field has the wrong type, so a bad entry never reaches a ledger.
     """
@@ -197,7 +199,15 @@ def check_entry(entry: Any) -> None:
         if not isinstance(c, dict):
             raise LedgerError(f"entry commitment {j} is not an object")
         v = c.get("verdict")
-        if not isinstance(v, str) or not (v == "accept" or v.startswith("reject")):
+        reason = v.get("reason") if isinstance(v, dict) else v
+        if not isinstance(reason, str) or not reason:
             raise LedgerError(
-                f'entry commitment {j} verdict must be "accept" or "reject: <reason>", got {v!r:.80}'
+                f"entry commitment {j} verdict must be a reason code string (\"accept\" or why "
+                f"not) or an object with one under \"reason\", got {v!r:.80}"
             )
+
+
+def verdict_reason(commitment: dict[str, Any]) -> str:
+    """The reason code of a recorded commitment's verdict: "accept" or why it was rejected."""
+    v = commitment["verdict"]
+    return str(v["reason"] if isinstance(v, dict) else v)
