@@ -43,7 +43,7 @@ def derive_worker_key(run_seed: int, worker: int) -> Ed25519PrivateKey:
     Anyone who knows the run seed (it is in the config) can derive every worker's private key
     and sign in its name, so these keys prove nothing about who did the work. They exist so that
     local multi-process runs and tests have stable identities without key files. Real deployments
-    create one key per worker with `generate_key` + `save_private_key` (the `keygen` command) and
+    create one key per worker with `generate_key` + `save_private_key` and
     admit only the public keys listed in the run manifest.
     """
     for name, value in (("run_seed", run_seed), ("worker", worker)):

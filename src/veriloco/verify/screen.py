@@ -1,0 +1,361 @@
+"""Screening: cheap statistical checks of a round's decoded deltas before anything is replayed.
+
+Input: the round's deltas {worker: delta} (a delta is a tensor or {name: tensor}, flattened to
+one vector in name order). Output: one `Verdict` per worker, ACCEPT or a reason code, with the
+numbers that decided it as JSON-serialisable evidence. Checks, in the order that picks the reason
+(evidence lists every check that failed under "flags"):
+
+1. MALFORMED: non-finite values (decode_packet already refuses them; this is a second line).
+2. NORM_OUTLIER (zero): an all-zero delta is a no-op, whatever the other workers sent.
+3. DUPLICATE: the same packet hash as another worker this round, or as any packet of the previous
+   round (a replay). Both ends of a same-round copy are rejected: the screen cannot tell the
+   original from the copy. `round.py` may replay both and re-admit the one whose trace
+   reproduces the packet; the copier's batches cannot.
+4. NEAR_DUPLICATE: cosine >= `near_dup_cosine` (0.999) OR relative distance ||a-b|| / max(||a||,
+   ||b||) <= `near_dup_rel_dist` (1e-3) to another delta of this round or of the previous round:
+   a copy with small noise, a rescaled copy, a replay re-encoded. Either test suffices:
+   requiring both would let a rescaled copy (cosine 1, distance large) through, and honest
+   workers on different batches are nowhere near cosine 0.999.
+5. NORM_OUTLIER (ratio): ||x_w|| / median_w' ||x_w'|| above `norm_hi` (3.0) or below
+   `norm_lo` (1/3). Honest workers run the same optimizer for the same H inner steps from the
+   same G_r on equally sized shards, so their norms cluster (AdamW's per-coordinate
+   normalisation makes the step size nearly data-independent); a factor of 3 either way leaves
+   room for shard heterogeneity and still catches noise, big rescaling and lazy (few-step) work.
+6. COSINE_OUTLIER: cosine to the robust centre below `min_cosine` (0.0). A delta that points
+   away from the consensus cannot help descent to first order; sign flips and the large-epsilon
+   Inner Product Manipulation of Xie, Koyejo & Gupta 2019 ("Fall of Empires", arXiv 1903.03936)
+   land here. 0 rather than a positive margin because noisy honest deltas (small batches, few
+   inner steps) can have small positive cosines, and we want zero false rejections.
+7. NO_LOSS_GAIN / WRONG_DATA: the loss-gain test of Templar's Gauntlet (Lidin et al. 2025,
+   "Incentivizing Permissionless Distributed Learning of LLMs", arXiv 2505.21684): applied to
+   G_r, an honest delta lowers the loss on the batches it trained on (own gain > `min_own_gain`,
+   0 nats) and lowers it more there than on random batches (own gain - random gain >
+   `min_own_advantage`, 0 nats); a worker that trained on other data (or copied) does not.
+   The caller measures the losses (`measure_loss_gain`) because it owns the model.
+
+Robust centre (checks 5-6): over the workers that passed checks 1-4, the coordinate-wise median
+(default; exact, via sorting) or the geometric median (Weiszfeld). Both have breakdown point 1/2:
+an honest majority fixes the centre and the median norm.
+
+Few workers: a centre needs a majority to mean anything. With fewer than `min_workers` (3)
+candidates, checks 5-6 are skipped and recorded as skipped: with 2 workers neither can outvote
+the other, and with 1 the centre is the delta itself. Checks 1-4 and 7 do not compare workers
+against each other and always run, so a lone or paired worker is still screened for no-ops,
+replays, copies and loss gain; replay of sampled segments covers the rest. With 3, one bad
+worker is outvoted by two honest ones; a dishonest majority defeats any centre.
+
+What passes on purpose: ALIE (Baruch, Baruch & Goldberg 2019, "A Little Is Enough", arXiv
+1902.06156) and small-epsilon IPM stay within the honest spread by construction, so no
+threshold that keeps honest workers can reject them; the robust aggregator (centered clipping)
+bounds what they can do in a round.
+
+Every number is computed with deterministic float64 reductions (aggregate.det_sum), so all
+workers reach the same verdicts bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import (
+    ACCEPT,
+    COSINE_OUTLIER,
+    DUPLICATE,
+    MALFORMED,
+    NEAR_DUPLICATE,
+    NO_LOSS_GAIN,
+    NORM_OUTLIER,
+    WRONG_DATA,
+)
+from .aggregate import (
+    Delta,
+    coordinate_median,
+    det_dot,
+    det_norm,
+    flatten,
+    geometric_median,
+    median_of,
+)
+
+CENTRES = ("median", "geometric_median")
+
+
+@dataclass(frozen=True)
+class ScreenConfig:
+    """Thresholds of the screen; the module docstring justifies each default."""
+
+    centre: str = "median"  # robust centre: "median" (coordinate-wise) or "geometric_median"
+    min_workers: int = 3  # fewest candidates for which norm/cosine-to-centre checks run
+    norm_hi: float = 3.0  # reject norm > norm_hi * median norm
+    norm_lo: float = 1.0 / 3.0  # reject norm < norm_lo * median norm
+    min_cosine: float = 0.0  # reject cosine to the centre below this
+    near_dup_cosine: float = 0.999  # near-duplicate if cosine to another delta >= this ...
+    near_dup_rel_dist: float = 1e-3  # ... or relative distance to it <= this
+    min_own_gain: float = 0.0  # nats: own-batch loss must drop by more than this
+    min_own_advantage: float = 0.0  # nats: own gain must exceed random-batch gain by more
+    weiszfeld_iterations: int = 100  # iterations of the geometric median
+
+    def __post_init__(self) -> None:
+        if self.centre not in CENTRES:
+            raise ValueError(f"centre must be one of {list(CENTRES)}, got {self.centre!r}")
+        if not isinstance(self.min_workers, int) or self.min_workers < 3:
+            raise ValueError(
+                f"min_workers must be an int >= 3 (a centre needs a majority), got {self.min_workers!r}"
+            )
+        if not 0 < self.norm_lo < 1 < self.norm_hi < math.inf:
+            raise ValueError(
+                f"need 0 < norm_lo < 1 < norm_hi < inf, got norm_lo={self.norm_lo}, norm_hi={self.norm_hi}"
+            )
+        if not -1 <= self.min_cosine < 1:
+            raise ValueError(f"min_cosine must be in [-1, 1), got {self.min_cosine}")
+        if not 0 < self.near_dup_cosine <= 1:
+            raise ValueError(f"near_dup_cosine must be in (0, 1], got {self.near_dup_cosine}")
+        if not 0 <= self.near_dup_rel_dist < 1:
+            raise ValueError(f"near_dup_rel_dist must be in [0, 1), got {self.near_dup_rel_dist}")
+        for name in ("min_own_gain", "min_own_advantage"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.weiszfeld_iterations < 1:
+            raise ValueError(f"weiszfeld_iterations must be >= 1, got {self.weiszfeld_iterations}")
+
+
+@dataclass(frozen=True)
+class LossGain:
+    """Losses of G_r and of G_r - delta on the worker's own batches and on random batches."""
+
+    own_before: float  # loss of G_r on the batches the worker committed to
+    own_after: float  # loss of G_r - delta on the same batches
+    random_before: float  # loss of G_r on batches the verifier drew (seeded by the ledger)
+    random_after: float  # loss of G_r - delta on those
+
+    @property
+    def own_gain(self) -> float:
+        return self.own_before - self.own_after
+
+    @property
+    def random_gain(self) -> float:
+        return self.random_before - self.random_after
+
+    @property
+    def advantage(self) -> float:
+        """How much more the delta helps its own batches than random ones (nats)."""
+        return self.own_gain - self.random_gain
+
+    def to_dict(self) -> dict[str, float | None]:
+        def f(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "own_before": f(self.own_before),
+            "own_after": f(self.own_after),
+            "random_before": f(self.random_before),
+            "random_after": f(self.random_after),
+            "own_gain": f(self.own_gain),
+            "random_gain": f(self.random_gain),
+            "advantage": f(self.advantage),
+        }
+
+
+def measure_loss_gain(
+    delta: Delta,
+    own_batches: Any,
+    random_batches: Any,
+    loss_of: Callable[[Delta, Any], float],
+) -> LossGain:
+    """Call `loss_of(d, batches)` -- the loss of G_r - d on `batches`, supplied by the caller,
+    who owns the model -- for d in (zero, delta) on own and random batches."""
+    if isinstance(delta, torch.Tensor):
+        zero: Delta = torch.zeros_like(delta)
+    else:
+        zero = {k: torch.zeros_like(v) for k, v in delta.items()}
+    return LossGain(
+        own_before=float(loss_of(zero, own_batches)),
+        own_after=float(loss_of(delta, own_batches)),
+        random_before=float(loss_of(zero, random_batches)),
+        random_after=float(loss_of(delta, random_batches)),
+    )
+
+
+def loss_gain_verdict(
+    gain: LossGain, min_own_gain: float = 0.0, min_own_advantage: float = 0.0
+) -> str | None:
+    """None if the delta passes the Gauntlet-style test, else NO_LOSS_GAIN or WRONG_DATA.
+
+    NO_LOSS_GAIN: own gain <= `min_own_gain` (or any loss is not finite): the delta does not
+    lower the loss on the very batches it claims to have trained on. WRONG_DATA: own gain -
+    random gain <= `min_own_advantage`: it helps random batches as much as its own, which is
+    what training on other data, or copying another worker, looks like.
+    """
+    values = (gain.own_before, gain.own_after, gain.random_before, gain.random_after)
+    if not all(math.isfinite(v) for v in values) or gain.own_gain <= min_own_gain:
+        return NO_LOSS_GAIN
+    if gain.advantage <= min_own_advantage:
+        return WRONG_DATA
+    return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The screen's decision about one worker's delta, with the numbers behind it."""
+
+    worker: int
+    reason: str  # ACCEPT or the first failed check's reason code
+    evidence: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason == ACCEPT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"worker": self.worker, "reason": self.reason, "evidence": self.evidence}
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor, na: float, nb: float) -> float | None:
+    if na == 0.0 or nb == 0.0:
+        return None
+    return max(-1.0, min(1.0, det_dot(a, b) / (na * nb)))
+
+
+def screen_round(
+    deltas: Mapping[int, Delta],
+    *,
+    packet_hashes: Mapping[int, str] | None = None,
+    previous_packet_hashes: Mapping[int, str] | None = None,
+    previous_deltas: Mapping[int, Delta] | None = None,
+    loss_gains: Mapping[int, LossGain] | None = None,
+    config: ScreenConfig | None = None,
+) -> dict[int, Verdict]:
+    """Screen one round's deltas; see the module docstring for the checks and thresholds.
+
+    deltas: {worker: decoded delta} of this round. packet_hashes: {worker: sha256 of its packet}
+    (enables exact-duplicate detection). previous_packet_hashes / previous_deltas: the previous
+    round's packets and decoded deltas (replay detection). loss_gains: {worker: LossGain} for the
+    workers whose losses the caller measured (others skip the loss check). Returns {worker:
+    Verdict} in ascending worker order.
+    """
+    cfg = config or ScreenConfig()
+    workers = sorted(deltas)
+    vecs = {w: flatten(deltas[w]) for w in workers}
+    prev = {w: flatten(d) for w, d in sorted((previous_deltas or {}).items())}
+    sizes = {v.numel() for v in [*vecs.values(), *prev.values()]}
+    if len(sizes) > 1:
+        raise ValueError(f"deltas have different sizes {sorted(sizes)[:6]}; decode checks shapes")
+    flags: dict[int, list[str]] = {w: [] for w in workers}
+    ev: dict[int, dict[str, Any]] = {w: {} for w in workers}
+
+    def flag(w: int, reason: str) -> None:
+        if reason not in flags[w]:
+            flags[w].append(reason)
+
+    # 1-2: absolute checks
+    norms: dict[int, float] = {}
+    finite: set[int] = set()
+    for w in workers:
+        if bool(torch.isfinite(vecs[w]).all()):
+            finite.add(w)
+            norms[w] = det_norm(vecs[w])
+        else:
+            flag(w, MALFORMED)
+        ev[w]["norm"] = norms.get(w)
+        if norms.get(w) == 0.0:
+            flag(w, NORM_OUTLIER)
+            ev[w]["zero"] = True
+    prev_norms = {w: det_norm(v) for w, v in prev.items() if bool(torch.isfinite(v).all())}
+
+    # 3: exact duplicates by packet hash
+    hashes = dict(packet_hashes or {})
+    prev_by_hash: dict[str, list[int]] = {}
+    for pw, h in sorted((previous_packet_hashes or {}).items()):
+        prev_by_hash.setdefault(h, []).append(pw)
+    for w in workers:
+        h = hashes.get(w)
+        if h is None:
+            continue
+        same = [o for o in workers if o != w and hashes.get(o) == h]
+        if same:
+            ev[w]["duplicate_of"] = same
+            flag(w, DUPLICATE)
+        if h in prev_by_hash:
+            ev[w]["duplicate_of_previous"] = prev_by_hash[h]
+            flag(w, DUPLICATE)
+
+    # 4: near duplicates, this round (each pair once) and against the previous round
+    def near(a: torch.Tensor, b: torch.Tensor, na: float, nb: float) -> dict[str, float] | None:
+        cos = _cosine(a, b, na, nb)
+        if cos is None:
+            return None
+        rel = det_norm(a - b) / max(na, nb)
+        if cos >= cfg.near_dup_cosine or rel <= cfg.near_dup_rel_dist:
+            return {"cosine": cos, "rel_dist": rel}
+        return None
+
+    live = [w for w in workers if w in finite and norms[w] > 0.0]
+    for i, w in enumerate(live):
+        for o in live[i + 1 :]:
+            hit = near(vecs[w], vecs[o], norms[w], norms[o])
+            if hit is not None:
+                for a, b in ((w, o), (o, w)):
+                    ev[a].setdefault("near_duplicate_of", []).append({"worker": b, **hit})
+                    flag(a, NEAR_DUPLICATE)
+        for pw, pn in prev_norms.items():
+            hit = near(vecs[w], prev[pw], norms[w], pn)
+            if hit is not None:
+                ev[w].setdefault("near_duplicate_of_previous", []).append({"worker": pw, **hit})
+                flag(w, NEAR_DUPLICATE)
+
+    # 5-6: against the robust centre of the workers that are still candidates
+    candidates = [w for w in workers if not flags[w]]
+    ev_common: dict[str, Any] = {"centre": cfg.centre, "consensus_workers": candidates}
+    if len(candidates) >= cfg.min_workers:
+        matrix = torch.stack([vecs[w] for w in candidates])
+        centre = (
+            coordinate_median(matrix)
+            if cfg.centre == "median"
+            else geometric_median(matrix, cfg.weiszfeld_iterations)
+        )
+        centre_norm = det_norm(centre)
+        median_norm = median_of([norms[w] for w in candidates])
+        ev_common["median_norm"] = median_norm
+        ev_common["centre_norm"] = centre_norm
+        for w in workers:
+            if w not in finite:
+                continue
+            ratio = norms[w] / median_norm
+            cos = _cosine(vecs[w], centre, norms[w], centre_norm)
+            ev[w]["norm_ratio"] = ratio
+            ev[w]["cosine_to_centre"] = cos
+            if w not in candidates:
+                continue  # measured for the record; already rejected
+            if not cfg.norm_lo <= ratio <= cfg.norm_hi:
+                flag(w, NORM_OUTLIER)
+            # a zero centre (the candidates cancel out) defines no direction: no cosine check
+            if cos is not None and cos < cfg.min_cosine:
+                flag(w, COSINE_OUTLIER)
+    else:
+        ev_common["skipped"] = (
+            f"{len(candidates)} candidate(s) < min_workers={cfg.min_workers}: "
+            "no norm/cosine-to-centre checks"
+        )
+
+    # 7: loss gain, where the caller measured it
+    for w in workers:
+        g = (loss_gains or {}).get(w)
+        if g is None:
+            continue
+        ev[w]["loss_gain"] = g.to_dict()
+        reason = loss_gain_verdict(g, cfg.min_own_gain, cfg.min_own_advantage)
+        if reason is not None:
+            flag(w, reason)
+
+    verdicts: dict[int, Verdict] = {}
+    for w in workers:
+        evidence = {**ev_common, **ev[w], "flags": list(flags[w])}
+        evidence.setdefault("norm_ratio", None)
+        evidence.setdefault("cosine_to_centre", None)
+        verdicts[w] = Verdict(w, flags[w][0] if flags[w] else ACCEPT, evidence)
+    return verdicts
