@@ -22,7 +22,7 @@ from .store import StoreError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Verifiable low-communication decentralized training.")
 
-USER_ERRORS = (ConfigError, DataError, RunDirError, StoreError, ValueError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, RunDirError, StoreError, FileNotFoundError)
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -32,11 +32,12 @@ def fail(msg: str, code: int = 2) -> None:
 
 def _print_summary(run_dir: Path, summary: dict) -> None:
     s = summary
-    drop = 1 - s["eval_loss_end"] / s["eval_loss_start"] if s.get("eval_loss_start") else float("nan")
+    start, end = s.get("eval_loss_start"), s.get("eval_loss_end")
+    loss = f"{start:.4f} -> {end:.4f} ({1 - end / start:.1%} lower)" if start and end else "-"
     typer.echo(
         f"done: {s['rounds']} rounds, {s['tokens'] / 1e6:.2f}M tokens in {s['wall_s']:.1f}s "
-        f"({s['tokens_per_s'] / 1e3:.1f}k tok/s) | eval loss {s['eval_loss_start']:.4f} -> "
-        f"{s['eval_loss_end']:.4f} ({drop:.1%} lower) | sent {s['bytes_sent_per_worker'] / 1e6:.1f} MB/worker\n"
+        f"({s['tokens_per_s'] / 1e3:.1f}k tok/s) | eval loss {loss} | "
+        f"sent {s['bytes_sent_per_worker'] / 1e6:.1f} MB/worker\n"
         f"run: {run_dir}  (summary.json, rounds.jsonl, metrics.jsonl)"
     )
 
@@ -48,6 +49,7 @@ def train(
     out: str = typer.Option(None, "--out", help="run directory (default: runs/<run-id>/)"),
     resume: str = typer.Option(None, "--resume", help="continue the run in this directory"),
     quiet: bool = typer.Option(False, "--quiet", help="no per-round progress lines"),
+    stop_after: int = typer.Option(None, "--stop-after", help="stop cleanly after this many rounds (resume later)"),
 ) -> None:
     """Train: the default config, a config file, `--section.key=value` overrides (CLI > file > defaults)."""
     from .run import resume as resume_run
@@ -64,7 +66,7 @@ def train(
         if resume:
             if config or overrides:
                 fail("--resume takes no config or overrides: the run's manifest holds its config")
-            run_dir, summary = resume_run(resume, quiet)
+            run_dir, summary = resume_run(resume, quiet, stop_after)
         else:
             cfg = load_config(config, overrides)
             if cfg.train.mode == "ddp":
@@ -72,7 +74,7 @@ def train(
 
                 run_dir, summary = train_ddp(cfg, out, quiet)
             else:
-                run_dir, summary = train_run(cfg, out, quiet)
+                run_dir, summary = train_run(cfg, out, quiet, stop_after)
     except USER_ERRORS as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except Exception as e:  # a worker failed: torch.multiprocessing re-raises its traceback here

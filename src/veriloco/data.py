@@ -30,7 +30,7 @@ import torch
 
 from .config import DataConfig
 from .hashing import canonical_json, sha256_hex
-from .merkle import merkle_root
+from .ledger.merkle import root as merkle_root
 
 
 class DataError(ValueError):
@@ -72,7 +72,7 @@ class Corpus:
             self.raw[i : i + self.chunk_bytes] for i in range(0, len(self.raw), self.chunk_bytes)
         ]
         self.chunk_hashes = [sha256_hex(c) for c in self.chunks]
-        self.root = merkle_root([bytes.fromhex(h) for h in self.chunk_hashes])
+        self.root = merkle_root([bytes.fromhex(h) for h in self.chunk_hashes]).hex()
         n = len(self.tokens)
         self.eval_start = int(n * (1 - self.eval_fraction))
 

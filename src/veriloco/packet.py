@@ -1,8 +1,10 @@
 """Packets: one worker's encoded delta for one round, as safetensors bytes.
 
-Layout: tensors named `<param>/<part>` (the codec's parts), and safetensors metadata
-`veriloco.packet = "1"`, `codecs` = canonical JSON {param: codec spec},
-`shapes` = canonical JSON {param: [dims]}. A packet's sha256 is its name in the store.
+Layout: tensors named `<param>/<part>` (the codec's parts), and ONE safetensors metadata key,
+`veriloco.packet` = canonical JSON {"format": "1", "codecs": {param: codec spec},
+"shapes": {param: [dims]}}. One key, because safetensors writes metadata from a hash map whose
+order varies between runs: with several keys the same delta would give different bytes. Equal
+deltas give equal packets, and a packet's sha256 is its name in the store.
 Decoding never unpickles, checks the size before parsing, and checks every name, spec and
 shape against what the receiver expects; anything else is a `PacketError`.
 """
@@ -33,11 +35,30 @@ def encode_packet(delta: dict[str, torch.Tensor], codecs: dict[str, Codec]) -> b
         for part, t in codecs[key].encode(key, delta[key]).items():
             tensors[f"{key}/{part}"] = t.contiguous()
     meta = {
-        "veriloco.packet": FORMAT,
-        "codecs": canonical_json({k: codecs[k].spec() for k in sorted(delta)}).decode(),
-        "shapes": canonical_json({k: list(delta[k].shape) for k in sorted(delta)}).decode(),
+        "format": FORMAT,
+        "codecs": {k: codecs[k].spec() for k in sorted(delta)},
+        "shapes": {k: list(delta[k].shape) for k in sorted(delta)},
     }
-    return st_save(tensors, metadata=meta)
+    return st_save(tensors, metadata={"veriloco.packet": canonical_json(meta).decode()})
+
+
+def _meta(data: bytes) -> dict:
+    """The packet's own metadata object (format, codecs, shapes), validated for shape."""
+    raw = _header(data)["__metadata__"].get("veriloco.packet")
+    try:
+        meta = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PacketError(f"packet metadata is not veriloco packet format {FORMAT}")
+    codecs, shapes = meta.get("codecs"), meta.get("shapes")
+    if not isinstance(codecs, dict) or not all(isinstance(v, str) for v in codecs.values()):
+        raise PacketError("packet metadata 'codecs' must map names to spec strings")
+    if not isinstance(shapes, dict) or not all(
+        isinstance(v, list) and all(isinstance(d, int) and d >= 0 for d in v) for v in shapes.values()
+    ):
+        raise PacketError("packet metadata 'shapes' must map names to lists of dimensions")
+    return meta
 
 
 def _header(data: bytes) -> dict:
@@ -57,14 +78,7 @@ def _header(data: bytes) -> dict:
 
 def packet_codecs(data: bytes) -> dict[str, str]:
     """{param: codec spec} of a packet, read from its header without decoding tensors."""
-    meta = _header(data)["__metadata__"]
-    try:
-        codecs = json.loads(meta.get("codecs", ""))
-    except json.JSONDecodeError:
-        raise PacketError("packet metadata 'codecs' is not JSON") from None
-    if not isinstance(codecs, dict) or not all(isinstance(v, str) for v in codecs.values()):
-        raise PacketError("packet metadata 'codecs' must map names to spec strings")
-    return codecs
+    return _meta(data)["codecs"]
 
 
 def decode_packet(
@@ -75,15 +89,8 @@ def decode_packet(
         raise PacketError("packet is not bytes")
     if len(data) > max_bytes:
         raise PacketError(f"packet is {len(data)} bytes, over the limit of {max_bytes}")
-    header = _header(bytes(data))
-    meta = header["__metadata__"]
-    if meta.get("veriloco.packet") != FORMAT:
-        raise PacketError(f"packet format {meta.get('veriloco.packet')!r} is not {FORMAT!r}")
-    codecs = packet_codecs(bytes(data))
-    try:
-        shapes = json.loads(meta.get("shapes", ""))
-    except json.JSONDecodeError:
-        raise PacketError("packet metadata 'shapes' is not JSON") from None
+    meta = _meta(bytes(data))
+    codecs, shapes = meta["codecs"], meta["shapes"]
     want = {k: list(v) for k, v in expected_shapes.items()}
     if set(codecs) != set(want) or shapes != want:
         missing = sorted(set(want) - set(codecs))

@@ -227,14 +227,20 @@ def progress_line(rec: dict, rounds: int, elapsed: float, tokens_per_s: float) -
     )
 
 
-def train_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, start_round: int, quiet: bool = False) -> dict | None:
-    """The whole run on one worker (dist already initialised). Rank 0 writes the records."""
+def train_worker(
+    cfg: Config, rank: int, world: int, task: Task, run_dir: str, start_round: int,
+    quiet: bool = False, stop_after: int | None = None,
+) -> dict | None:
+    """The whole run on one worker (dist already initialised). Rank 0 writes the records.
+
+    `stop_after`: stop cleanly once that many rounds are recorded (a preemption point)."""
     w = setup_worker(cfg, rank, world, task, run_dir, start_round)
     prior = w.run.rounds()[:start_round] if w.is_recorder else []
     eval_start = evaluate(w) if start_round == 0 else prior[0]["eval_loss_start"] if prior else None
     wall0 = time.perf_counter() - sum(p["round_s"] for p in prior)
     tokens0 = sum(p["tokens"] for p in prior)
-    for r in range(start_round, cfg.train.rounds):
+    end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
+    for r in range(start_round, end):
         rec = one_round(w, r)
         rec["eval_loss_start"] = eval_start
         if w.is_recorder:
@@ -254,9 +260,10 @@ def train_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, s
     records = w.run.rounds()
     wall = time.perf_counter() - wall0
     last = records[-1]
+    evals = [p["eval_loss"] for p in records if p["eval_loss"] is not None]
     return {
         "eval_loss_start": eval_start,
-        "eval_loss_end": last["eval_loss"],
+        "eval_loss_end": evals[-1] if evals else None,
         "tokens": sum(p["tokens"] for p in records),
         "rounds": len(records),
         "workers": world,
@@ -266,6 +273,7 @@ def train_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, s
         "final_checkpoint": last["checkpoint"],
         "final_params_hash": last["params_hash"],
         "mode": "diloco",
+        "complete": len(records) == cfg.train.rounds,
     }
 
 

@@ -57,30 +57,38 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
 
 
-def _spawned(rank: int, world: int, cfg: Config, task: Task, run_dir: str, start_round: int, port: int, quiet: bool) -> None:
+def _spawned(
+    rank: int, world: int, cfg: Config, task: Task, run_dir: str, start_round: int, port: int,
+    quiet: bool, stop_after: int | None,
+) -> None:
     init_distributed(cfg, rank, world, f"tcp://127.0.0.1:{port}")
     try:
-        summary = train_worker(cfg, rank, world, task, run_dir, start_round, quiet)
+        summary = train_worker(cfg, rank, world, task, run_dir, start_round, quiet, stop_after)
         if summary is not None:
             RunDir(run_dir).write_summary(summary)
     finally:
         dist.destroy_process_group()
 
 
-def launch(cfg: Config, task: Task, run: RunDir, start_round: int = 0, quiet: bool = False) -> dict:
+def launch(
+    cfg: Config, task: Task, run: RunDir, start_round: int = 0, quiet: bool = False,
+    stop_after: int | None = None,
+) -> dict:
     """Run workers as local processes; returns the summary."""
     world = cfg.topology.workers
     port = free_port()
-    mp.spawn(_spawned, args=(world, cfg, task, str(run.root), start_round, port, quiet), nprocs=world, join=True)
+    mp.spawn(_spawned, args=(world, cfg, task, str(run.root), start_round, port, quiet, stop_after), nprocs=world, join=True)
     import json
 
     return json.loads(run.summary_path.read_text())
 
 
-def train(cfg: Config, out: str | None = None, quiet: bool = False) -> tuple[RunDir, dict]:
+def train(
+    cfg: Config, out: str | None = None, quiet: bool = False, stop_after: int | None = None
+) -> tuple[RunDir, dict]:
     """Train the built-in GPT task with `cfg`; returns the run directory and the summary."""
     run, task = prepare_run(cfg, out)
-    return run, launch(cfg, task.as_task(), run, 0, quiet)
+    return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after)
 
 
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
@@ -90,7 +98,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
     return launch(cfg, task, run, 0, quiet)
 
 
-def resume(run_dir: str, quiet: bool = False) -> tuple[RunDir, dict]:
+def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> tuple[RunDir, dict]:
     """Continue a run from its last complete round (a torn last line is dropped)."""
     run = RunDir(run_dir)
     manifest = run.read_manifest()
@@ -103,7 +111,7 @@ def resume(run_dir: str, quiet: bool = False) -> tuple[RunDir, dict]:
             raise RunDirError(f"worker {w} has no saved state for round {done - 1} in {run.root}")
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
-    return run, launch(cfg, task.as_task(), run, done, quiet)
+    return run, launch(cfg, task.as_task(), run, done, quiet, stop_after)
 
 
 def torchrun_main(argv: list[str]) -> None:

@@ -1,0 +1,82 @@
+"""Config: precedence, and one clear line + exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import TINY, tiny
+
+from veriloco.config import ConfigError, describe, load_config
+
+
+def test_precedence_cli_over_file_over_defaults():
+    assert load_config().train.rounds == 30  # default
+    assert load_config(TINY).train.rounds == 3  # file
+    assert load_config(TINY, ["--train.rounds=7"]).train.rounds == 7  # command line
+    assert load_config(TINY).train.lr == 3e-3  # untouched by the file: default
+
+
+def test_override_types():
+    cfg = tiny("--train.lr=0.01", "--outer.nesterov=false", "--data.source=/tmp/x.txt", '--compress.codec="fp32"')
+    assert cfg.train.lr == 0.01 and cfg.outer.nesterov is False
+    assert cfg.data.source == "/tmp/x.txt" and cfg.compress.codec == "fp32"
+    assert tiny("--train.lr=1").train.lr == 1.0  # int accepted for float
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("--train.nope=1", "unknown key train.nope"),
+        ("--nosection.x=1", "unknown section [nosection]"),
+        ("--train.rounds=abc", "train.rounds: expected int"),
+        ("--train.rounds=1.5", "train.rounds: expected int"),
+        ("--outer.nesterov=3", "outer.nesterov: expected bool"),
+        ("--model.d_model=31", "divisible"),
+        ("train.rounds", "--section.key=value"),
+    ],
+)
+def test_bad_override_names_the_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        tiny(override)
+    assert needle in str(e.value)
+    if "unknown key" in needle:
+        assert "valid keys of [train]: mode, rounds" in str(e.value)
+
+
+def test_bad_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nround = 3\n")
+    with pytest.raises(ConfigError, match="unknown key train.round in .*bad.toml"):
+        load_config(bad)
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", str(TINY), "--train.foo=1"], "unknown key train.foo"),
+        (["train", str(TINY), "--train.rounds=x"], "expected int"),
+        (["train", "missing.toml"], "config file not found"),
+        (["train", str(TINY), "--data.source=/no/such/file"], "data.source not found"),
+        (["train", "--resume", "/no/such/run"], "not a run directory"),
+    ],
+)
+def test_cli_exit_2_one_line(args, needle, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "veriloco.cli", *args, "--out", str(tmp_path / "r")] if args[1] != "--resume" else [sys.executable, "-m", "veriloco.cli", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert not (tmp_path / "r" / "rounds.jsonl").exists()  # nothing half-written
+
+
+def test_describe_lists_every_key():
+    text = describe()
+    for key in ("inner_steps", "[outer]", "nesterov", "max_packet_bytes", "eval_fraction"):
+        assert key in text
