@@ -1,14 +1,15 @@
 """EVM ledger backend: entry hashes and Merkle roots on a chain, entry bodies off-chain.
 
 The `LineageLedger` Vyper contract (`contracts/LineageLedger.vy`) keeps, per run id (the
-bytes32 hash of the run manifest), the sha256 of every entry body in order and the latest
-RFC 9162 Merkle root. Only the run's registered recorder may append, and only at the next index,
-so the chain is the append-only authority. The bodies (canonical JSON bytes) live in a
-content-addressed store (`veriloco.store.LocalStore` by default) named by the same sha256, so
-the on-chain hash is also the body's address. Every read checks a body against its on-chain
-hash, and `verify()` recomputes the Merkle root from the bodies and compares it with the root
-on chain (and with the root each `EntryAppended` event carried): a tampered mirror or a chain
-that disagrees raises `LedgerError` naming the index.
+bytes32 form of the entries' 64-hex `run_id`), the sha256 of every entry body in order and the
+latest RFC 9162 Merkle root, and logs `EntryAppended(run_id, index, entry_hash, merkle_root)` per
+append. Only the run's registered recorder may append, and only at the next index, so the chain
+is the append-only authority. The bodies (canonical JSON bytes) live off-chain in a
+content-addressed store (`veriloco.store.LocalStore` for a directory, or any store with
+`put`/`get`) under that same sha256, so the on-chain hash is also the body's address. Every read
+checks a body against its on-chain hash; `root()` checks the root recomputed from the bodies
+against the root on chain; `verify()`/`check()` (run on open) add each event's prefix root. A
+tampered mirror or a chain that disagrees gives a `LedgerError` naming the entry index.
 
     ledger = EvmLedger.connect(rpc_url, contract_address, run_id, key_file, mirror_dir)
     ledger = EvmLedger.in_process(mirror_dir)        # tests and benchmarks: eth-tester + py-evm
@@ -42,8 +43,7 @@ ABI_FILE = CONTRACTS / "LineageLedger.abi.json"
 BIN_FILE = CONTRACTS / "LineageLedger.bin"
 EVM_VERSION = "cancun"  # what LineageLedger.bin was compiled for; see contracts/compile.py
 
-_HEX_KEY = re.compile(r"^(0x)?[0-9a-fA-F]{64}$")
-_HEX32 = re.compile(r"^(0x)?[0-9a-fA-F]{64}$")
+_HEX32 = re.compile(r"^(0x)?[0-9a-fA-F]{64}$")  # a run id or a private key
 _SECP256K1_N = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFEBAAEDCE6AF48A03BBFD25E8CD0364141
 
 
@@ -76,6 +76,19 @@ def load_bytecode() -> str:
     return BIN_FILE.read_text().strip()
 
 
+def runtime_code() -> bytes:
+    """The code a deployed LineageLedger holds: the part of the committed deploy bytecode that
+    its preamble copies out, `PUSH2 len PUSH2 offset PUSH2 0 CODECOPY ...` (vyper 0.4's layout
+    for a contract without immutables)."""
+    init = bytes.fromhex(load_bytecode().removeprefix("0x"))
+    if len(init) < 11 or init[0] != 0x61 or init[3] != 0x61 or init[6:10] != b"\x61\x00\x00\x39":
+        raise LedgerError("LineageLedger.bin does not start with vyper's deploy preamble")
+    length, offset = int.from_bytes(init[1:3], "big"), int.from_bytes(init[4:6], "big")
+    if offset + length > len(init):
+        raise LedgerError("LineageLedger.bin preamble points past its end")
+    return init[offset : offset + length]
+
+
 def run_id_bytes(run_id: bytes | str) -> bytes:
     """A run id as 32 bytes: accepts 32 raw bytes or 64 hex digits (optionally 0x-prefixed)."""
     if isinstance(run_id, (bytes, bytearray)):
@@ -105,7 +118,7 @@ def load_key(path: str | os.PathLike[str]) -> LocalAccount:
         raise LedgerError(f"cannot read recorder key file {p}: {type(e).__name__}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise LedgerError(f"recorder key file {p} is accessible by others: chmod 600 it")
-    if not _HEX_KEY.match(text):
+    if not _HEX32.match(text):
         raise LedgerError(f"recorder key file {p} does not hold one 64-digit hex private key")
     key = int(text.removeprefix("0x"), 16)
     if not 0 < key < _SECP256K1_N:
@@ -156,27 +169,27 @@ class LineageContract:
         code = bytes(w3.eth.get_code(self.address))
         if not code:
             raise LedgerError(f"no contract at {self.address}")
-        if verify_code and code not in bytes.fromhex(load_bytecode().removeprefix("0x")):
+        if verify_code and code != runtime_code():
             raise LedgerError(f"contract at {self.address} is not this LineageLedger")
         self._c = w3.eth.contract(address=self.address, abi=load_abi())
         self._chain_id = w3.eth.chain_id
-        self._nonce: int | None = None
 
     # -- views ---------------------------------------------------------------------------------
-    def count(self, run_id: bytes) -> int:
-        """Number of entries recorded for `run_id`."""
-        return int(self._c.functions.count(run_id).call())
+    def count(self, run_id: bytes, block: int | str = "latest") -> int:
+        """Number of entries recorded for `run_id` (as of `block`)."""
+        return int(self._c.functions.count(run_id).call(block_identifier=block))
 
     def entry_hash(self, run_id: bytes, i: int) -> bytes:
         """On-chain sha256 of entry `i`'s body."""
         try:
             return bytes(self._c.functions.entry_hash(run_id, i).call())
         except Exception as e:  # web3 and eth-tester raise different types for a revert
-            raise LedgerError(f"entry {i}: chain refused to read it: {_revert_reason(e)}") from None
+            why = _revert_reason(e)
+            raise LedgerError(f"entry {i}: cannot read its hash from the chain: {why}") from None
 
-    def latest_root(self, run_id: bytes) -> bytes:
-        """Merkle root posted with the latest entry (32 zero bytes before the first)."""
-        return bytes(self._c.functions.latest_root(run_id).call())
+    def latest_root(self, run_id: bytes, block: int | str = "latest") -> bytes:
+        """Merkle root posted with the latest entry as of `block` (zeros before the first)."""
+        return bytes(self._c.functions.latest_root(run_id).call(block_identifier=block))
 
     def recorder(self, run_id: bytes) -> str | None:
         """The registered recorder of `run_id`, or None if the run is not registered."""
@@ -221,10 +234,10 @@ class LineageContract:
     def _transact(self, fn: Any, what: str) -> Any:
         if self.account is None:
             raise LedgerError(f"{what}: no recorder key given, the ledger is read-only")
-        if self._nonce is None:
-            self._nonce = self.w3.eth.get_transaction_count(self.account.address, "pending")
+        # the nonce is asked for every time, so several processes may share one recorder key
+        nonce = self.w3.eth.get_transaction_count(self.account.address, "pending")
         params: dict[str, Any] = {
-            "from": self.account.address, "nonce": self._nonce, "chainId": self._chain_id,
+            "from": self.account.address, "nonce": nonce, "chainId": self._chain_id,
         }
         if self.gas_limit is not None:
             params["gas"] = self.gas_limit
@@ -232,19 +245,33 @@ class LineageContract:
             tx = fn.build_transaction(params)  # estimates gas (a refusal shows here) and fees
             signed = self.account.sign_transaction(tx)
             tx_hash = self.w3.eth.send_raw_transaction(signed.raw_transaction)
-            self._nonce += 1
+        except Exception as e:  # web3, the node and eth-tester each raise their own types
+            raise LedgerError(f"{what}: refused by the chain: {_revert_reason(e)}") from None
+        try:
             receipt = self.w3.eth.wait_for_transaction_receipt(
                 tx_hash, timeout=self.receipt_timeout_s
             )
-        except LedgerError:
-            raise
         except Exception as e:
-            self._nonce = None  # re-read from the node next time: the tx may or may not be out
-            raise LedgerError(f"{what}: refused by the chain: {_revert_reason(e)}") from None
+            # the transaction may still be mined; EvmLedger re-reads the chain before each append
+            raise LedgerError(
+                f"{what}: sent as {tx_hash.hex()}, no receipt: {_revert_reason(e)}"
+            ) from None
         if receipt["status"] != 1:
-            self._nonce = None
-            raise LedgerError(f"{what}: transaction {tx_hash.hex()} reverted on chain")
+            raise LedgerError(
+                f"{what}: transaction {tx_hash.hex()} reverted on chain: {self._why(tx, receipt)}"
+            )
         return receipt
+
+    def _why(self, tx: dict[str, Any], receipt: Any) -> str:
+        """The revert reason of a mined, failed transaction, by replaying it as a call on the
+        state before its block (diagnostic only: earlier transactions in the block are not
+        replayed)."""
+        call = {"from": tx["from"], "to": tx["to"], "data": tx["data"], "gas": tx["gas"]}
+        try:
+            self.w3.eth.call(call, block_identifier=max(int(receipt["blockNumber"]) - 1, 0))
+        except Exception as e:
+            return _revert_reason(e)
+        return "out of gas or no reason given"
 
 
 def deploy(w3: Web3, account: LocalAccount, *, gas_limit: int | None = None) -> str:
@@ -329,6 +356,7 @@ class EvmLedger(Ledger):
         self.from_block = from_block
         self._onchain: list[bytes] = []  # entry hashes read from the chain (final once mined)
         self._event_roots: list[bytes] = []  # merkle_root of each EntryAppended, by index
+        self._read_at_block: int | None = None  # block at which `_onchain` was last read
         account = contract.account
         recorder = contract.recorder(self.run_id)
         if recorder is None and account is not None and register:
@@ -336,7 +364,9 @@ class EvmLedger(Ledger):
             recorder = account.address
         if account is not None:
             if recorder is None:
-                raise LedgerError(f"run {self.run_id.hex()} is not registered on {contract.address}")
+                raise LedgerError(
+                    f"run {self.run_id.hex()} is not registered on {contract.address}"
+                )
             if recorder.lower() != account.address.lower():
                 raise LedgerError(
                     f"run {self.run_id.hex()} is recorded by {recorder}, not by {account.address}"
@@ -405,8 +435,16 @@ class EvmLedger(Ledger):
     # ---- storage hooks (see base.py)
 
     def _read_chain(self) -> int:
-        """Read on-chain entry hashes past the ones already known; return the on-chain count."""
-        n = self.contract.count(self.run_id)
+        """Read on-chain entry hashes past the ones already known; return the on-chain count.
+
+        The count only changes with a new block, so within one block it is read once: the base
+        class asks for the size on every call, and an `eth_call` costs far more than
+        `eth_blockNumber` on eth-tester.
+        """
+        block = self.contract.w3.eth.block_number
+        if block == self._read_at_block:
+            return len(self._onchain)
+        n = self.contract.count(self.run_id, block)
         if n < len(self._onchain):  # only a chain reorganisation can do this
             raise LedgerError(
                 f"entry {n}: chain now holds {n} entries of run {self.run_id.hex()}, "
@@ -414,6 +452,7 @@ class EvmLedger(Ledger):
             )
         for i in range(len(self._onchain), n):
             self._onchain.append(self.contract.entry_hash(self.run_id, i))
+        self._read_at_block = block
         return n
 
     def _size(self) -> int:
@@ -444,11 +483,17 @@ class EvmLedger(Ledger):
     def _stored_root(self, n: int) -> str | None:
         if n <= 0:
             return None
-        if n == self._read_chain():
-            return self.contract.latest_root(self.run_id).hex()
+        # the latest root is state (authoritative); older roots come from the append events
+        if n >= len(self._onchain) and n == self._read_chain():
+            return self._latest_root().hex()
         if n > len(self._event_roots):
             self._read_events()
         return self._event_roots[n - 1].hex() if n <= len(self._event_roots) else None
+
+    def _latest_root(self) -> bytes:
+        """The on-chain root at the block the entry hashes were last read at (same state)."""
+        block = "latest" if self._read_at_block is None else self._read_at_block
+        return self.contract.latest_root(self.run_id, block)
 
     def _read_events(self) -> list[AppendedEvent]:
         events = self.contract.events(self.run_id, from_block=self.from_block)
@@ -459,14 +504,21 @@ class EvmLedger(Ledger):
         run_id = parse_entry(data)["predicate"]["run_id"]
         if run_id != self.run_id.hex():
             raise LedgerError(
-                f"entry {index} is for run {run_id}, this EVM ledger records run {self.run_id.hex()}"
+                f"entry {index} is for run {run_id}, "
+                f"this EVM ledger records run {self.run_id.hex()}"
             )
         # body first: an unreferenced blob is harmless, a hash on chain without its body is not
         digest = self.mirror.put(data)
         if digest != entry_hash:
             raise LedgerError(f"entry {index}: mirror named the body {digest}, not its sha256")
-        self.contract.append(self.run_id, index, bytes.fromhex(entry_hash), bytes.fromhex(root))
+        receipt = self.contract.append(
+            self.run_id, index, bytes.fromhex(entry_hash), bytes.fromhex(root)
+        )
         self._onchain.append(bytes.fromhex(entry_hash))
+        if self._read_at_block == int(receipt["blockNumber"]) - 1:
+            # we had read the chain just before our block, so we know its count after it (were
+            # another append in it, our stale next index would be refused by the contract)
+            self._read_at_block = int(receipt["blockNumber"])
         if len(self._event_roots) == index:
             self._event_roots.append(bytes.fromhex(root))
 
@@ -478,7 +530,7 @@ class EvmLedger(Ledger):
         r = super().root(n)
         size = len(self._leaves)
         if (n is None or n == size) and size:
-            on_chain = self.contract.latest_root(self.run_id).hex()
+            on_chain = self._latest_root().hex()
             if on_chain != r:
                 raise LedgerError(
                     f"entry {size - 1}: chain root {on_chain} is not the Merkle root of the "
@@ -487,19 +539,25 @@ class EvmLedger(Ledger):
         return r
 
     def verify(self) -> list[str]:
-        """`verify_chain` problems (bodies vs on-chain hashes, roots vs the latest on-chain root
-        and each event's root), plus one `EntryAppended` event per entry with its hash."""
+        """Re-read the run from the chain (nothing from memory) and return `verify_chain`'s
+        problems: each body against its on-chain hash, the latest on-chain root and each
+        `EntryAppended` event's root against the roots recomputed from the bodies; plus exactly
+        one event per entry, in order, agreeing with the contract's storage."""
+        events = self._read_events()
+        in_order = [ev.index for ev in events] == list(range(len(events)))
+        # the hashes from one log scan instead of one eth_call per entry; storage is checked
+        # below, and `_read_chain` reads from storage any entry the scan did not return
+        self._onchain = [ev.entry_hash for ev in events] if in_order else []
+        self._read_at_block = None
         problems = super().verify()
         n = len(self._onchain)
-        events = self._read_events()
-        if [ev.index for ev in events] != list(range(n)):
+        if not in_order or len(events) != n:
+            first = next((k for k, ev in enumerate(events) if ev.index != k), len(events))
             problems.append(
-                f"entry {min(len(events), n)}: chain has {len(events)} append events "
-                f"for {n} entries"
+                f"entry {min(first, n)}: chain has {len(events)} append events for {n} entries"
             )
-        for ev in events:
-            if ev.index < n and ev.entry_hash != self._onchain[ev.index]:
-                problems.append(f"entry {ev.index}: event hash differs from the on-chain hash")
+        elif n and self.contract.entry_hash(self.run_id, n - 1) != events[-1].entry_hash:
+            problems.append(f"entry {n - 1}: event hash differs from the contract's storage")
         return problems
 
     def check(self) -> int:
@@ -515,50 +573,71 @@ class EvmLedger(Ledger):
         return self._read_events()
 
 
-def bench_evm(n: int = 50, *, gas_limit: int | None = None) -> dict[str, Any]:
-    """Append `n` entries to an EvmLedger on a fresh in-process chain; return measured rates.
+def bench_evm(n: int = 100, *, gas_limit: int | None = None) -> dict[str, Any]:
+    """Append `n` round entries (4 commitments each) to an EvmLedger on a fresh in-process
+    chain; return one row with the columns of bench/ledger.py plus EVM figures.
 
-    One row for bench/ledger.py: appends/s, ms per append (mean, median, worst), gas of the
-    last append, and the time of a full `check()` (every body, root and event re-read).
+    All times are from the clock: `append_s` is the wall time of the `n` appends (entry
+    building, base-class checks, mirror write, signing, gas estimation unless `gas_limit` is
+    fixed, mining, receipt and event check); `ms_per_append*` are per `append` call;
+    `verify_s` is `verify_chain` (bodies vs on-chain hashes and roots) and `check_s` the full
+    `check()` (that plus the event scan); `gas_per_append` is the last append's gas used.
     """
     import statistics
     import tempfile
+
+    from .base import verify_chain
 
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     with tempfile.TemporaryDirectory(prefix="veriloco-bench-evm-") as tmp:
         ledger = EvmLedger.in_process(Path(tmp) / "mirror", gas_limit=gas_limit)
-        times: list[float] = []
-        t_start = time.perf_counter()
-        for r in range(n):
-            entry = make_entry(
-                run_id=ledger.run_id_hex, round=r, prev_entry_hash=ledger.head_hash(),
-                checkpoint=hashlib.sha256(b"ckpt %d" % r).hexdigest(),
-                commitments=[{"worker": w, "verdict": "accept"} for w in range(4)],
-                aggregate_hash=hashlib.sha256(b"agg %d" % r).hexdigest(),
-                codecs={"default": "identity"}, eval_loss=2.0,
-            )
+        try:
+            times: list[float] = []
+            sizes: list[int] = []
+            t_start = time.perf_counter()
+            for r in range(n):
+                digest = hashlib.sha256(b"%d" % r).hexdigest()
+                entry = make_entry(
+                    run_id=ledger.run_id_hex, round=r, prev_entry_hash=ledger.head_hash(),
+                    checkpoint=digest, aggregate_hash=digest, eval_loss=2.5,
+                    commitments=[
+                        {"worker": w, "packet_hash": digest, "trace_root": digest,
+                         "signature": digest * 2, "verdict": "accept"} for w in range(4)
+                    ],
+                    codecs={str(w): "topk-int8" for w in range(4)},
+                )
+                t0 = time.perf_counter()
+                ledger.append(entry)
+                times.append(time.perf_counter() - t0)
+                sizes.append(len(ledger.entry_bytes(r)) if r < 8 else sizes[-1])
+            append_s = time.perf_counter() - t_start
             t0 = time.perf_counter()
-            ledger.append(entry)
-            times.append(time.perf_counter() - t0)
-        total = time.perf_counter() - t_start
-        t0 = time.perf_counter()
-        ledger.check()
-        check_s = time.perf_counter() - t0
-        w3 = ledger.contract.w3
-        block = w3.eth.get_block("latest")
-        gas = int(w3.eth.get_transaction_receipt(block.transactions[-1])["gasUsed"])
-        ledger.close()
+            problems = verify_chain(ledger)
+            verify_s = time.perf_counter() - t0
+            if problems:
+                raise LedgerError(f"bench ledger failed verification: {problems[0]}")
+            t0 = time.perf_counter()
+            ledger.check()
+            check_s = time.perf_counter() - t0
+            w3 = ledger.contract.w3
+            last = w3.eth.get_block("latest").transactions[-1]
+            gas = int(w3.eth.get_transaction_receipt(last)["gasUsed"])
+        finally:
+            ledger.close()
     return {
-        "backend": "evm (eth-tester, py-evm, in process)",
-        "evm_version": EVM_VERSION,
-        "gas_limit": "estimated" if gas_limit is None else gas_limit,
-        "n": n,
-        "appends_per_s": n / sum(times),
-        "ms_per_append": 1000 * statistics.fmean(times),
-        "ms_per_append_median": 1000 * statistics.median(times),
-        "ms_per_append_max": 1000 * max(times),
+        "backend": "evm-inproc" + ("" if gas_limit is None else "-fixedgas"),
+        "entries": n,
+        "entry_bytes": round(statistics.fmean(sizes)),
+        "append_s": round(append_s, 4),
+        "appends_per_s": round(n / append_s, 1),
+        "ms_per_append": round(1000 * statistics.fmean(times), 2),
+        "ms_per_append_median": round(1000 * statistics.median(times), 2),
+        "ms_per_append_max": round(1000 * max(times), 2),
+        "verify_s": round(verify_s, 4),
+        "check_s": round(check_s, 4),
         "gas_per_append": gas,
-        "wall_s": total,
-        "check_s": check_s,
+        "gas_limit": "estimated" if gas_limit is None else gas_limit,
+        "evm_version": EVM_VERSION,
+        "chain": "eth-tester + py-evm, in process, one block per transaction",
     }

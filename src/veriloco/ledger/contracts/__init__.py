@@ -1,0 +1,1 @@
+"""The LineageLedger Vyper contract, its committed ABI and bytecode, and `compile.py`."""
