@@ -5,15 +5,23 @@ a chain whose root disagrees with the bodies."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("web3", reason="EVM ledger tests need web3 (the 'chain' extra)")
-pytest.importorskip("eth_tester", reason="EVM ledger tests need eth-tester[py-evm]")
-pytest.importorskip("eth", reason="EVM ledger tests need py-evm (eth-tester[py-evm])")
+# find_spec, not importorskip: importing py-evm or py_ecc raises the process's recursion limit,
+# which evm.py undoes for its own imports (see test_chain_libraries_keep_the_recursion_limit)
+_MISSING = [m for m in ("web3", "eth_tester", "eth") if importlib.util.find_spec(m) is None]
+if _MISSING:
+    pytest.skip(
+        f"EVM ledger tests need web3 and eth-tester[py-evm] (the 'chain' extra); missing {_MISSING}",
+        allow_module_level=True,
+    )
 
 from veriloco.ledger import LedgerError, entry_bytes, make_entry, merkle  # noqa: E402
 from veriloco.ledger.evm import (  # noqa: E402
@@ -239,3 +247,24 @@ def test_connect_names_an_unreachable_rpc(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     with pytest.raises(LedgerError, match=f"cannot reach an EVM RPC at {url}"):
         EvmLedger.connect(url, "0x" + "11" * 20, "ab" * 32, None, tmp_path / "m", timeout_s=2)
+
+
+def test_chain_libraries_keep_the_recursion_limit() -> None:
+    # py_ecc and py-evm set the limit to 100000 on import; left there, json.loads of a deeply
+    # nested hostile entry overflows the C stack (a segfault) instead of a clean LedgerError.
+    # A fresh interpreter, because this one may already hold the libraries.
+    code = (
+        "import sys\n"
+        "from veriloco.ledger import LedgerError, parse_entry\n"
+        "from veriloco.ledger.evm import EvmLedger\n"
+        "import tempfile\n"
+        "limit = sys.getrecursionlimit()\n"
+        "ledger = EvmLedger.in_process(tempfile.mkdtemp())\n"
+        "assert sys.getrecursionlimit() == limit, sys.getrecursionlimit()\n"
+        "try:\n"
+        "    parse_entry(b'[' * 200_000 + b']' * 200_000, max_bytes=1 << 20)\n"
+        "except LedgerError:\n"
+        "    print('refused')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr[-2000:]

@@ -15,7 +15,8 @@ tampered mirror or a chain that disagrees gives a `LedgerError` naming the entry
     ledger = EvmLedger.in_process(mirror_dir)        # tests and benchmarks: eth-tester + py-evm
 
 `web3` (and `eth-tester[py-evm]` for the in-process chain) are the `chain` extra; this module
-imports them only when a chain is used, so the rest of veriloco runs without them.
+imports them only when a chain is used, so the rest of veriloco runs without them, and it keeps
+the interpreter's recursion limit as it was (see `_import_chain_libs`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import os
 import re
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +66,28 @@ class AppendedEvent:
     merkle_root: bytes
     block_number: int
     tx_hash: str
+
+
+def _import_chain_libs(tester: bool = False) -> None:
+    """Import web3 and eth-account (and eth-tester with py-evm if `tester`), keeping the
+    interpreter's recursion limit: py_ecc and py-evm raise it to 100000 on import, and with that
+    limit a deeply nested hostile JSON document overflows the C stack inside `json.loads`
+    (a segfault) instead of raising the RecursionError that `parse_entry` turns into a
+    LedgerError. LineageLedger makes no nested calls, so py-evm does not need the deep limit.
+    """
+    limit = sys.getrecursionlimit()
+    try:
+        import eth_account  # noqa: F401
+        import web3  # noqa: F401
+
+        if tester:
+            import eth  # noqa: F401  (py-evm)
+            import eth_tester  # noqa: F401
+    except ImportError as e:
+        raise LedgerError(f"the EVM ledger needs the 'chain' extra (pip install "
+                          f"'veriloco[chain]'): {e}") from None
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def load_abi() -> list[dict[str, Any]]:
@@ -106,6 +130,7 @@ def load_key(path: str | os.PathLike[str]) -> LocalAccount:
     The file must not be readable by group or others, like an ssh key; the key never appears in
     an error message.
     """
+    _import_chain_libs()
     from eth_account import Account
 
     p = Path(path)
@@ -155,6 +180,7 @@ class LineageContract:
         receipt_timeout_s: float = 120.0,
         verify_code: bool = True,
     ) -> None:
+        _import_chain_libs()
         from web3 import Web3
 
         if not Web3.is_address(address):
@@ -308,17 +334,17 @@ class InProcessChain:
     @classmethod
     def start(cls) -> InProcessChain:
         """A fresh chain (py-evm runs its newest fork; LineageLedger targets cancun, a subset)."""
-        try:
-            from eth_tester import EthereumTester, PyEVMBackend
-            from web3 import EthereumTesterProvider, Web3
-        except ImportError as e:
-            raise LedgerError(f"in-process chain needs the 'chain' extra: {e}") from None
+        _import_chain_libs(tester=True)
+        from eth_tester import EthereumTester, PyEVMBackend
+        from web3 import EthereumTesterProvider, Web3
+
         backend = PyEVMBackend()
         w3 = Web3(EthereumTesterProvider(EthereumTester(backend)))
         return cls(w3=w3, keys=[k.to_bytes() for k in backend.account_keys])
 
     def account(self, i: int = 0) -> LocalAccount:
         """Test account `i` (funded), with its private key."""
+        _import_chain_libs()
         from eth_account import Account
 
         return Account.from_key(self.keys[i])
@@ -399,10 +425,9 @@ class EvmLedger(Ledger):
         `key_file` holds the recorder's hex private key; None opens read-only (for audit).
         Other keyword arguments go to `EvmLedger(...)`.
         """
-        try:
-            from web3 import HTTPProvider, Web3
-        except ImportError as e:
-            raise LedgerError(f"EVM ledger needs the 'chain' extra: {e}") from None
+        _import_chain_libs()
+        from web3 import HTTPProvider, Web3
+
         account = load_key(key_file) if key_file is not None else None
         w3 = Web3(HTTPProvider(rpc_url, request_kwargs={"timeout": timeout_s}))
         if not w3.is_connected():
