@@ -79,6 +79,16 @@ class OuterConfig:
     lr: float = _f(0.7, "outer learning rate (DiLoCo: 0.7)")
     momentum: float = _f(0.9, "outer momentum (DiLoCo: 0.9)")
     nesterov: bool = _f(True, "Nesterov momentum (DiLoCo); false = heavy ball")
+    delay: int = _f(
+        0,
+        "0: wait for the exchange, then step (DiLoCo); 1: the exchange of round r runs during "
+        "round r+1's inner steps and its update lands one round late (DiLoCoX)",
+    )
+    correction: str = _f(
+        "eager",
+        "with delay 1: 'eager' (Kale et al. 2025: a worker's own fresh delta stands in for its "
+        "stale share of the average when it picks its next start point) or 'naive'",
+    )
 
 
 @dataclass
@@ -92,7 +102,31 @@ class TopologyConfig:
 class CompressConfig:
     """[compress] how a delta becomes a packet (compress/)."""
 
-    codec: str = _f("fp32", "codec spec, e.g. 'fp32'")
+    codec: str = _f(
+        "fp32",
+        "codec spec for every tensor (fp32, fp16, bf16, int8:block=64, int4:block=64, "
+        "topk:density=0.01,bits=8, lowrank:rank=4), or 'adaptive' (a codec per tensor per round "
+        "chosen to fit the byte budget)",
+    )
+    error_feedback: bool = _f(False, "keep what the codec dropped and add it to the next delta")
+    ladder: str = _f(
+        "",
+        "adaptive only: ';'-separated codec specs to choose from ('' = the built-in ladder)",
+    )
+    budget_bytes: int = _f(
+        0,
+        "adaptive only: packet byte budget per round; 0 = from [link] and the measured inner-step "
+        "time, so the exchange hides under the next round's compute",
+    )
+    safety: float = _f(0.9, "adaptive only: fraction of the compute time the exchange may use")
+
+
+@dataclass
+class LinkConfig:
+    """[link] the emulated link between workers (link.py)."""
+
+    bandwidth: str = _f("", "e.g. '1gbit', '100mbit'; '' = unlimited (no emulation)")
+    latency: str = _f("0ms", "one-way latency added to every exchange, e.g. '50ms'")
 
 
 @dataclass
@@ -115,6 +149,7 @@ class Config:
     outer: OuterConfig = field(default_factory=OuterConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -225,7 +260,29 @@ def validate(cfg: Config) -> None:
     need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
     need(cfg.topology.workers >= 1, f"topology.workers must be >= 1, got {cfg.topology.workers}")
     need(cfg.run.backend in ("auto", "gloo", "nccl"), f"run.backend must be auto, gloo or nccl, got {cfg.run.backend!r}")
+    need(cfg.outer.delay in (0, 1), f"outer.delay must be 0 or 1, got {cfg.outer.delay}")
+    need(cfg.outer.correction in ("eager", "naive"), f"outer.correction must be 'eager' or 'naive', got {cfg.outer.correction!r}")
+    need(0 < cfg.compress.safety <= 1, f"compress.safety must be in (0, 1], got {cfg.compress.safety}")
+    need(cfg.compress.budget_bytes >= 0, f"compress.budget_bytes must be >= 0, got {cfg.compress.budget_bytes}")
+    _check_link_and_codec(cfg)
     need(cfg.run.timeout_s > 0, f"run.timeout_s must be > 0, got {cfg.run.timeout_s}")
+
+
+def _check_link_and_codec(cfg: Config) -> None:
+    from .compress import CodecError, codec_from_spec
+    from .link import parse_bandwidth, parse_duration
+
+    for key, parse in (("bandwidth", parse_bandwidth), ("latency", parse_duration)):
+        try:
+            parse(getattr(cfg.link, key))
+        except ValueError as e:
+            raise ConfigError(f"link.{key}: {e}") from None
+    specs = [cfg.compress.codec] if cfg.compress.codec != "adaptive" else [s for s in cfg.compress.ladder.split(";") if s]
+    for spec in specs:
+        try:
+            codec_from_spec(spec.strip())
+        except CodecError as e:
+            raise ConfigError(f"compress.{'codec' if cfg.compress.codec != 'adaptive' else 'ladder'}: {e}") from None
 
 
 def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:

@@ -9,14 +9,24 @@ Several machines (every node runs the same command; RUN_DIR is local to each nod
     torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         -m veriloco.run CONFIG.toml --out RUN_DIR
 
-A round r on worker w (DiLoCo, Douillard et al. 2023, arXiv 2311.08105):
-    1. inner:     H AdamW steps from G_r on batches data.batch(seed, w, r, step)
-    2. encode:    delta = G_r - theta_local  ->  codec  ->  packet (safetensors)  ->  store
-    3. exchange:  every worker's packet reaches every worker, each kept separate
-    4. decode:    every received packet is decoded and checked against the model's shapes
-    5. aggregate: mean of the deltas; outer Nesterov step  G_{r+1} = outer(G_r, mean)
+A round r on worker w (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; DiLoCoX, 2506.21263):
+    1. inner:     H AdamW steps from the start point S_r on batches data.batch(seed, w, r, step)
+    2. encode:    delta = S_r - theta_local (+ error feedback) -> codec(s) -> packet -> store
+    3. exchange:  start(packet): every worker's packet reaches every worker, each kept separate
+    4. decode:    wait(); every received packet is decoded and checked against the model
+    5. aggregate: mean of the deltas; outer Nesterov step  G <- outer(G, mean)
     6. record:    checkpoint -> store; eval; one line in rounds.jsonl (rank 0)
-All workers run 4-6 on the same inputs, so all derive the same G_{r+1}; step 6 checks it.
+All workers run 4-6 on the same inputs, so all derive the same G; step 6 checks it.
+
+`[outer] delay = 0`: S_r = G_r and steps 3-6 of round r finish before round r+1 starts.
+`[outer] delay = 1`: the exchange of round r runs while round r+1's inner steps run; steps 4-6
+of round r happen at the end of round r+1, so G moves one round late (the canonical G every
+worker agrees on, and the ledger records, is this naive one-step-delayed sequence). With the
+eager correction (Kale et al. 2025, arXiv 2502.12996) a worker does not start round r+1 from G
+alone: its own fresh delta stands in for its stale share of the average,
+    S_{r+1} = G - c / W * (own_delta_r - own_delta_{r-1}),  c = outer lr * (1 + momentum) (Nesterov)
+which is the outer step it would take with that estimate of the average. S is derived from G
+and the worker's own (public) packets, so anyone can recompute it.
 """
 
 from __future__ import annotations
@@ -30,13 +40,22 @@ import torch.distributed as dist
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .compress import codec_from_spec
+from .compress import (
+    DEFAULT_LADDER,
+    AdaptiveController,
+    Codec,
+    ErrorFeedback,
+    build_codecs,
+    round_budget_bytes,
+)
+from .compress.controller import UNLIMITED_BYTES
 from .config import Config
-from .exchange import Exchange, ExchangeError
+from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import tensors_hash
 from .inner import InnerLoop
+from .link import Link
 from .outer import OuterOptimizer
-from .packet import PacketError, decode_packet, encode_packet
+from .packet import PacketError, decode_packet, encode_packet, packet_codecs
 from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import Task
@@ -56,15 +75,70 @@ class Worker:
     inner: InnerLoop
     outer: OuterOptimizer
     exchange: Exchange
-    codecs: dict
+    encoder: DeltaEncoder
     eval_set: list
-    started: float = field(default_factory=time.perf_counter)
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    own_decoded: list = field(default_factory=list)  # this worker's last two decoded deltas
 
     @property
     def is_recorder(self) -> bool:
         return self.rank == 0
+
+
+@dataclass
+class Sent:
+    """What a worker keeps about a round whose exchange is in flight."""
+
+    round: int
+    handle: ExchangeHandle
+    packet_hash: str
+    result: object  # InnerResult
+    codec_log: dict
+    started: float
+
+
+class DeltaEncoder:
+    """delta -> packet: a fixed codec or the adaptive controller, with optional error feedback."""
+
+    def __init__(self, cfg: Config, shapes: dict[str, tuple[int, ...]], link: Link | None, world: int) -> None:
+        self.cfg, self.shapes, self.link, self.world = cfg.compress, shapes, link, world
+        self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
+        if cfg.compress.codec == "adaptive":
+            ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
+            self.controller: AdaptiveController | None = AdaptiveController(ladder)
+            self.codecs: dict[str, Codec] = {}
+        else:
+            self.controller = None
+            self.codecs = build_codecs(cfg.compress.codec, shapes)
+
+    def budget(self, compute_s: float) -> int:
+        """Packet bytes that fit under `compute_s` of compute on this link."""
+        if self.cfg.budget_bytes:
+            return self.cfg.budget_bytes
+        if self.link is None or compute_s <= 0:
+            return UNLIMITED_BYTES
+        return round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s, compute_s, self.world, self.cfg.safety)
+
+    def encode(self, delta: dict[str, torch.Tensor], compute_s: float) -> tuple[bytes, dict[str, torch.Tensor], dict]:
+        """(packet, what receivers will decode from it, codec log)."""
+        if self.feedback is not None:
+            delta = {k: self.feedback.compensate(k, v) for k, v in delta.items()}
+        log: dict = {}
+        if self.controller is not None:
+            self.codecs, log = self.controller.choose(delta, self.budget(compute_s))
+            log = {k: log[k] for k in ("budget_bytes", "total_bytes", "min_bytes", "fits", "codecs")}
+        packet = encode_packet(delta, self.codecs)
+        decoded = decode_packet(packet, self.shapes, len(packet))
+        if self.feedback is not None:
+            for k in delta:
+                self.feedback.update(k, delta[k], decoded[k])
+        return packet, decoded, log
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"feedback/{k}": v for k, v in self.feedback.state_dict().items()} if self.feedback else {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.feedback is not None:
+            self.feedback.load_state_dict({k[len("feedback/"):]: v for k, v in tensors.items() if k.startswith("feedback/")})
 
 
 def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, resume_round: int) -> Worker:
@@ -78,19 +152,22 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)
     timeout = timedelta(seconds=cfg.run.timeout_s)
     group = dist.new_group(list(range(world)), timeout=timeout)  # the exchange's own group
-    exchange = Exchange(group, cfg.run.max_packet_bytes, link=None)
+    link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
+    link = None if link.unlimited else link
+    exchange = Exchange(group, cfg.run.max_packet_bytes, link=link)
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
-    codec = codec_from_spec(cfg.compress.codec)  # stateful codecs key their state by tensor name
-    codecs = {k: codec for k in shapes}
+    encoder = DeltaEncoder(cfg, shapes, link, world)
     eval_set = task.eval_batches()[rank::world]
-    w = Worker(cfg, rank, world, task, run, store, model, inner, outer, exchange, codecs, eval_set)
+    w = Worker(cfg, rank, world, task, run, store, model, inner, outer, exchange, encoder, eval_set)
     if resume_round > 0:
         restore(w, resume_round)
     return w
 
 
 def restore(w: Worker, next_round: int) -> None:
-    """Load G, outer state and this worker's inner state as of the end of round next_round-1."""
+    """Load G, outer state and this worker's private state as of the end of round next_round-1."""
+    if w.cfg.outer.delay:
+        raise RuntimeError("resume of a delay-1 run is not supported yet: its exchange in flight is not saved")
     record = w.run.rounds()[next_round - 1]
     ckpt = st_load(w.store.get(record["checkpoint"]))
     params = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
@@ -98,8 +175,9 @@ def restore(w: Worker, next_round: int) -> None:
         raise RuntimeError(f"checkpoint of round {next_round - 1} does not match its record")
     w.outer = OuterOptimizer(params, w.cfg.outer)
     w.outer.load_state_tensors(ckpt)
-    state_path = w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors"
-    w.inner.load_state_tensors(st_load(state_path.read_bytes()))
+    state = st_load((w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors").read_bytes())
+    w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
+    w.encoder.load_state_tensors(state)
 
 
 def evaluate(w: Worker) -> float:
@@ -120,43 +198,59 @@ def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None
             p.copy_(params[k])
 
 
-def one_round(w: Worker, r: int) -> dict:
-    """Run round r on this worker; returns the round's record (complete on rank 0)."""
-    cfg, t0 = w.cfg, time.perf_counter()
+def start_point(w: Worker) -> dict[str, torch.Tensor]:
+    """S_r: the canonical G, plus the eager correction when the exchange runs one round late."""
     G = w.outer.params
+    if not (w.cfg.outer.delay and w.cfg.outer.correction == "eager" and w.own_decoded):
+        return G
+    o = w.cfg.outer
+    c = o.lr * (1 + o.momentum) if o.nesterov else o.lr
+    fresh = w.own_decoded[-1]
+    stale = w.own_decoded[-2] if len(w.own_decoded) > 1 else None
+    return {k: G[k] - c / w.world * (fresh[k] - (stale[k] if stale is not None else 0)) for k in G}
 
-    # 1. inner: H local steps from G_r on this worker's deterministic batches
-    load_params(w.model, G)
-    result = w.inner.run(lambda step: w.task.batch(w.rank, r, step), cfg.train.inner_steps)
 
-    # 2. encode: the pseudo-gradient delta = G_r - theta_local, as a content-addressed packet
+def run_inner_and_send(w: Worker, r: int) -> Sent:
+    """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange."""
+    t0 = time.perf_counter()
+    start = start_point(w)
+    load_params(w.model, start)
+    result = w.inner.run(lambda step: w.task.batch(w.rank, r, step), w.cfg.train.inner_steps)
     with torch.no_grad():
-        delta = {k: G[k] - p.detach() for k, p in w.model.named_parameters()}
-    packet = encode_packet(delta, w.codecs)
+        delta = {k: start[k] - p.detach() for k, p in w.model.named_parameters()}
+    # the budget hides the exchange under the next round's inner steps (measured: this round's)
+    packet, decoded, codec_log = w.encoder.encode(delta, result.seconds)
+    w.own_decoded = (w.own_decoded + [decoded])[-2:]
     packet_hash = w.store.put(packet)
+    return Sent(r, w.exchange.start(packet), packet_hash, result, codec_log, t0)
 
-    # 3. exchange: all packets to all workers, each kept whole
-    handle = w.exchange.start(packet)
-    packets = handle.wait()
-    w.bytes_sent += handle.stats.bytes_sent
-    w.bytes_received += handle.stats.bytes_received
+
+def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
+    """Steps 4-6 of sent.round: wait, decode, aggregate, outer step, checkpoint, record."""
+    cfg, r = w.cfg, sent.round
+    wait0 = time.perf_counter()
+    packets = sent.handle.wait()
+    wait_s = time.perf_counter() - wait0
+    stats = sent.handle.stats
 
     # 4. decode every packet; one that does not decode is left out of the aggregate
+    G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
-    deltas, verdicts, hashes = [], [], []
-    for src, data in enumerate(packets):
+    deltas, verdicts, hashes, codecs = [], [], [], []
+    for data in packets:
         hashes.append(w.store.put(data))
         try:
+            codecs.append(_codec_summary(packet_codecs(data)))
             deltas.append(decode_packet(data, shapes, cfg.run.max_packet_bytes))
             verdicts.append("accept")
         except PacketError as e:
             verdicts.append(f"reject:malformed:{str(e)[:80]}")
-    if hashes[w.rank] != packet_hash:
+    if hashes[w.rank] != sent.packet_hash:
         raise ExchangeError(f"worker {w.rank}: its own packet came back altered")
     if not deltas:
         raise ExchangeError(f"round {r}: no packet decoded; nothing to apply")
 
-    # 5. aggregate (mean) and outer step: G_{r+1}
+    # 5. aggregate (mean) and outer step
     aggregate = {k: torch.stack([d[k] for d in deltas]).mean(dim=0) for k in shapes}
     w.outer.step(aggregate)
 
@@ -166,43 +260,51 @@ def one_round(w: Worker, r: int) -> dict:
     params_hash = tensors_hash(G)
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(state_dir / f"state-{r}.safetensors", st_save(w.inner.state_tensors()))
+    atomic_write(state_dir / f"state-{r}.safetensors", st_save(w.inner.state_tensors() | w.encoder.state_tensors()))
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()
-    agree = _all_hashes_agree(params_hash, w.world)
-    if not agree:
-        raise RuntimeError(f"round {r}: workers disagree on G_{r + 1}; refusing to continue")
-    stats = torch.tensor(
-        [result.mean_loss, result.losses[-1], result.seconds, handle.stats.bytes_sent,
-         handle.stats.bytes_received, handle.stats.seconds],
+    if not _all_hashes_agree(params_hash, w.world):
+        raise RuntimeError(f"round {r}: workers disagree on the global params; refusing to continue")
+    res = sent.result
+    mine = torch.tensor(
+        [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s],
         dtype=torch.float64,
     )
-    gathered = [torch.zeros_like(stats) for _ in range(w.world)]
-    dist.all_gather(gathered, stats)
+    gathered = [torch.zeros_like(mine) for _ in range(w.world)]
+    dist.all_gather(gathered, mine)
+    g = torch.stack(gathered)
     is_last = r == cfg.train.rounds - 1
     eval_loss = evaluate(w) if (r + 1) % cfg.train.eval_every == 0 or is_last else None
-    g = torch.stack(gathered)
     return {
         "round": r,
         "packets": hashes,
         "packet_bytes": [len(p) for p in packets],
         "verdicts": verdicts,
-        "codec": cfg.compress.codec,
+        "codecs": codecs,
+        "codec_log": sent.codec_log,
         "aggregate_hash": tensors_hash(aggregate),
         "params_hash": params_hash,
         "checkpoint": ckpt_digest,
-        "hashes_agree": agree,
+        "hashes_agree": True,
         "train_loss": [float(x) for x in g[:, 0]],
-        "train_loss_last": [float(x) for x in g[:, 1]],
         "eval_loss": eval_loss,
-        "bytes_sent": [int(x) for x in g[:, 3]],
-        "bytes_received": [int(x) for x in g[:, 4]],
-        "inner_s": [round(float(x), 4) for x in g[:, 2]],
-        "exchange_s": [round(float(x), 4) for x in g[:, 5]],
-        "round_s": round(time.perf_counter() - t0, 4),
-        "tokens": int(result.tokens * w.world),
+        "bytes_sent": [int(x) for x in g[:, 2]],
+        "bytes_received": [int(x) for x in g[:, 3]],
+        "inner_s": [round(float(x), 4) for x in g[:, 1]],
+        "exchange_s": [round(float(x), 4) for x in g[:, 4]],
+        "wait_s": [round(float(x), 4) for x in g[:, 5]],
+        "round_s": round(time.perf_counter() - sent.started - float(g[w.rank, 6]), 4),
+        "tokens": int(res.tokens * w.world),
     }
+
+
+def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:
+    """{spec: number of tensors} of one packet."""
+    out: dict[str, int] = {}
+    for spec in codecs.values():
+        out[spec] = out.get(spec, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _all_hashes_agree(digest_hex: str, world: int) -> bool:
@@ -240,13 +342,27 @@ def train_worker(
     wall0 = time.perf_counter() - sum(p["round_s"] for p in prior)
     tokens0 = sum(p["tokens"] for p in prior)
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
-    for r in range(start_round, end):
-        rec = one_round(w, r)
+    if cfg.outer.delay and end < cfg.train.rounds:
+        raise RuntimeError("--stop-after is not supported with outer.delay = 1 yet")
+    pending: Sent | None = None
+    for r in range(start_round, end + cfg.outer.delay):
+        if r < end:
+            sent = run_inner_and_send(w, r)
+            inner_s = sent.result.seconds
+        if cfg.outer.delay == 0:
+            rec = finish_round(w, sent, 0.0)
+        elif pending is None:  # delay 1, first round: its exchange runs during round 1
+            pending = sent
+            continue
+        else:  # delay 1: finish round r-1 (its exchange ran under round r's inner steps)
+            done, pending = pending, (sent if r < end else None)
+            rec = finish_round(w, done, inner_s if r < end else 0.0)
         rec["eval_loss_start"] = eval_start
         if w.is_recorder:
             elapsed = time.perf_counter() - wall0
             tokens0 += rec["tokens"]
             w.run.append_round(rec)
+            r = rec["round"]
             w.run.append_metrics({
                 "round": r, "eval_loss": rec["eval_loss"], "train_loss": rec["train_loss"],
                 "tokens": tokens0, "elapsed_s": round(elapsed, 3),
@@ -270,6 +386,8 @@ def train_worker(
         "wall_s": round(wall, 3),
         "tokens_per_s": round(sum(p["tokens"] for p in records) / wall, 1),
         "bytes_sent_per_worker": int(sum(sum(p["bytes_sent"]) for p in records) / world),
+        # inner-step time over wall time, averaged over workers: the share of time spent computing
+        "utilisation": round(sum(sum(p["inner_s"]) for p in records) / world / wall, 4),
         "final_checkpoint": last["checkpoint"],
         "final_params_hash": last["params_hash"],
         "mode": "diloco",
