@@ -1,0 +1,217 @@
+"""Inner steps through a pipeline of stages: DiLoCoX's pipeline parallelism inside a worker.
+
+DiLoCoX (Qi et al. 2025, arXiv 2506.21263) splits each worker's model into `stages` contiguous
+slices, one process each, and trains them with a pipeline schedule; each stage keeps its own
+inner AdamW state for its slice (the "dual optimizer" is that inner optimizer plus an outer
+optimizer per slice, applied by the round to the stage's params after the exchange in the stage
+group). The schedule is torch.distributed.pipelining's:
+
+- `"gpipe"`: GPipe (Huang et al. 2019, arXiv 1811.06965), all micro-batch forwards, then all
+  backwards;
+- `"1f1b"`: one-forward-one-backward (PipeDream-Flush, Narayanan et al. 2021, arXiv 2006.09503),
+  same result, fewer live activations.
+
+One inner step is one pipeline step over the worker's batch, split into `microbatches` equal
+micro-batches; the loss (pipelining's `loss_fn`, on the last stage) is the mean over each
+micro-batch and the schedule divides the gradients by the number of micro-batches, so the
+gradient is that of the full-batch mean loss, as in the unsplit `InnerLoop`. Then:
+
+1. one `all_gather` in the worker group carries [squared grad norm of this stage's slice, the
+   step's loss (last stage only)], so every stage clips with the GLOBAL grad norm of the whole
+   model (clipping per slice would change the update) and learns the step's loss;
+2. each stage applies AdamW to its slice with the LR schedule `inner.lr_at`.
+
+The result is the unsplit model's step up to float rounding: micro-batching sums the gradient of
+each micro-batch separately and then adds them, which rounds differently from one backward
+over the whole batch (the tests measure the gap).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from .config import TrainConfig
+from .inner import BatchFn, InnerLoop, InnerResult, lr_at
+from .model import lm_loss
+
+OutputLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage output, targets)
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def _make_schedule(
+    model: nn.Module, stage: int, stages: int, group: dist.ProcessGroup, schedule: str,
+    microbatches: int, loss_fn: OutputLoss, device: torch.device,
+) -> ScheduleGPipe | Schedule1F1B:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is outside [0, {stages})")
+    if dist.get_world_size(group) != stages or dist.get_rank(group) != stage:
+        raise ValueError(
+            f"stage {stage} of {stages} needs a worker group of {stages} ranks in stage order; "
+            f"this rank is {dist.get_rank(group)} of {dist.get_world_size(group)} in it"
+        )
+    # Shapes are inferred from the first micro-batch (one metadata send/recv per stage pair),
+    # so the stage needs no example inputs.
+    pipe_stage = PipelineStage(model, stage, stages, device, group=group)
+    return SCHEDULES[schedule](pipe_stage, microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def _check_split(n: int, microbatches: int) -> None:
+    # Unequal micro-batches would weight the mean of micro-batch means wrongly.
+    if n % microbatches:
+        raise ValueError(f"batch of {n} sequences does not split into {microbatches} equal micro-batches")
+
+
+def _pipe_step(
+    sched: ScheduleGPipe | Schedule1F1B, stage: int, stages: int, x: torch.Tensor, y: torch.Tensor,
+    losses: list, forward_only: bool,
+) -> None:
+    """Run the schedule once; the first stage feeds x, the last takes y and fills `losses`."""
+    args = (x,) if stage == 0 else ()
+    kw = {"target": y, "losses": losses} if stage == stages - 1 else {}
+    if forward_only:
+        sched.eval(*args, **kw)
+    else:
+        sched.step(*args, return_outputs=False, **kw)
+
+
+def combine_stage_hashes(stage_hashes: list[str]) -> str:
+    """One worker-wide trace entry from the per-stage state hashes, in stage order."""
+    return hashlib.sha256(b"".join(bytes.fromhex(h) for h in stage_hashes)).hexdigest()
+
+
+class PipelineInnerLoop(InnerLoop):
+    """AdamW over one stage's slice, with the steps run through the worker's pipeline.
+
+    Same interface as `InnerLoop` (`run`, `step_count`, `state_tensors`, `load_state_tensors`,
+    `state_hash`, `.model`), so the round engine can use either. Differences:
+    - `run(...).losses` are the worker's losses (computed on the last stage, sent to all), and
+      `run(...).trace` entries are worker-wide: `combine_stage_hashes` of every stage's
+      `state_hash()`. Both are identical on every stage of the worker.
+    - `state_hash()`, `state_tensors()` cover only this stage's slice (names as in the full model).
+    - every stage of the worker must call `run`/`step` together (they are collective).
+
+    `model` is this stage's module (`topology.build_stage_model`); `group` is the worker group
+    (`Topology.build_groups()[0]`), whose rank order is the stage order; `total_steps` drives
+    the LR schedule (`inner.lr_at`), as in `InnerLoop`; `loss_fn(output, targets)` is applied on
+    the last stage to each micro-batch and must be a mean over the micro-batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        total_steps: int,
+        *,
+        stage: int,
+        stages: int,
+        group: dist.ProcessGroup,
+        microbatches: int = 1,
+        schedule: str = "gpipe",
+        loss_fn: OutputLoss = lm_loss,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        # InnerLoop builds the same AdamW param groups as the unsplit run, over this slice only.
+        super().__init__(model, cfg, total_steps, lambda m, x, y: loss_fn(m(x), y))
+        self.stage, self.stages, self.group = stage, stages, group
+        self.microbatches, self.schedule, self.device = microbatches, schedule, torch.device(device)
+        self.sched = _make_schedule(model, stage, stages, group, schedule, microbatches, loss_fn, self.device)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One pipelined AdamW step on (x, y) (collective over the worker group); returns the
+        loss before the step, the same value on every stage."""
+        _check_split(y.shape[0], self.microbatches)
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps)
+        self.opt.zero_grad(set_to_none=True)
+        mb_losses: list[torch.Tensor] = []
+        _pipe_step(self.sched, self.stage, self.stages, x, y, mb_losses, forward_only=False)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # float64 sum of squared per-tensor norms (the norms as clip_grad_norm_ takes them)
+        sq = torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]).double().square().sum() \
+            if grads else torch.zeros((), dtype=torch.float64, device=self.device)
+        loss = torch.stack(mb_losses).detach().mean().double() if self.is_last else torch.zeros_like(sq)
+        mine = torch.stack([sq, loss]).to(self.device)  # collectives take tensors on the backend's device
+        every = [torch.zeros_like(mine) for _ in range(self.stages)]
+        dist.all_gather(every, mine, group=self.group)
+        if self.cfg.grad_clip > 0:
+            # Summed in stage order on every stage, so all stages get the same coefficient.
+            total_norm = math.sqrt(sum(float(t[0]) for t in every))
+            # the same rule as torch.nn.utils.clip_grad_norm_
+            coef = self.cfg.grad_clip / (total_norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(torch.tensor(coef, dtype=g.dtype))
+        self.opt.step()
+        self.step_count += 1
+        return float(every[-1][1])
+
+    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
+        """`steps` pipelined inner steps on batch_of_step(0..steps-1); worker-wide trace hashes
+        every trace_every steps. Every stage calls it with the same batches (each uses x or y)."""
+        t0 = time.perf_counter()
+        losses, trace, tokens = [], [], 0
+        if trace_every:
+            trace.append(self.worker_state_hash())
+        for s in range(steps):
+            x, y = batch_of_step(s)
+            losses.append(self.step(x, y))
+            tokens += y.numel()
+            if trace_every and (s + 1) % trace_every == 0:
+                trace.append(self.worker_state_hash())
+        return InnerResult(losses, time.perf_counter() - t0, tokens, trace)
+
+    def worker_state_hash(self) -> str:
+        """`combine_stage_hashes` of every stage's `state_hash()` (collective over the worker)."""
+        digest = bytearray(bytes.fromhex(self.state_hash()))
+        mine = torch.frombuffer(digest, dtype=torch.uint8).to(self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.stages)]
+        dist.all_gather(every, mine, group=self.group)
+        return combine_stage_hashes([bytes(t.cpu().tolist()).hex() for t in every])
+
+
+def pipeline_eval_loss(
+    stage_model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    worker_group: dist.ProcessGroup,
+    *,
+    stage: int,
+    stages: int,
+    microbatches: int = 1,
+    loss_fn: OutputLoss = lm_loss,
+    device: torch.device | str = "cpu",
+) -> float:
+    """Mean loss of the full model over `batches` (weighted by target tokens), computed forward
+    only through the worker's stages; collective over `worker_group`, the same value on every
+    stage. Every stage passes the same batches."""
+    device = torch.device(device)
+    sched = _make_schedule(stage_model, stage, stages, worker_group, "gpipe", microbatches, loss_fn, device)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of loss * tokens, tokens]
+    with torch.no_grad():
+        for x, y in batches:
+            _check_split(y.shape[0], microbatches)
+            mb_losses: list[torch.Tensor] = []
+            _pipe_step(sched, stage, stages, x, y, mb_losses, forward_only=True)
+            if stage == stages - 1:
+                total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
+            total[1] += y.numel()
+    dist.broadcast(total, group=worker_group, group_src=stages - 1)
+    return float(total[0] / total[1])
+
+
+__all__ = ["PipelineInnerLoop", "pipeline_eval_loss", "combine_stage_hashes", "SCHEDULES"]

@@ -1,0 +1,166 @@
+"""Workers x stages: which process is which, and the process groups that join them.
+
+DiLoCoX (Qi et al. 2025, arXiv 2506.21263) runs pipeline parallelism inside each worker: a worker
+is `stages` processes, one per contiguous slice of the model, and the outer exchange of round r
+happens per stage, among the `workers` processes that hold the same slice. This module is the one
+place that owns that layout (torchtitan's `ParallelDims` habit):
+
+    global rank = worker * stages + stage          (0 <= worker < workers, 0 <= stage < stages)
+
+so the `stages` processes of one worker are consecutive ranks (on one machine under `torchrun
+--nproc-per-node=stages`, where the pipeline's activations travel), and stage s of every worker is
+the strided set {s, s + stages, s + 2 * stages, ...} (the slow link carries only that slice).
+
+Two kinds of group:
+- the **worker group** of worker w: its `stages` ranks in stage order, so a rank's index inside
+  the group is its stage. The pipeline's send/recv and the inner loop's global grad-norm run here.
+- the **stage group** of stage s: the `workers` ranks that hold slice s, in worker order, so a
+  rank's index inside the group is its worker. The outer exchange of slice s runs here.
+
+A stage's module is the full GPT with the other stages' layers deleted (`build_stage_model`), so
+its parameter names and initial values are exactly the full model's: deltas, packets and
+checkpoints of the slices line up with the unsplit model's names.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .config import ModelConfig
+from .model import GPT, build_model
+
+
+class Topology:
+    """The layout of `workers` x `stages` processes (see the module docstring for the rank order).
+
+    `workers` is the number of DiLoCo workers (M in DiLoCo), `stages` the pipeline depth inside
+    each worker. `world_size`, when given (e.g. from torchrun), must equal workers * stages.
+    """
+
+    def __init__(self, workers: int, stages: int, world_size: int | None = None) -> None:
+        if workers < 1 or stages < 1:
+            raise ValueError(f"workers ({workers}) and stages ({stages}) must both be >= 1")
+        if world_size is not None and workers * stages != world_size:
+            raise ValueError(
+                f"workers ({workers}) x stages ({stages}) = {workers * stages} "
+                f"but world size is {world_size}"
+            )
+        self.workers, self.stages = workers, stages
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes: workers * stages."""
+        return self.workers * self.stages
+
+    def __repr__(self) -> str:
+        return f"Topology(workers={self.workers}, stages={self.stages})"
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size}) for {self!r}")
+
+    def worker_of(self, rank: int) -> int:
+        """The worker a global rank belongs to."""
+        self._check_rank(rank)
+        return rank // self.stages
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage a global rank runs."""
+        self._check_rank(rank)
+        return rank % self.stages
+
+    def rank_of(self, worker: int, stage: int) -> int:
+        """The global rank of (worker, stage)."""
+        if not (0 <= worker < self.workers and 0 <= stage < self.stages):
+            raise ValueError(
+                f"(worker {worker}, stage {stage}) is outside {self.workers} workers x {self.stages} stages"
+            )
+        return worker * self.stages + stage
+
+    def worker_ranks(self, worker: int) -> list[int]:
+        """Global ranks of one worker's pipeline, in stage order."""
+        return [self.rank_of(worker, s) for s in range(self.stages)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """Global ranks holding one stage's slice, in worker order."""
+        return [self.rank_of(w, stage) for w in range(self.workers)]
+
+    def layers_of_stage(self, stage: int, n_layer: int) -> list[int]:
+        """The blocks stage `stage` holds; see `layers_of_stage`."""
+        return layers_of_stage(stage, n_layer, self.stages)
+
+    def build_groups(
+        self, timeout: timedelta | None = None
+    ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """Create every worker group and every stage group; return this rank's two.
+
+        `torch.distributed.new_group` is collective over the default group: every rank must call
+        it for every group, in the same order, even for groups it is not in. So each rank creates
+        all `workers` worker groups (worker 0 first), then all `stages` stage groups (stage 0
+        first), and keeps the two it belongs to. Call it after `init_process_group`, on every rank
+        at the same point among its other `new_group` calls. Each call creates fresh groups: call
+        it again for an independent set, e.g. stage groups for an exchange thread that must not
+        interleave with the main thread's collectives.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("build_groups needs torch.distributed to be initialised first")
+        world = dist.get_world_size()
+        if world != self.world_size:
+            raise ValueError(
+                f"workers ({self.workers}) x stages ({self.stages}) = {self.world_size} "
+                f"but world size is {world}"
+            )
+        rank = dist.get_rank()
+        me_w, me_s = self.worker_of(rank), self.stage_of(rank)
+        mine_w = mine_s = None
+        for w in range(self.workers):
+            g = dist.new_group(self.worker_ranks(w), timeout=timeout)
+            if w == me_w:
+                mine_w = g
+        for s in range(self.stages):
+            g = dist.new_group(self.stage_ranks(s), timeout=timeout)
+            if s == me_s:
+                mine_s = g
+        assert mine_w is not None and mine_s is not None  # every rank is in one of each
+        return mine_w, mine_s
+
+
+def layers_of_stage(stage: int, n_layer: int, stages: int) -> list[int]:
+    """Global block indices held by `stage`: an even, contiguous split of `n_layer` blocks.
+
+    When `n_layer` is not a multiple of `stages`, the first `n_layer % stages` stages hold one
+    block more. Stage 0 also holds the embedding and the last stage the final norm and head
+    (`build_stage_model`). Every stage holds at least one block, so `stages <= n_layer`.
+    """
+    if stages < 1 or n_layer < 1:
+        raise ValueError(f"n_layer ({n_layer}) and stages ({stages}) must both be >= 1")
+    if stages > n_layer:
+        raise ValueError(f"stages ({stages}) > n_layer ({n_layer}): every stage needs at least one block")
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} is outside [0, {stages})")
+    base, extra = divmod(n_layer, stages)
+    start = stage * base + min(stage, extra)
+    return list(range(start, start + base + (1 if stage < extra else 0)))
+
+
+def build_stage_model(model_cfg: ModelConfig, seed: int, stage: int, stages: int) -> GPT:
+    """The module of one pipeline stage, initialised exactly as the full model.
+
+    Builds the full GPT from `seed` (`model.build_model`, the same G_0 every worker builds) and
+    deletes what this stage does not hold, so its parameters are the full model's under the same
+    names (`blocks.<global index>.*`, `tok_emb.*` on stage 0, `ln_f.*` / `lm_head.*` on the last).
+    """
+    keep = set(layers_of_stage(stage, model_cfg.n_layer, stages))
+    model = build_model(model_cfg, seed)
+    for name in [k for k in model.blocks if int(k) not in keep]:
+        del model.blocks[name]
+    if stage != 0:
+        model.tok_emb = model.pos_emb = None
+    if stage != stages - 1:
+        model.ln_f = model.lm_head = None
+    return model
+
+
+__all__ = ["Topology", "build_stage_model", "layers_of_stage"]
