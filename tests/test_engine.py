@@ -49,9 +49,9 @@ def test_four_workers_loss_falls_and_params_agree(tmp_path):
     assert summary["eval_loss_end"] < 0.85 * summary["eval_loss_start"]
     for r in recs:
         assert len(set(r["packets"])) == 4 and r["verdicts"] == ["accept"] * 4
-        n = r["packet_bytes"][0]
-        assert r["bytes_sent"] == [(n + 8) * 3] * 4  # its packet and its size, to 3 peers
-        assert r["bytes_received"] == [(n + 8) * 3] * 4
+        n = r["bundle_bytes"]
+        assert r["bytes_sent"] == [(b + 8) * 3 for b in n]  # its bundle and its size, to 3 peers
+        assert r["bytes_received"] == [sum(n) - b + 8 * 3 for b in n]
     # the checkpoint in the store is what the record says, and holds the agreed params
     store = LocalStore(run.store_dir)
     ckpt = st_load(store.get(recs[-1]["checkpoint"]))

@@ -130,6 +130,32 @@ class LinkConfig:
 
 
 @dataclass
+class VerifyConfig:
+    """[verify] commitments, signatures, screening and robust aggregation (verify/)."""
+
+    key_dir: str = _f(
+        "",
+        "directory with worker-<w>.key files from `veriloco keygen`; '' = keys derived from the "
+        "run seed (local demo runs only: anyone who knows the seed can sign as any worker)",
+    )
+    trace_every: int = _f(10, "k: hash the inner state (params + AdamW state) every k inner steps")
+    screen: bool = _f(True, "screen deltas: norm and cosine to a robust centre, copies, replays")
+    aggregator: str = _f("mean", "mean | trimmed_mean | median | centered_clip | geometric_median")
+    trim_fraction: float = _f(0.25, "trimmed_mean: fraction trimmed from each end")
+    clip_tau: float = _f(0.0, "centered_clip: radius; 0 = the median distance to the centre")
+
+
+@dataclass
+class LedgerConfig:
+    """[ledger] where round entries go (ledger/)."""
+
+    backend: str = _f("sqlite", "'sqlite' (RUN/ledger.sqlite), 'evm' (any EVM RPC), or 'none'")
+    rpc_url: str = _f("", "evm: the JSON-RPC URL of the chain")
+    contract: str = _f("", "evm: the LineageLedger contract address")
+    key_file: str = _f("", "evm: file with the recorder's hex private key (chmod 600)")
+
+
+@dataclass
 class RunConfig:
     """[run] seeds, backend, timeouts, output."""
 
@@ -150,6 +176,8 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     compress: CompressConfig = field(default_factory=CompressConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -265,6 +293,16 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.compress.safety <= 1, f"compress.safety must be in (0, 1], got {cfg.compress.safety}")
     need(cfg.compress.budget_bytes >= 0, f"compress.budget_bytes must be >= 0, got {cfg.compress.budget_bytes}")
     _check_link_and_codec(cfg)
+    v = cfg.verify
+    need(v.trace_every >= 0, f"verify.trace_every must be >= 0, got {v.trace_every}")
+    need(v.aggregator in ("mean", "trimmed_mean", "median", "centered_clip", "geometric_median"),
+         f"verify.aggregator must be mean, trimmed_mean, median, centered_clip or geometric_median, got {v.aggregator!r}")
+    need(0 <= v.trim_fraction < 0.5, f"verify.trim_fraction must be in [0, 0.5), got {v.trim_fraction}")
+    need(v.clip_tau >= 0, f"verify.clip_tau must be >= 0, got {v.clip_tau}")
+    need(cfg.ledger.backend in ("sqlite", "evm", "none"), f"ledger.backend must be sqlite, evm or none, got {cfg.ledger.backend!r}")
+    if cfg.ledger.backend == "evm":
+        need(bool(cfg.ledger.rpc_url and cfg.ledger.contract and cfg.ledger.key_file),
+             "ledger.backend = 'evm' needs ledger.rpc_url, ledger.contract and ledger.key_file")
     need(cfg.run.timeout_s > 0, f"run.timeout_s must be > 0, got {cfg.run.timeout_s}")
 
 

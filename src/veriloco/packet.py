@@ -120,3 +120,22 @@ def decode_packet(
             raise PacketError(f"tensor {key} decodes to non-finite values")
         out[key] = value
     return out
+
+
+# -- bundles: what a worker actually sends in an exchange --------------------------------------
+BUNDLE_MAGIC = b"VLB1"
+
+
+def encode_bundle(signed_commitment: bytes, packet: bytes) -> bytes:
+    """`VLB1` + 4-byte big-endian commitment length + signed commitment JSON + packet."""
+    return BUNDLE_MAGIC + struct.pack(">I", len(signed_commitment)) + signed_commitment + packet
+
+
+def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20) -> tuple[bytes, bytes]:
+    """(signed commitment bytes, packet bytes) of a peer's bundle; PacketError if malformed."""
+    if len(data) < 8 or data[:4] != BUNDLE_MAGIC:
+        raise PacketError("bundle does not start with VLB1")
+    (n,) = struct.unpack(">I", data[4:8])
+    if n > max_commitment_bytes or 8 + n > len(data):
+        raise PacketError(f"bundle claims a commitment of {n} bytes, bundle has {len(data) - 8}")
+    return data[8 : 8 + n], data[8 + n :]

@@ -34,6 +34,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 import torch
 import torch.distributed as dist
@@ -49,13 +52,20 @@ from .compress import (
     round_budget_bytes,
 )
 from .compress.controller import UNLIMITED_BYTES
-from .config import Config
+from .config import Config, VerifyConfig
+from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
-from .hashing import tensors_hash
+from .hashing import canonical_json, tensors_hash
 from .inner import InnerLoop
 from .link import Link
 from .outer import OuterOptimizer
-from .packet import PacketError, decode_packet, encode_packet, packet_codecs
+from .ledger import Ledger, SqliteLedger
+from .ledger.entry import make_entry
+from .packet import decode_packet, encode_bundle, encode_packet, packet_codecs
+from .verify.aggregate import aggregate as robust_aggregate
+from .verify.check import RoundCheck, check_round, hex_root
+from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
+from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import Task
@@ -77,11 +87,32 @@ class Worker:
     exchange: Exchange
     encoder: DeltaEncoder
     eval_set: list
+    identity: Identity
+    ledger: Ledger | None  # the recorder's (rank 0) ledger
     own_decoded: list = field(default_factory=list)  # this worker's last two decoded deltas
+    base_hashes: dict = field(default_factory=dict)  # round -> hash of G when its inner steps began
+    previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (replay screen)
 
     @property
     def is_recorder(self) -> bool:
         return self.rank == 0
+
+
+@dataclass
+class Identity:
+    """Who this worker is to the others: run id, its signing key, the admitted public keys."""
+
+    run_id: str
+    key: Ed25519PrivateKey
+    admitted: dict[int, str]
+    equivocation: EquivocationDetector
+
+
+def worker_key(cfg: Config, worker: int) -> Ed25519PrivateKey:
+    """Worker `worker`'s signing key: from [verify] key_dir, or derived from the seed (demo)."""
+    if cfg.verify.key_dir:
+        return load_private_key(Path(cfg.verify.key_dir) / f"worker-{worker}.key")
+    return derive_worker_key(cfg.run.seed, worker)
 
 
 @dataclass
@@ -158,7 +189,13 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
     encoder = DeltaEncoder(cfg, shapes, link, world)
     eval_set = task.eval_batches()[rank::world]
-    w = Worker(cfg, rank, world, task, run, store, model, inner, outer, exchange, encoder, eval_set)
+    manifest = run.read_manifest()
+    admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
+    identity = Identity(manifest["run_id"], worker_key(cfg, rank), admitted, EquivocationDetector(admitted))
+    if public_key_hex(identity.key) != admitted.get(rank):
+        raise RuntimeError(f"worker {rank}'s key is not the one the run manifest admits")
+    ledger = open_ledger(cfg, run) if rank == 0 else None
+    w = Worker(cfg, rank, world, task, run, store, model, inner, outer, exchange, encoder, eval_set, identity, ledger)
     if resume_round > 0:
         restore(w, resume_round)
     return w
@@ -212,17 +249,32 @@ def start_point(w: Worker) -> dict[str, torch.Tensor]:
 
 def run_inner_and_send(w: Worker, r: int) -> Sent:
     """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange."""
-    t0 = time.perf_counter()
+    t0, cfg = time.perf_counter(), w.cfg
+    w.base_hashes[r] = tensors_hash(w.outer.params)
     start = start_point(w)
     load_params(w.model, start)
-    result = w.inner.run(lambda step: w.task.batch(w.rank, r, step), w.cfg.train.inner_steps)
+    k = cfg.verify.trace_every or cfg.train.inner_steps
+    result = w.inner.run(lambda step: w.task.batch(w.rank, r, step), cfg.train.inner_steps, trace_every=k)
     with torch.no_grad():
-        delta = {k: start[k] - p.detach() for k, p in w.model.named_parameters()}
+        delta = {key: start[key] - p.detach() for key, p in w.model.named_parameters()}
     # the budget hides the exchange under the next round's inner steps (measured: this round's)
     packet, decoded, codec_log = w.encoder.encode(delta, result.seconds)
     w.own_decoded = (w.own_decoded + [decoded])[-2:]
     packet_hash = w.store.put(packet)
-    return Sent(r, w.exchange.start(packet), packet_hash, result, codec_log, t0)
+    losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
+    commitment = Commitment(
+        run_id=w.identity.run_id, round=r, worker=w.rank, base_hash=w.base_hashes[r],
+        batch_root=batch_root(w.task, w.rank, r, cfg.train.inner_steps),
+        trace_root=hex_root(result.trace), trace=tuple(result.trace), losses=tuple(losses),
+        packet_hash=packet_hash, packet_bytes=len(packet), codec=packet_codecs(packet),
+    )
+    signed = canonical_json(sign_commitment(commitment, w.identity.key))
+    return Sent(r, w.exchange.start(encode_bundle(signed, packet)), packet_hash, result, codec_log, t0)
+
+
+def batch_root(task: Task, worker: int, r: int, steps: int) -> str:
+    """Merkle root over the digests of the batches worker `worker` is assigned in round r."""
+    return hex_root([batch_digest(*task.batch(worker, r, step)) for step in range(steps)])
 
 
 def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
@@ -233,26 +285,27 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     wait_s = time.perf_counter() - wait0
     stats = sent.handle.stats
 
-    # 4. decode every packet; one that does not decode is left out of the aggregate
+    # 4. verify every bundle: signature, commitment, packet, data, screen (verify/check.py)
     G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
-    deltas, verdicts, hashes, codecs = [], [], [], []
     for data in packets:
-        hashes.append(w.store.put(data))
-        try:
-            codecs.append(_codec_summary(packet_codecs(data)))
-            deltas.append(decode_packet(data, shapes, cfg.run.max_packet_bytes))
-            verdicts.append("accept")
-        except PacketError as e:
-            verdicts.append(f"reject:malformed:{str(e)[:80]}")
+        w.store.put(data)
+    check = check_round(
+        packets, run_id=w.identity.run_id, round=r, base_hash=w.base_hashes.pop(r),
+        admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
+        batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
+        equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
+    )
+    hashes = [check.packet_hashes[j] for j in range(len(packets))]
     if hashes[w.rank] != sent.packet_hash:
         raise ExchangeError(f"worker {w.rank}: its own packet came back altered")
-    if not deltas:
-        raise ExchangeError(f"round {r}: no packet decoded; nothing to apply")
+    w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
 
-    # 5. aggregate (mean) and outer step
-    aggregate = {k: torch.stack([d[k] for d in deltas]).mean(dim=0) for k in shapes}
-    w.outer.step(aggregate)
+    # 5. aggregate the accepted deltas (robustly, if configured) and take the outer step
+    aggregate = None
+    if check.accepted:
+        aggregate = aggregate_deltas(check.accepted, cfg.verify)
+        w.outer.step(aggregate)
 
     # 6. record: checkpoint, private state, agreement check, eval, one line per round
     ckpt = {f"param/{k}": v for k, v in G.items()} | w.outer.state_tensors()
@@ -276,14 +329,16 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     g = torch.stack(gathered)
     is_last = r == cfg.train.rounds - 1
     eval_loss = evaluate(w) if (r + 1) % cfg.train.eval_every == 0 or is_last else None
-    return {
+    record = {
         "round": r,
         "packets": hashes,
-        "packet_bytes": [len(p) for p in packets],
-        "verdicts": verdicts,
-        "codecs": codecs,
+        "bundle_bytes": [len(p) for p in packets],  # signed commitment + packet, as sent
+        "verdicts": [check.verdicts[j] for j in range(len(packets))],
+        "evidence": {str(j): e for j, e in check.evidence.items()},
+        "commitments": [c.digest if c else None for c in (check.commitments[j] for j in range(len(packets)))],
+        "codecs": [_codec_summary(c.commitment.codec) if c and isinstance(c.commitment.codec, dict) else {} for c in (check.commitments[j] for j in range(len(packets)))],
         "codec_log": sent.codec_log,
-        "aggregate_hash": tensors_hash(aggregate),
+        "aggregate_hash": tensors_hash(aggregate) if aggregate is not None else None,
         "params_hash": params_hash,
         "checkpoint": ckpt_digest,
         "hashes_agree": True,
@@ -297,9 +352,51 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         "round_s": round(time.perf_counter() - sent.started - float(g[w.rank, 6]), 4),
         "tokens": int(res.tokens * w.world),
     }
+    if w.ledger is not None:
+        record["entry"] = append_entry(w, record, check, ckpt_digest)
+    return record
 
 
-def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:
+def aggregate_deltas(accepted: dict[int, dict[str, torch.Tensor]], v: VerifyConfig) -> dict[str, torch.Tensor]:
+    """The configured (robust) aggregate of the accepted deltas, in worker order."""
+    params: dict = {}
+    if v.aggregator == "trimmed_mean":
+        params["trim_fraction"] = v.trim_fraction
+    elif v.aggregator == "centered_clip" and v.clip_tau > 0:
+        params["tau"] = v.clip_tau
+    return robust_aggregate(dict(sorted(accepted.items())), v.aggregator, **params)
+
+
+def append_entry(w: Worker, record: dict, check: RoundCheck, checkpoint: str) -> str:
+    """Append the round's ledger entry (in-toto Statement); returns its hash."""
+    commitments = [
+        {"worker": j, "signed": c.to_dict() if c else None, "bundle_sha256": None if c else record["packets"][j],
+         "verdict": check.verdicts[j]}
+        for j, c in sorted(check.commitments.items())
+    ]
+    entry = make_entry(
+        run_id=w.identity.run_id, round=record["round"], prev_entry_hash=w.ledger.head_hash(),
+        checkpoint=checkpoint, commitments=commitments, aggregate_hash=record["aggregate_hash"],
+        codecs=record["codecs"], eval_loss=record["eval_loss"], params_hash=record["params_hash"],
+        aggregator=w.cfg.verify.aggregator,
+    )
+    w.ledger.append(entry)
+    return w.ledger.head_hash()
+
+
+def open_ledger(cfg: Config, run: RunDir) -> Ledger | None:
+    """The recorder's ledger: RUN/ledger.sqlite by default, an EVM contract, or none."""
+    if cfg.ledger.backend == "none":
+        return None
+    if cfg.ledger.backend == "sqlite":
+        return SqliteLedger(run.root / "ledger.sqlite")
+    from .ledger.evm import EvmLedger
+
+    return EvmLedger.connect(cfg.ledger.rpc_url, cfg.ledger.contract, run.read_manifest()["run_id"],
+                             cfg.ledger.key_file, str(run.root / "ledger-bodies"))
+
+
+def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
     """{spec: number of tensors} of one packet."""
     out: dict[str, int] = {}
     for spec in codecs.values():

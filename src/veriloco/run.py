@@ -27,6 +27,21 @@ from .store import LocalStore
 from .task import CorpusTask, Task, model_init_hash
 
 
+def admitted_keys(cfg: Config) -> dict[str, str]:
+    """{worker: public key hex} for the manifest: from [verify] key_dir or derived from the seed."""
+    from .round import worker_key
+    from .verify.identity import load_public_key, public_key_hex
+
+    out = {}
+    for w in range(cfg.topology.workers):
+        pub = Path(cfg.verify.key_dir) / f"worker-{w}.pub" if cfg.verify.key_dir else None
+        if pub is not None and pub.exists():
+            out[str(w)] = public_key_hex(load_public_key(pub.read_text()))
+        else:
+            out[str(w)] = public_key_hex(worker_key(cfg, w))
+    return out
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
     with socket.socket() as s:
@@ -42,10 +57,10 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
         "corpus_root": corpus.root,
         "model_init_hash": model_init_hash(build_model(cfg.model, cfg.run.seed)),
         "code_version": __version__,
-        "worker_keys": [],
+        "worker_keys": admitted_keys(cfg),
     }
-    run_id = json_hash(manifest)[:16]
-    run = RunDir(out or Path("runs") / run_id)
+    run_id = json_hash(manifest)
+    run = RunDir(out or Path("runs") / run_id[:16])
     if run.rounds_path.exists() and run.rounds():
         raise RunDirError(f"{run.root} already holds a run; use --resume {run.root} or another --out")
     store = LocalStore(run.store_dir)
@@ -94,7 +109,10 @@ def train(
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
     """Train a user's Task (own model and data) through the same round engine."""
     run = RunDir(out)
-    run.write_manifest({"config": cfg.to_dict(), "code_version": __version__, "task": repr(task.make_model)})
+    manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
+                "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
+    manifest["run_id"] = json_hash(manifest)
+    run.write_manifest(manifest)
     return launch(cfg, task, run, 0, quiet)
 
 

@@ -1,0 +1,119 @@
+"""Checking one round's bundles: every worker runs this on the same bytes and gets the same verdicts.
+
+For each worker's bundle, in order (the first failure is its verdict):
+  1. bundle format, signed-commitment format (MALFORMED)
+  2. signature under the admitted key, run, round, base hash (BAD_SIGNATURE, UNKNOWN_WORKER,
+     KEY_MISMATCH, STALE_BASE, LATE, MALFORMED); the commitment names the worker that sent it
+  3. the packet is the one committed to: size, sha256, codecs (MALFORMED)
+  4. the batch root is the one its assigned batches give (WRONG_DATA), the trace root is the
+     root of its trace (MALFORMED)
+  5. equivocation: a second, different signed commitment for this round (EQUIVOCATION, with
+     both signed commitments kept as evidence)
+  6. the packet decodes to the model's shapes (MALFORMED)
+then the screen over the decodable deltas (verify/screen.py: norms, cosine to a robust centre,
+copies, replays). A rejected packet never reaches the aggregate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..hashing import sha256_hex
+from ..ledger.merkle import root as merkle_root
+from ..packet import PacketError, decode_bundle, decode_packet
+from . import ACCEPT, EQUIVOCATION, KEY_MISMATCH, MALFORMED, WRONG_DATA
+from .commitment import (
+    CommitmentError,
+    EquivocationDetector,
+    SignedCommitment,
+    check_commitment,
+    check_packet,
+    parse_signed_commitment,
+)
+from .screen import ScreenConfig, screen_round
+
+
+def hex_root(hashes: list[str]) -> str:
+    """Merkle root (RFC 9162) over a list of hex digests, as hex."""
+    return merkle_root([bytes.fromhex(h) for h in hashes]).hex()
+
+
+@dataclass
+class RoundCheck:
+    """Verdicts of one round: reason per worker, decoded deltas of the accepted ones, evidence."""
+
+    verdicts: dict[int, str]
+    accepted: dict[int, dict[str, torch.Tensor]]
+    commitments: dict[int, SignedCommitment | None]
+    packet_hashes: dict[int, str]
+    evidence: dict[int, Any] = field(default_factory=dict)
+
+
+def check_round(
+    bundles: list[bytes],
+    *,
+    run_id: str,
+    round: int,
+    base_hash: str,
+    admitted_keys: dict[int, str],
+    shapes: dict[str, tuple[int, ...]],
+    max_packet_bytes: int,
+    batch_root_of: Callable[[int], str],
+    equivocation: EquivocationDetector,
+    screen: bool = True,
+    previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
+) -> RoundCheck:
+    """Verdict per worker for this round's bundles (index = worker id)."""
+    verdicts: dict[int, str] = {}
+    commitments: dict[int, SignedCommitment | None] = {}
+    packet_hashes: dict[int, str] = {}
+    decoded: dict[int, dict[str, torch.Tensor]] = {}
+    evidence: dict[int, Any] = {}
+    for w, data in enumerate(bundles):
+        commitments[w] = None
+        packet_hashes[w] = sha256_hex(data)
+        try:
+            raw_commitment, packet = decode_bundle(data)
+            packet_hashes[w] = sha256_hex(packet)
+            signed = parse_signed_commitment(raw_commitment)
+        except (PacketError, CommitmentError) as e:
+            verdicts[w], evidence[w] = MALFORMED, {"error": str(e)[:200]}
+            continue
+        commitments[w] = signed
+        c = signed.commitment
+        reason = check_commitment(signed, admitted_keys, run_id=run_id, round=round, base_hash=base_hash)
+        if reason is None and c.worker != w:
+            reason = KEY_MISMATCH
+        reason = reason or check_packet(signed, packet)
+        if reason is None and c.batch_root != batch_root_of(w):
+            reason, evidence[w] = WRONG_DATA, {"committed": c.batch_root, "assigned": batch_root_of(w)}
+        if reason is None and (not c.trace or c.trace_root != hex_root(list(c.trace))):
+            reason = MALFORMED
+        if reason is None:
+            proof = equivocation.observe(signed)
+            if proof is not None:
+                reason, evidence[w] = EQUIVOCATION, proof
+        if reason is None:
+            try:
+                decoded[w] = decode_packet(packet, shapes, max_packet_bytes)
+            except PacketError as e:
+                reason, evidence[w] = MALFORMED, {"error": str(e)[:200]}
+        verdicts[w] = reason or ACCEPT
+    if screen and decoded:
+        prev_hashes, prev_deltas = previous or ({}, {})
+        screened = screen_round(
+            decoded,
+            packet_hashes={w: packet_hashes[w] for w in decoded},
+            previous_packet_hashes=prev_hashes,
+            previous_deltas=prev_deltas,
+            config=ScreenConfig(),
+        )
+        for w, v in screened.items():
+            if not v.accepted:
+                verdicts[w], evidence[w] = v.reason, v.evidence
+    accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
+    return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence)
