@@ -2,6 +2,10 @@
 
     veriloco train [CONFIG.toml] [--section.key=value ...] [--out DIR]
     veriloco train --resume DIR
+    veriloco audit RUN             # re-verify a finished run from its directory alone
+    veriloco prove RUN ROUND       # inclusion proof of a round's ledger entry
+    veriloco report RUN            # RUN/report.html: one self-contained page
+    veriloco keygen --out DIR --workers N   # Ed25519 keys for [verify] key_dir
     veriloco config                # print the config reference (every section and key)
 
 Bad input (config typo, wrong type, missing file, corrupt run directory) prints one line
@@ -40,6 +44,12 @@ def _print_summary(run_dir: Path, summary: dict) -> None:
         f"sent {s['bytes_sent_per_worker'] / 1e6:.1f} MB/worker\n"
         f"run: {run_dir}  (summary.json, rounds.jsonl, metrics.jsonl)"
     )
+    try:
+        from .report import write_report
+
+        typer.echo(f"report: {write_report(run_dir)}")
+    except Exception as e:  # the run itself succeeded; a report problem must not hide that
+        typer.echo(f"report: not written ({type(e).__name__}: {str(e)[:120]})")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -81,6 +91,88 @@ def train(
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         fail(f"training failed: {lines[-1] if lines else type(e).__name__}", code=1)
     _print_summary(run_dir.root, summary)
+
+
+@app.command()
+def audit(run: str = typer.Argument(..., help="run directory")) -> None:
+    """Re-verify a run offline: manifest, corpus, ledger, signatures, verdicts, every outer step."""
+    from .audit import audit_run, write_audit
+
+    try:
+        report = audit_run(run)
+    except USER_ERRORS as e:
+        fail(str(e))
+    write_audit(run, report)
+    c = report.checked
+    if report.ok:
+        typer.echo(
+            f"audit ok: {report.rounds} rounds, {c.get('ledger_entries', 0)} ledger entries "
+            f"(root {report.ledger_root}), {c.get('signatures', 0)} signatures, {c.get('bundles', 0)} "
+            f"bundles, {c.get('checkpoints', 0)} checkpoints recomputed, {c.get('corpus_chunks', 0)} "
+            f"corpus chunks, in {report.seconds:.1f}s"
+        )
+        return
+    typer.echo(f"audit FAILED: {report.first_failure}", err=True)
+    raise typer.Exit(1)
+
+
+@app.command()
+def prove(run: str = typer.Argument(..., help="run directory"), round: int = typer.Argument(..., help="round")) -> None:
+    """Print an RFC 9162 inclusion proof of ROUND's entry in the run's ledger (and check it)."""
+    import json
+
+    from .ledger import SqliteLedger
+    from .ledger.merkle import leaf_hash, verify_inclusion
+
+    path = Path(run) / "ledger.sqlite"
+    if not path.is_file():
+        fail(f"{run} has no ledger.sqlite")
+    ledger = SqliteLedger(path)
+    try:
+        n = ledger.size()
+        if not 0 <= round < n:
+            fail(f"round {round} is not in the ledger (it has rounds 0..{n - 1})")
+        proof, root = ledger.inclusion_proof(round), ledger.root()
+        leaf = leaf_hash(ledger.entry_bytes(round))
+    finally:
+        ledger.close()
+    ok = verify_inclusion(leaf, round, n, proof, root)
+    typer.echo(json.dumps({"round": round, "tree_size": n, "root": root, "leaf_hash": leaf.hex(),
+                           "proof": proof, "verified": ok}, indent=2))
+    if not ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(run: str = typer.Argument(..., help="run directory")) -> None:
+    """Write RUN/report.html: one self-contained page (plots embedded) of what the run did."""
+    from .report import write_report
+
+    if not (Path(run) / "manifest.json").is_file():
+        fail(f"{run} is not a run directory: no manifest.json")
+    typer.echo(str(write_report(run)))
+
+
+@app.command()
+def keygen(
+    out: str = typer.Option(..., "--out", help="directory for worker-<w>.key / .pub"),
+    workers: int = typer.Option(..., "--workers", help="how many workers"),
+) -> None:
+    """Ed25519 keys for each worker: worker-<w>.key (private, 0600) and worker-<w>.pub."""
+    from .verify.identity import IdentityError, generate_key, public_key_hex, save_private_key
+
+    if workers < 1:
+        fail(f"--workers must be >= 1, got {workers}")
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    for w in range(workers):
+        private, _ = generate_key()
+        try:
+            save_private_key(d / f"worker-{w}.key", private)
+        except IdentityError as e:
+            fail(str(e))
+        (d / f"worker-{w}.pub").write_text(public_key_hex(private) + "\n")
+    typer.echo(f"wrote {workers} key pairs to {d} (set [verify] key_dir = \"{d}\")")
 
 
 @app.command("config")

@@ -1,0 +1,201 @@
+"""`veriloco audit RUN`: re-verify a finished run offline from its directory alone.
+
+What is checked, in this order (the first failure is reported with its round):
+  1. the manifest: its hash is the run id; the config parses; the model built from the config's
+     seed has the manifest's init hash
+  2. the corpus: every chunk in the store is present and hashes to its name; the Merkle root
+     of the chunks is the manifest's corpus root
+  3. the ledger: every entry parses, the hash chain holds, the stored Merkle roots are right
+     (RFC 9162); rounds.jsonl agrees with the ledger entry by entry
+  4. every round, redone from the stored bytes alone: each worker's bundle (signed commitment +
+     packet) is present and hashes to its name; the checks every worker ran (signature under the
+     admitted key, base params, packet hash, assigned batches, equivocation, screen) give the
+     verdicts the entry records; the accepted deltas aggregate to the recorded aggregate hash;
+     the outer step from the previous params gives the params and the checkpoint digest the
+     entry claims, and that checkpoint blob is in the store.
+Exit code 0 when all of it holds, 1 with a line naming the first round and thing that does not,
+2 when RUN is not a run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors.torch import save as st_save
+
+from .config import config_from_dict
+from .hashing import json_hash, sha256_hex, tensors_hash
+from .ledger import LedgerError, SqliteLedger, verify_chain
+from .ledger.entry import parse_entry
+from .model import build_model
+from .outer import OuterOptimizer
+from .records import RunDir, RunDirError
+from .round import aggregate_deltas, batch_root
+from .store import LocalStore, StoreError
+from .task import CorpusTask, load_stored_corpus, model_init_hash
+from .verify.check import check_round
+from .verify.commitment import EquivocationDetector
+
+
+class AuditFailure(Exception):
+    """Something in the run does not hold; the message names the round and the thing."""
+
+
+@dataclass
+class AuditReport:
+    """The outcome: ok, what was checked, the first failure."""
+
+    ok: bool
+    rounds: int = 0
+    checked: dict[str, int] = field(default_factory=dict)
+    first_failure: str | None = None
+    ledger_root: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "rounds": self.rounds, "checked": self.checked,
+                "first_failure": self.first_failure, "ledger_root": self.ledger_root,
+                "seconds": round(self.seconds, 3)}
+
+
+def _fail(msg: str) -> None:
+    raise AuditFailure(msg)
+
+
+def audit_run(run_dir: str | Path) -> AuditReport:
+    """Audit the run in `run_dir`; RunDirError if it is not a run directory at all."""
+    t0 = time.perf_counter()
+    run = RunDir(run_dir)
+    manifest = run.read_manifest()
+    report = AuditReport(ok=False)
+    try:
+        _audit(run, manifest, report)
+        report.ok = True
+    except AuditFailure as e:
+        report.first_failure = str(e)
+    except (StoreError, LedgerError) as e:
+        report.first_failure = str(e).splitlines()[0]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
+    counts = report.checked
+    # 1. manifest
+    core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
+    if json_hash(core) != manifest.get("run_id"):
+        _fail("manifest: its hash is not the run id (the manifest was changed)")
+    try:
+        cfg = config_from_dict(manifest["config"])
+    except ValueError as e:
+        _fail(f"manifest: config does not parse: {e}")
+    if cfg.topology.__dict__.get("stages", 1) != 1:
+        _fail("manifest: audit of pipeline-stage runs (stages > 1) is not supported yet")
+    G0 = build_model(cfg.model, cfg.run.seed)
+    if model_init_hash(G0) != manifest.get("model_init_hash"):
+        _fail("manifest: the model built from the config's seed does not have the manifest's init hash")
+    store = LocalStore(run.store_dir)
+
+    # 2. corpus
+    try:
+        corpus = load_stored_corpus(store, manifest["corpus_manifest"], cfg)
+    except StoreError as e:
+        _fail(f"corpus: {e}")
+    if corpus.root != manifest["corpus_root"]:
+        _fail(f"corpus: Merkle root {corpus.root} is not the manifest's {manifest['corpus_root']}")
+    counts["corpus_chunks"] = len(corpus.chunks)
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
+    task._corpus = corpus
+
+    # 3. ledger and records
+    if not (run.root / "ledger.sqlite").exists():
+        _fail("ledger: RUN/ledger.sqlite is missing")
+    ledger = SqliteLedger(run.root / "ledger.sqlite")
+    try:
+        problems = verify_chain(ledger)
+        if problems:
+            _fail(f"ledger: {problems[0]}")
+        entries = [parse_entry(ledger.entry_bytes(i)) for i in range(ledger.size())]
+        report.ledger_root = ledger.root()
+    finally:
+        ledger.close()
+    records = run.rounds()
+    if not records and not entries:
+        _fail("records: the run has no completed round to audit")
+    if len(records) != len(entries):
+        _fail(f"records: rounds.jsonl has {len(records)} rounds, the ledger {len(entries)}")
+    for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
+        p = entry["predicate"]
+        if rec.get("round") != r or p["run_id"] != manifest["run_id"]:
+            _fail(f"round {r}: record or entry is out of order or from another run")
+        if rec.get("checkpoint") != entry["subject"][0]["digest"]["sha256"]:
+            _fail(f"round {r}: rounds.jsonl checkpoint differs from the ledger entry's")
+    counts["ledger_entries"] = len(entries)
+
+    # 4. every round, redone
+    admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
+    outer = OuterOptimizer(dict(G0.named_parameters()), cfg.outer)
+    shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
+    detector = EquivocationDetector(admitted)
+    params_after: list[str] = []
+    previous: tuple = ({}, {})
+    counts.update(signatures=0, bundles=0, checkpoints=0)
+    for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
+        p = entry["predicate"]
+        bundles = []
+        for j, digest in enumerate(rec.get("bundles") or []):
+            try:
+                bundles.append(store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20)))
+            except StoreError as e:
+                _fail(f"round {r}: bundle of worker {j}: {e}")
+        if len(bundles) != len(p["commitments"]):
+            _fail(f"round {r}: {len(bundles)} bundles stored, the entry lists {len(p['commitments'])} commitments")
+        counts["bundles"] += len(bundles)
+        back = r - 1 - cfg.outer.delay
+        base = params_after[back] if back >= 0 else tensors_hash(dict(G0.named_parameters()))
+        check = check_round(
+            bundles, run_id=manifest["run_id"], round=r, base_hash=base, admitted_keys=admitted,
+            shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
+            batch_root_of=lambda j, r=r: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
+            equivocation=detector, screen=cfg.verify.screen, previous=previous,
+        )
+        for c in p["commitments"]:
+            j, recorded = c["worker"], c["verdict"]
+            if check.verdicts.get(j) != recorded:
+                _fail(f"round {r}: worker {j}'s verdict recomputes to {check.verdicts.get(j)!r}, the entry says {recorded!r}")
+            signed = check.commitments.get(j)
+            if (signed.to_dict() if signed else None) != c["signed"]:
+                _fail(f"round {r}: worker {j}'s signed commitment in the ledger is not the one in its bundle")
+            counts["signatures"] += signed is not None
+        previous = ({j: check.packet_hashes[j] for j in check.accepted}, check.accepted)
+        if check.accepted:
+            agg = aggregate_deltas(check.accepted, cfg.verify)
+            if tensors_hash(agg) != p["aggregate_hash"]:
+                _fail(f"round {r}: the accepted packets aggregate to {tensors_hash(agg)[:16]}, the entry says {str(p['aggregate_hash'])[:16]}")
+            outer.step(agg)
+        elif p["aggregate_hash"] is not None:
+            _fail(f"round {r}: nothing was accepted but the entry claims an aggregate")
+        params_hash = tensors_hash(outer.params)
+        params_after.append(params_hash)
+        ckpt = {f"param/{k}": v for k, v in outer.params.items()} | outer.state_tensors()
+        digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
+        claimed = entry["subject"][0]["digest"]["sha256"]
+        if digest != claimed or p.get("params_hash", params_hash) != params_hash:
+            _fail(f"round {r}: the outer step recomputes to checkpoint {digest[:16]}, the entry claims {claimed[:16]}")
+        try:
+            store.get(claimed)
+        except StoreError as e:
+            _fail(f"round {r}: checkpoint: {e}")
+        counts["checkpoints"] += 1
+    report.rounds = len(records)
+
+
+def write_audit(run_dir: str | Path, report: AuditReport) -> None:
+    """Save the outcome as RUN/audit.json (the run report shows it)."""
+    (Path(run_dir) / "audit.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+
+
+__all__ = ["AuditFailure", "AuditReport", "audit_run", "write_audit", "RunDirError"]
