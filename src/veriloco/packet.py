@@ -124,18 +124,41 @@ def decode_packet(
 
 # -- bundles: what a worker actually sends in an exchange --------------------------------------
 BUNDLE_MAGIC = b"VLB1"
+MAX_EXTRAS = 4
 
 
-def encode_bundle(signed_commitment: bytes, packet: bytes) -> bytes:
-    """`VLB1` + 4-byte big-endian commitment length + signed commitment JSON + packet."""
-    return BUNDLE_MAGIC + struct.pack(">I", len(signed_commitment)) + signed_commitment + packet
+def encode_bundle(signed_commitment: bytes, packet: bytes, extras: tuple[bytes, ...] = ()) -> bytes:
+    """`VLB1`, u32 commitment length, signed commitment JSON, u64 packet length, packet, then
+    zero or more (u32 length, signed commitment) extras. An honest worker sends no extras; the
+    slot exists so that a second commitment a worker signed for the same round (gossip, an
+    equivocation) reaches everyone as evidence, in the same bytes."""
+    out = [BUNDLE_MAGIC, struct.pack(">I", len(signed_commitment)), signed_commitment,
+           struct.pack(">Q", len(packet)), packet]
+    for extra in extras:
+        out += [struct.pack(">I", len(extra)), extra]
+    return b"".join(out)
 
 
-def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20) -> tuple[bytes, bytes]:
-    """(signed commitment bytes, packet bytes) of a peer's bundle; PacketError if malformed."""
-    if len(data) < 8 or data[:4] != BUNDLE_MAGIC:
+def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20) -> tuple[bytes, bytes, list[bytes]]:
+    """(signed commitment, packet, extras) of a peer's bundle; PacketError if malformed."""
+    if len(data) < 16 or data[:4] != BUNDLE_MAGIC:
         raise PacketError("bundle does not start with VLB1")
     (n,) = struct.unpack(">I", data[4:8])
-    if n > max_commitment_bytes or 8 + n > len(data):
+    if n > max_commitment_bytes or 8 + n + 8 > len(data):
         raise PacketError(f"bundle claims a commitment of {n} bytes, bundle has {len(data) - 8}")
-    return data[8 : 8 + n], data[8 + n :]
+    commitment, pos = data[8 : 8 + n], 8 + n
+    (m,) = struct.unpack(">Q", data[pos : pos + 8])
+    pos += 8
+    if m > len(data) - pos:
+        raise PacketError(f"bundle claims a packet of {m} bytes, bundle has {len(data) - pos}")
+    packet, pos = data[pos : pos + m], pos + m
+    extras = []
+    while pos < len(data):
+        if len(extras) >= MAX_EXTRAS or pos + 4 > len(data):
+            raise PacketError("bundle has trailing bytes that are not commitments")
+        (k,) = struct.unpack(">I", data[pos : pos + 4])
+        if k > max_commitment_bytes or pos + 4 + k > len(data):
+            raise PacketError(f"bundle extra claims {k} bytes, bundle has {len(data) - pos - 4}")
+        extras.append(data[pos + 4 : pos + 4 + k])
+        pos += 4 + k
+    return commitment, packet, extras

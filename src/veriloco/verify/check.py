@@ -77,9 +77,10 @@ def check_round(
         commitments[w] = None
         packet_hashes[w] = sha256_hex(data)
         try:
-            raw_commitment, packet = decode_bundle(data)
+            raw_commitment, packet, extras = decode_bundle(data)
             packet_hashes[w] = sha256_hex(packet)
             signed = parse_signed_commitment(raw_commitment)
+            gossip = [parse_signed_commitment(x) for x in extras]
         except (PacketError, CommitmentError) as e:
             verdicts[w], evidence[w] = MALFORMED, {"error": str(e)[:200]}
             continue
@@ -94,9 +95,10 @@ def check_round(
         if reason is None and (not c.trace or c.trace_root != hex_root(list(c.trace))):
             reason = MALFORMED
         if reason is None:
-            proof = equivocation.observe(signed)
-            if proof is not None:
-                reason, evidence[w] = EQUIVOCATION, proof
+            for other in [signed, *gossip]:  # a second signed commitment for this round is evidence
+                proof = equivocation.observe(other)
+                if proof is not None and proof["worker"] == w:
+                    reason, evidence[w] = EQUIVOCATION, proof
         if reason is None:
             try:
                 decoded[w] = decode_packet(packet, shapes, max_packet_bytes)

@@ -1,0 +1,301 @@
+"""Adversaries: workers that attack, for tests, benchmarks and red teams.
+
+An adversary is a plain class with hooks at the points where a worker could cheat; the default
+of every hook is honest. `round.py` calls the hooks of the worker's adversary (if any):
+
+    batch(r, step, inputs, targets) -> (inputs, targets)   the data it trains on
+    inner_steps(r, steps) -> int                             how many inner steps it really does
+    delta(r, delta, view) -> delta                           the update it encodes
+    packet(r, packet, view) -> bytes                         the packet it commits to and sends
+    commitment(r, commitment) -> commitment                  the commitment it signs (dict)
+    bundle(r, bundle, view) -> bytes                         the bytes it puts on the wire
+
+`view` (a `View`) holds what any worker legitimately knows at that point: the previous round's
+accepted deltas of everyone, its own previous packet and delta, the global params.
+
+Each built-in attacker does its best to pass the checks (a strawman would prove nothing):
+lazy rescales its delta to the norm of an honest one, copy adds small noise, noise matches the
+honest norm, ALIE and IPM follow their papers. Users load their own with
+`--adversary.W=package.module:Class` (optionally `:key=value,...` parameters), so researchers can
+red-team the checks with attacks nobody here thought of.
+
+References: ALIE, Baruch et al. 2019 ("A Little Is Enough", arXiv 1902.06156); IPM, Xie et al.
+2019 ("Fall of Empires", arXiv 1903.03936); Proof-of-Learning spoofing, Fang et al. 2023.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+Delta = dict[str, torch.Tensor]
+
+
+@dataclass
+class View:
+    """What a worker knows when it builds its update."""
+
+    world: int
+    previous_deltas: dict[int, Delta] = field(default_factory=dict)  # last round's accepted
+    own_previous_packet: bytes | None = None
+    own_previous_delta: Delta | None = None
+
+
+def _norm(d: Delta) -> float:
+    return float(torch.sqrt(sum((v.double() ** 2).sum() for v in d.values())))
+
+
+def _scaled_to(d: Delta, norm: float) -> Delta:
+    n = _norm(d)
+    return {k: v * (norm / n) for k, v in d.items()} if n > 0 else d
+
+
+def _honest_norm(view: View, fallback: Delta) -> float:
+    """The median norm of last round's accepted deltas (what an honest update looks like)."""
+    norms = sorted(_norm(d) for d in view.previous_deltas.values())
+    return norms[len(norms) // 2] if norms else _norm(fallback)
+
+
+class Adversary:
+    """Honest by default; subclasses override the hooks they attack through."""
+
+    kind = "honest"
+
+    def __init__(self, worker: int, seed: int, **params: str) -> None:
+        self.worker, self.params = worker, params
+        self.gen = torch.Generator().manual_seed(seed * 1009 + worker)
+
+    def param(self, key: str, default: float) -> float:
+        return float(self.params.get(key, default))
+
+    def batch(self, r: int, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs, targets
+
+    def inner_steps(self, r: int, steps: int) -> int:
+        return steps
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        return delta
+
+    def packet(self, r: int, packet: bytes, view: View) -> bytes:
+        return packet
+
+    def commitment(self, r: int, commitment: dict) -> dict:
+        return commitment
+
+    def bundle(self, r: int, bundle: bytes, view: View) -> bytes:
+        return bundle
+
+    def second_commitment(self, r: int, commitment: dict) -> dict | None:
+        """A second commitment to sign for the same round (equivocation); None when honest."""
+        return None
+
+
+class Noop(Adversary):
+    """Does no work and sends the zero update."""
+
+    kind = "noop"
+
+    def inner_steps(self, r: int, steps: int) -> int:
+        return 0
+
+
+class Noise(Adversary):
+    """Sends Gaussian noise scaled to an honest norm (no training)."""
+
+    kind = "noise"
+
+    def inner_steps(self, r: int, steps: int) -> int:
+        return 0
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        noise = {k: torch.randn(v.shape, generator=self.gen) for k, v in delta.items()}
+        return _scaled_to(noise, _honest_norm(view, {k: torch.ones_like(v) * 1e-3 for k, v in delta.items()}))
+
+
+class Scaled(Adversary):
+    """Trains honestly, then multiplies its delta by `factor` (default 10) to dominate the mean."""
+
+    kind = "scaled"
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        f = self.param("factor", 10.0)
+        return {k: v * f for k, v in delta.items()}
+
+
+class SignFlip(Adversary):
+    """Trains honestly and sends the negated delta (pushes the model uphill)."""
+
+    kind = "sign_flip"
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        return {k: -v for k, v in delta.items()}
+
+
+class Stale(Adversary):
+    """Skips training and resubmits last round's average update as if it were fresh work."""
+
+    kind = "stale"
+
+    def inner_steps(self, r: int, steps: int) -> int:
+        return 0 if r > 0 else steps
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        if r == 0 or not view.previous_deltas:
+            return delta
+        ds = list(view.previous_deltas.values())
+        return {k: sum(d[k] for d in ds) / len(ds) for k in delta}
+
+
+class Replay(Adversary):
+    """Resends its previous round's packet unchanged (no training)."""
+
+    kind = "replay"
+
+    def inner_steps(self, r: int, steps: int) -> int:
+        return 0 if r > 0 else steps
+
+    def packet(self, r: int, packet: bytes, view: View) -> bytes:
+        return view.own_previous_packet if view.own_previous_packet is not None else packet
+
+
+class Copy(Adversary):
+    """Copies another worker's latest accepted delta, plus small noise to dodge exact matching."""
+
+    kind = "copy"
+
+    def inner_steps(self, r: int, steps: int) -> int:
+        return 0 if r > 0 else steps
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        others = {w: d for w, d in view.previous_deltas.items() if w != self.worker}
+        if not others:
+            return delta
+        src = others[min(others)]
+        eps = self.param("noise", 0.01)
+        return {k: v + eps * v.abs().mean() * torch.randn(v.shape, generator=self.gen) for k, v in src.items()}
+
+
+class Lazy(Adversary):
+    """Skips a fraction (default 0.5) of its inner steps and rescales the delta to an honest norm."""
+
+    kind = "lazy"
+
+    def inner_steps(self, r: int, steps: int) -> int:
+        return max(1, round(steps * (1 - self.param("skip", 0.5))))
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        return _scaled_to(delta, _honest_norm(view, delta) if view.previous_deltas else _norm(delta) / (1 - self.param("skip", 0.5)))
+
+
+class WrongData(Adversary):
+    """Trains on other data (shifted batches) but commits the root of its assigned batches."""
+
+    kind = "wrong_data"
+
+    def batch(self, r: int, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.roll(inputs, 1, 0), torch.roll(targets, 1, 0)
+
+
+class Alie(Adversary):
+    """A Little Is Enough: mean - z * std of the honest deltas (estimated from last round)."""
+
+    kind = "alie"
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        ds = list(view.previous_deltas.values())
+        if len(ds) < 2:
+            return delta
+        z = self.param("z", 1.0)
+        out = {}
+        for k in delta:
+            stack = torch.stack([d[k] for d in ds])
+            out[k] = stack.mean(0) - z * stack.std(0)
+        return out
+
+
+class Ipm(Adversary):
+    """Inner Product Manipulation: -epsilon times the mean of the honest deltas."""
+
+    kind = "ipm"
+
+    def delta(self, r: int, delta: Delta, view: View) -> Delta:
+        ds = list(view.previous_deltas.values()) or [delta]
+        eps = self.param("epsilon", 0.5)
+        return {k: -eps * sum(d[k] for d in ds) / len(ds) for k in delta}
+
+
+class Malformed(Adversary):
+    """Sends bytes that are not a valid bundle (truncated and corrupted)."""
+
+    kind = "malformed"
+
+    def bundle(self, r: int, bundle: bytes, view: View) -> bytes:
+        b = bytearray(bundle[: max(len(bundle) // 2, 9)])
+        b[8] ^= 0xFF
+        return bytes(b)
+
+
+class ForgedSignature(Adversary):
+    """Sends a signature its key did not produce (what a forger without the key can do: here
+    its own signature with one bit flipped, on an otherwise honest commitment and packet)."""
+
+    kind = "forged_signature"
+
+    def bundle(self, r: int, bundle: bytes, view: View) -> bytes:
+        from ..packet import decode_bundle, encode_bundle
+
+        commitment, packet, _ = decode_bundle(bundle)
+        signed = json.loads(commitment)
+        sig = bytearray(bytes.fromhex(signed["signature"]))
+        sig[0] ^= 0x01  # a signature nobody's key produced
+        signed["signature"] = sig.hex()
+        from ..hashing import canonical_json
+
+        return encode_bundle(canonical_json(signed), packet)
+
+
+class Equivocate(Adversary):
+    """Signs two different commitments for the same round (a second one claiming other losses)
+    and lets both circulate: the second rides in its bundle's extras slot, as gossip would."""
+
+    kind = "equivocate"
+
+    def second_commitment(self, r: int, commitment: dict) -> dict | None:
+        c = dict(commitment)
+        c["losses"] = [x * 0.9 for x in c["losses"]]
+        return c
+
+
+BUILTIN: dict[str, type[Adversary]] = {
+    cls.kind: cls
+    for cls in (Noop, Noise, Scaled, SignFlip, Stale, Replay, Copy, Lazy, WrongData, Alie, Ipm,
+                Malformed, ForgedSignature, Equivocate)
+}
+
+
+def load_adversary(spec: str, worker: int, seed: int) -> Adversary:
+    """`kind`, `kind:key=value,...`, or `package.module:Class[:key=value,...]`."""
+    parts = spec.split(":")
+    if parts[0] in BUILTIN:
+        cls, rest = BUILTIN[parts[0]], parts[1:]
+    elif len(parts) >= 2 and "." in parts[0]:
+        try:
+            cls = getattr(importlib.import_module(parts[0]), parts[1])
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"adversary {spec!r}: cannot load {parts[0]}:{parts[1]} ({e})") from None
+        if not (isinstance(cls, type) and issubclass(cls, Adversary)):
+            raise ValueError(f"adversary {spec!r}: {parts[1]} is not a veriloco.verify.adversary.Adversary subclass")
+        rest = parts[2:]
+    else:
+        raise ValueError(f"unknown adversary {spec!r}; built-in kinds: {', '.join(sorted(BUILTIN))}, or package.module:Class")
+    params: dict[str, str] = {}
+    for item in ",".join(rest).split(",") if rest else []:
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise ValueError(f"adversary {spec!r}: parameters look like key=value")
+        params[k] = v
+    return cls(worker, seed, **params)
