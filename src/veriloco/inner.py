@@ -91,6 +91,14 @@ class InnerLoop:
                 trace.append(self.state_hash())
         return InnerResult(losses, time.perf_counter() - t0, tokens, trace)
 
+    def reset_state(self) -> None:
+        """Forget the AdamW moments (the step counter, which drives the LR schedule, stays).
+
+        With `[train] inner_state = "reset"` this runs at every round start, so a worker's whole
+        round is a function of public data (its start params and its assigned batches) and any
+        other worker can replay it bit for bit without fetching private optimizer state."""
+        self.opt.state.clear()
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state as named tensors (safetensors-ready), plus the step counter."""
         names = {id(p): n for n, p in self.model.named_parameters()}
