@@ -6,7 +6,8 @@ What is checked, in this order (the first failure is reported with its round):
   2. the corpus: every chunk in the store is present and hashes to its name; the Merkle root
      of the chunks is the manifest's corpus root
   3. the ledger: every entry parses, the hash chain holds, the stored Merkle roots are right
-     (RFC 9162); rounds.jsonl agrees with the ledger entry by entry
+     (RFC 9162); rounds.jsonl agrees with the ledger entry by entry (entry hash, checkpoint,
+     aggregate and params hashes, eval loss, codecs, verdicts), so the report shows no lie
   4. every round, redone from the stored bytes alone: each worker's bundle (signed commitment +
      packet) is present and hashes to its name; the checks every worker ran (signature under the
      admitted key, base params, packet hash, assigned batches, equivocation, screen) give the
@@ -20,6 +21,7 @@ Exit code 0 when all of it holds, 1 with a line naming the first round and thing
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from safetensors.torch import save as st_save
 from .config import config_from_dict
 from .hashing import json_hash, sha256_hex, tensors_hash
 from .ledger import LedgerError, SqliteLedger, verify_chain
-from .ledger.entry import parse_entry
+from .ledger.entry import parse_entry, verdict_reason
 from .model import build_model
 from .outer import OuterOptimizer
 from .records import RunDir, RunDirError
@@ -116,9 +118,11 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
     ledger = SqliteLedger(run.root / "ledger.sqlite")
     try:
         problems = verify_chain(ledger)
-        if problems:
-            _fail(f"ledger: {problems[0]}")
-        entries = [parse_entry(ledger.entry_bytes(i)) for i in range(ledger.size())]
+        if problems:  # "entry <i>: <why>"; entry i is round i
+            m = re.match(r"entry (\d+): (.*)", problems[0], re.S)
+            _fail(f"round {m[1]}: ledger entry: {m[2]}" if m else f"ledger: {problems[0]}")
+        raw = [ledger.entry_bytes(i) for i in range(ledger.size())]
+        entries, entry_hashes = [parse_entry(b) for b in raw], [sha256_hex(b) for b in raw]
         report.ledger_root = ledger.root()
     finally:
         ledger.close()
@@ -126,13 +130,23 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
     if not records and not entries:
         _fail("records: the run has no completed round to audit")
     if len(records) != len(entries):
-        _fail(f"records: rounds.jsonl has {len(records)} rounds, the ledger {len(entries)}")
+        r = min(len(records), len(entries))
+        _fail(f"round {r}: in {'rounds.jsonl' if len(records) > r else 'the ledger'} but not in "
+              f"{'the ledger' if len(records) > r else 'rounds.jsonl'} (rounds.jsonl has "
+              f"{len(records)} rounds, the ledger {len(entries)} entries)")
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
         p = entry["predicate"]
         if rec.get("round") != r or p["run_id"] != manifest["run_id"]:
             _fail(f"round {r}: record or entry is out of order or from another run")
         if rec.get("checkpoint") != entry["subject"][0]["digest"]["sha256"]:
             _fail(f"round {r}: rounds.jsonl checkpoint differs from the ledger entry's")
+        if "entry" in rec and rec["entry"] != entry_hashes[r]:
+            _fail(f"round {r}: rounds.jsonl names entry {str(rec['entry'])[:16]}, the ledger's hashes to {entry_hashes[r][:16]}")
+        for key in ("aggregate_hash", "params_hash", "eval_loss", "codecs"):
+            if key in rec and key in p and rec[key] != p[key]:
+                _fail(f"round {r}: rounds.jsonl {key} differs from the ledger entry's")
+        if "verdicts" in rec and rec["verdicts"] != [verdict_reason(c) for c in p["commitments"]]:
+            _fail(f"round {r}: rounds.jsonl verdicts differ from the ledger entry's")
     counts["ledger_entries"] = len(entries)
 
     # 4. every round, redone

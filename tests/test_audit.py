@@ -1,0 +1,399 @@
+"""`veriloco audit`: one real tiny run, then one tamper per test on a fresh copy of it.
+
+Every tamper must make `audit_run` fail, and its `first_failure` must name the round and the
+thing that was touched (ledger, bundle of worker j, checkpoint, corpus, manifest, verdict...).
+The last tests drive the CLI in process: exit 0 ok / 1 tampered (one line) / 2 not a run, and
+`veriloco prove`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import rounds_of, tiny
+from typer.testing import CliRunner
+
+from veriloco.audit import audit_run
+from veriloco.cli import app
+from veriloco.hashing import canonical_json, json_hash
+from veriloco.ledger import SqliteLedger
+from veriloco.ledger.entry import ZERO_HASH, entry_hash
+from veriloco.packet import decode_bundle
+from veriloco.run import train
+from veriloco.store import LocalStore
+
+ROUNDS = 3
+_TRIGGERS = ("entries_no_update", "entries_no_delete", "entries_next_only", "roots_no_update",
+             "roots_no_delete")
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory) -> Path:
+    """One real run: 3 rounds, 2 worker processes (configs/tiny.toml). Never modified."""
+    d = tmp_path_factory.mktemp("audit") / "run"
+    train(tiny(f"--train.rounds={ROUNDS}"), str(d), quiet=True)
+    return d
+
+
+@pytest.fixture
+def run(original, tmp_path) -> Path:
+    """A fresh copy of the run, for one test to tamper with."""
+    return Path(shutil.copytree(original, tmp_path / "run"))
+
+
+def failure(run_dir: Path) -> str:
+    report = audit_run(run_dir)
+    assert not report.ok, "the tampered run audited ok"
+    assert report.first_failure and "\n" not in report.first_failure
+    print("first_failure:", report.first_failure)  # shown by pytest -s, or when a test fails
+    return report.first_failure
+
+
+# ---- tampering helpers --------------------------------------------------------------------------
+
+def flip_byte(path: Path, at: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def blob(run_dir: Path, digest: str) -> Path:
+    return LocalStore(run_dir / "store").path_of(digest)
+
+
+def sql(run_dir: Path) -> sqlite3.Connection:
+    """A raw connection to the run's ledger with the append-only triggers dropped (an attacker
+    with write access to the file can do this; only the hashes can catch it)."""
+    con = sqlite3.connect(run_dir / "ledger.sqlite", isolation_level=None)
+    for t in _TRIGGERS:
+        con.execute(f"DROP TRIGGER IF EXISTS {t}")
+    return con
+
+
+def write_records(run_dir: Path, records: list[dict]) -> None:
+    (run_dir / "rounds.jsonl").write_text(
+        "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+
+
+def forge_ledger(run_dir: Path, edit: Callable[[int, dict], None]) -> None:
+    """A sophisticated forger: edit entries in place, then rebuild the whole ledger so the hash
+    chain, stored hashes and Merkle roots are all consistent again, and point rounds.jsonl at the
+    new entry hashes."""
+    path = run_dir / "ledger.sqlite"
+    with SqliteLedger(path) as old:
+        entries = old.entries()
+    path.unlink()
+    records = rounds_of(run_dir)
+    prev = ZERO_HASH
+    with SqliteLedger(path) as new:
+        for r, e in enumerate(entries):
+            edit(r, e)
+            e["predicate"]["prev_entry_hash"] = prev
+            new.append(e)
+            prev = entry_hash(e)
+            records[r]["entry"] = prev
+    write_records(run_dir, records)
+
+
+# ---- the untouched run ----------------------------------------------------------------------
+
+def test_untouched_copy_audits_ok(run):
+    report = audit_run(run)
+    assert report.ok, report.first_failure
+    assert report.rounds == ROUNDS and report.first_failure is None
+    c = report.checked
+    assert c["ledger_entries"] == ROUNDS and c["checkpoints"] == ROUNDS
+    assert c["bundles"] == 2 * ROUNDS and c["signatures"] == 2 * ROUNDS
+    assert c["corpus_chunks"] > 0
+    with SqliteLedger(run / "ledger.sqlite") as ledger:
+        assert report.ledger_root == ledger.root()
+
+
+# ---- the ledger ---------------------------------------------------------------------------------
+
+def test_ledger_row_byte_flipped(run):
+    con = sql(run)
+    (body,) = con.execute("SELECT body FROM entries WHERE idx = 1").fetchone()
+    body = bytearray(body)
+    body[len(body) // 2] ^= 0x01
+    con.execute("UPDATE entries SET body = ? WHERE idx = 1", (bytes(body),))
+    con.close()
+    msg = failure(run)
+    assert msg.startswith("round 1: ledger"), msg
+    assert "does not match its bytes" in msg
+
+
+def test_ledger_row_deleted(run):
+    con = sql(run)
+    con.execute("DELETE FROM entries WHERE idx = 1")
+    con.close()
+    msg = failure(run)
+    assert msg.startswith("round 1: ledger"), msg
+    assert "missing" in msg
+
+
+def test_ledger_last_row_deleted(run):
+    con = sql(run)
+    con.execute(f"DELETE FROM entries WHERE idx = {ROUNDS - 1}")
+    con.close()
+    msg = failure(run)
+    assert msg.startswith(f"round {ROUNDS - 1}: "), msg
+    assert "ledger" in msg and "rounds.jsonl" in msg
+
+
+def test_ledger_rows_reordered(run):
+    con = sql(run)
+    rows = dict(con.execute("SELECT idx, body FROM entries WHERE idx IN (1, 2)").fetchall())
+    con.execute("UPDATE entries SET body = ? WHERE idx = 1", (rows[2],))
+    con.execute("UPDATE entries SET body = ? WHERE idx = 2", (rows[1],))
+    con.close()
+    msg = failure(run)
+    assert msg.startswith("round 1: ledger"), msg
+
+
+def test_ledger_rows_reordered_with_their_hashes(run):
+    """Swap whole rows (body and stored hash): the chain, round numbers and roots still catch it."""
+    con = sql(run)
+    rows = {i: (h, b) for i, h, b in con.execute("SELECT idx, hash, body FROM entries WHERE idx IN (1, 2)")}
+    con.execute("UPDATE entries SET hash = ?, body = ? WHERE idx = 1", rows[2])
+    con.execute("UPDATE entries SET hash = ?, body = ? WHERE idx = 2", rows[1])
+    con.close()
+    msg = failure(run)
+    assert msg.startswith("round 1: ledger"), msg
+
+
+# ---- bundles (signed commitment + packet) in the store ------------------------------------------
+
+def test_bundle_byte_flipped(run):
+    digest = rounds_of(run)[1]["bundles"][1]
+    flip_byte(blob(run, digest))
+    msg = failure(run)
+    assert msg.startswith("round 1: bundle of worker 1: "), msg
+    assert "corrupt" in msg
+
+
+def test_bundle_deleted(run):
+    digest = rounds_of(run)[2]["bundles"][0]
+    blob(run, digest).unlink()
+    msg = failure(run)
+    assert msg.startswith("round 2: bundle of worker 0: "), msg
+    assert "missing" in msg
+
+
+def test_bundles_swapped(run):
+    """Blob A's bytes written at blob B's path (and B's at A's): both names now lie."""
+    recs = rounds_of(run)
+    a, b = blob(run, recs[1]["bundles"][0]), blob(run, recs[1]["bundles"][1])
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db)
+    b.write_bytes(da)
+    msg = failure(run)
+    assert msg.startswith("round 1: bundle of worker 0: "), msg
+    assert "corrupt" in msg
+
+
+def test_bundle_of_an_earlier_round_named_in_records(run):
+    """rounds.jsonl points round 1's worker 0 at its (genuine, stored) round-0 bundle: a replay."""
+    recs = rounds_of(run)
+    recs[1]["bundles"][0] = recs[0]["bundles"][0]
+    write_records(run, recs)
+    msg = failure(run)
+    assert msg.startswith("round 1: worker 0"), msg
+
+
+# ---- checkpoints, corpus, manifest, records -----------------------------------------------------
+
+def test_checkpoint_byte_flipped(run):
+    flip_byte(blob(run, rounds_of(run)[1]["checkpoint"]))
+    msg = failure(run)
+    assert msg.startswith("round 1: checkpoint: "), msg
+    assert "corrupt" in msg
+
+
+def test_corpus_chunk_byte_flipped(run):
+    manifest = json.loads((run / "manifest.json").read_text())
+    store = LocalStore(run / "store")
+    chunks = json.loads(store.get(manifest["corpus_manifest"]))["chunks"]
+    flip_byte(blob(run, chunks[len(chunks) // 2]))
+    msg = failure(run)
+    assert msg.startswith("corpus: "), msg
+    assert "corrupt" in msg
+
+
+def test_manifest_config_edited(run):
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["config"]["outer"]["lr"] = 0.5
+    path.write_bytes(canonical_json(manifest) + b"\n")
+    msg = failure(run)
+    assert msg.startswith("manifest: "), msg
+    assert "run id" in msg
+
+
+def test_manifest_edited_and_run_id_recomputed(run):
+    """The forger also recomputes the run id: the ledger entries name the old run."""
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["config"]["outer"]["lr"] = 0.5
+    core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
+    manifest["run_id"] = json_hash(core)
+    path.write_bytes(canonical_json(manifest) + b"\n")
+    msg = failure(run)
+    assert msg.startswith("round 0: "), msg
+    assert "another run" in msg
+
+
+def test_records_checkpoint_replaced(run):
+    recs = rounds_of(run)
+    recs[1]["checkpoint"] = recs[0]["checkpoint"]
+    write_records(run, recs)
+    msg = failure(run)
+    assert msg.startswith("round 1: "), msg
+    assert "checkpoint" in msg and "rounds.jsonl" in msg
+
+
+def test_records_verdict_edited(run):
+    """rounds.jsonl (what the report shows) claims a rejection the ledger does not record."""
+    recs = rounds_of(run)
+    recs[1]["verdicts"][0] = "norm_outlier"
+    write_records(run, recs)
+    msg = failure(run)
+    assert msg.startswith("round 1: rounds.jsonl verdicts differ"), msg
+
+
+def test_records_entry_hash_edited(run):
+    recs = rounds_of(run)
+    recs[2]["entry"] = recs[1]["entry"]
+    write_records(run, recs)
+    msg = failure(run)
+    assert msg.startswith("round 2: rounds.jsonl names entry"), msg
+
+
+def test_records_last_round_removed(run):
+    write_records(run, rounds_of(run)[:-1])
+    msg = failure(run)
+    assert msg.startswith(f"round {ROUNDS - 1}: "), msg
+    assert "rounds.jsonl" in msg
+
+
+# ---- a forger who keeps every hash consistent ---------------------------------------------------
+
+def _forge_signature(run: Path, r: int, j: int) -> tuple[str, str]:
+    """Flip one hex char of worker j's signature in its round-r bundle, store the new bundle
+    under its new hash, and point rounds.jsonl at it. Returns (old, new) signature."""
+    recs = rounds_of(run)
+    store = LocalStore(run / "store")
+    data = store.get(recs[r]["bundles"][j])
+    old = json.loads(decode_bundle(data)[0])["signature"]
+    new = ("1" if old[0] != "1" else "2") + old[1:]
+    assert data.count(old.encode()) == 1
+    forged = data.replace(old.encode(), new.encode())
+    recs[r]["bundles"][j] = store.put(forged)
+    write_records(run, recs)
+    return old, new
+
+
+def _set_signature(r: int, j: int, sig: str) -> Callable[[int, dict], None]:
+    def edit(i: int, e: dict) -> None:
+        if i == r:
+            c = e["predicate"]["commitments"][j]
+            c["signed"]["signature"] = sig
+    return edit
+
+
+def test_forged_signature_with_consistent_ledger(run):
+    """Bundle, store, rounds.jsonl and the (rebuilt, re-chained) ledger all agree on the new
+    signature; it does not verify, so the recomputed verdict is not the recorded accept."""
+    _, new = _forge_signature(run, 1, 1)
+    forge_ledger(run, _set_signature(1, 1, new))
+    msg = failure(run)
+    assert msg.startswith("round 1: worker 1's verdict recomputes to 'bad_signature'"), msg
+
+
+def test_forged_signature_and_verdict(run):
+    """The forger also records the honest verdict (bad_signature): the aggregate no longer
+    matches the entry's, since worker 1's delta is now left out."""
+    _, new = _forge_signature(run, 1, 1)
+
+    def edit(i: int, e: dict) -> None:
+        _set_signature(1, 1, new)(i, e)
+        if i == 1:
+            e["predicate"]["commitments"][1]["verdict"] = "bad_signature"
+    forge_ledger(run, edit)
+    recs = rounds_of(run)
+    recs[1]["verdicts"][1] = "bad_signature"
+    write_records(run, recs)
+    msg = failure(run)
+    assert msg.startswith("round 1: the accepted packets aggregate to"), msg
+
+
+def test_forged_signature_ledger_not_updated(run):
+    """Only the bundle and rounds.jsonl were changed: the bundle's commitment fails to verify."""
+    _forge_signature(run, 1, 1)
+    msg = failure(run)
+    assert msg.startswith("round 1: worker 1"), msg
+
+
+def test_forged_ledger_alone_is_consistent_chain_but_fails_recompute(run):
+    """A rebuilt ledger whose round-2 checkpoint digest is another (stored) checkpoint, with
+    rounds.jsonl updated too: the chain is sound, the outer step recomputation is not."""
+    recs = rounds_of(run)
+    other = recs[0]["checkpoint"]
+
+    def edit(i: int, e: dict) -> None:
+        if i == 2:
+            e["subject"][0]["digest"]["sha256"] = other
+    forge_ledger(run, edit)
+    recs = rounds_of(run)
+    recs[2]["checkpoint"] = other
+    write_records(run, recs)
+    msg = failure(run)
+    assert msg.startswith("round 2: the outer step recomputes to checkpoint"), msg
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_cli_audit_ok(run):
+    res = runner.invoke(app, ["audit", str(run)])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(f"audit ok: {ROUNDS} rounds, {ROUNDS} ledger entries")
+    assert json.loads((run / "audit.json").read_text())["ok"] is True
+
+
+def test_cli_audit_tampered_exits_1_with_one_line(run):
+    flip_byte(blob(run, rounds_of(run)[1]["checkpoint"]))
+    res = runner.invoke(app, ["audit", str(run)])
+    assert res.exit_code == 1
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and re.match(r"audit FAILED: round 1: checkpoint: ", lines[0]), res.stderr
+    saved = json.loads((run / "audit.json").read_text())
+    assert saved["ok"] is False and saved["first_failure"].startswith("round 1: checkpoint")
+
+
+def test_cli_audit_not_a_run_dir_exits_2(tmp_path):
+    res = runner.invoke(app, ["audit", str(tmp_path)])
+    assert res.exit_code == 2
+    assert res.stderr.startswith("veriloco: error: ") and "not a run directory" in res.stderr
+    assert len(res.stderr.splitlines()) == 1
+
+
+def test_cli_prove(original):
+    res = runner.invoke(app, ["prove", str(original), "1"])
+    assert res.exit_code == 0, res.output
+    proof = json.loads(res.stdout)
+    assert proof["verified"] is True
+    assert proof["round"] == 1 and proof["tree_size"] == ROUNDS
+    with SqliteLedger(original / "ledger.sqlite") as ledger:
+        assert proof["root"] == ledger.root()
+    bad = runner.invoke(app, ["prove", str(original), str(ROUNDS)])
+    assert bad.exit_code == 2 and "not in the ledger" in bad.stderr
