@@ -93,9 +93,19 @@ class OuterConfig:
 
 @dataclass
 class TopologyConfig:
-    """[topology] how many workers (and, later, pipeline stages per worker)."""
+    """[topology] workers x pipeline stages (topology.py, pipeline.py): workers * stages processes."""
 
-    workers: int = _f(4, "number of workers, one process each on a local run")
+    workers: int = _f(4, "number of workers (DiLoCo replicas, one signing key each)")
+    stages: int = _f(
+        1,
+        "pipeline stages per worker (DiLoCoX): a worker is this many processes, each holding a "
+        "contiguous slice of the model's blocks with its own inner and outer optimizer; the outer "
+        "exchange of a slice runs only among the workers' processes that hold it. Built-in GPT only",
+    )
+    microbatches: int = _f(1, "stages > 1: micro-batches per inner step; must divide train.batch_size")
+    schedule: str = _f(
+        "gpipe", "stages > 1: pipeline schedule, 'gpipe' or '1f1b' (1f1b needs microbatches >= stages)"
+    )
 
 
 @dataclass
@@ -286,7 +296,7 @@ def validate(cfg: Config) -> None:
     need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype must be uint16 or uint32, got {d.bin_dtype!r}")
     need(cfg.outer.lr > 0, f"outer.lr must be > 0, got {cfg.outer.lr}")
     need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
-    need(cfg.topology.workers >= 1, f"topology.workers must be >= 1, got {cfg.topology.workers}")
+    _check_topology(cfg)
     need(cfg.run.backend in ("auto", "gloo", "nccl"), f"run.backend must be auto, gloo or nccl, got {cfg.run.backend!r}")
     need(cfg.outer.delay in (0, 1), f"outer.delay must be 0 or 1, got {cfg.outer.delay}")
     need(cfg.outer.correction in ("eager", "naive"), f"outer.correction must be 'eager' or 'naive', got {cfg.outer.correction!r}")
@@ -304,6 +314,27 @@ def validate(cfg: Config) -> None:
         need(bool(cfg.ledger.rpc_url and cfg.ledger.contract and cfg.ledger.key_file),
              "ledger.backend = 'evm' needs ledger.rpc_url, ledger.contract and ledger.key_file")
     need(cfg.run.timeout_s > 0, f"run.timeout_s must be > 0, got {cfg.run.timeout_s}")
+
+
+def _check_topology(cfg: Config) -> None:
+    p, t = cfg.topology, cfg.train
+    checks = (
+        (p.workers >= 1, f"topology.workers must be >= 1, got {p.workers}"),
+        (p.stages >= 1, f"topology.stages must be >= 1, got {p.stages}"),
+        (p.stages <= cfg.model.n_layer,
+         f"topology.stages ({p.stages}) > model.n_layer ({cfg.model.n_layer}): every stage needs at least one block"),
+        (p.microbatches >= 1, f"topology.microbatches must be >= 1, got {p.microbatches}"),
+        (t.batch_size % p.microbatches == 0,
+         f"train.batch_size ({t.batch_size}) must be divisible by topology.microbatches ({p.microbatches})"),
+        (p.schedule in ("gpipe", "1f1b"), f"topology.schedule must be 'gpipe' or '1f1b', got {p.schedule!r}"),
+        (p.schedule != "1f1b" or p.microbatches >= p.stages,
+         f"topology.schedule = '1f1b' needs topology.microbatches ({p.microbatches}) >= topology.stages ({p.stages})"),
+        (p.stages == 1 or t.mode == "diloco",
+         f"train.mode = 'ddp' runs one process per worker; topology.stages must be 1, got {p.stages}"),
+    )
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
 
 
 def _check_link_and_codec(cfg: Config) -> None:

@@ -5,9 +5,11 @@ Commands (see also `veriloco --help`):
     veriloco train configs/tiny.toml --train.rounds=3 --out runs/try
     veriloco train --resume runs/<run-id>           # continue from the last complete round
     veriloco train --train.mode=ddp                 # the all-reduce-every-step baseline
+    veriloco train configs/tiny.toml --topology.stages=2 --topology.microbatches=2  # DiLoCoX pipeline
 Several machines (every node runs the same command; RUN_DIR is local to each node):
     torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         -m veriloco.run CONFIG.toml --out RUN_DIR
+    (with [topology] stages = S, use --nproc-per-node=S: one worker's stages on one node)
 
 A round r on worker w (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; DiLoCoX, 2506.21263):
     1. inner:     H AdamW steps from the start point S_r on batches data.batch(seed, w, r, step)
@@ -17,6 +19,16 @@ A round r on worker w (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; DiLoCoX,
     5. aggregate: mean of the deltas; outer Nesterov step  G <- outer(G, mean)
     6. record:    checkpoint -> store; eval; one line in rounds.jsonl (rank 0)
 All workers run 4-6 on the same inputs, so all derive the same G; step 6 checks it.
+
+`[topology] stages = S > 1` (DiLoCoX's pipeline inside a worker, topology.py): worker w is the S
+processes of ranks w*S .. w*S+S-1, each holding one slice of the blocks (build_stage_model) with
+its own inner AdamW (PipelineInnerLoop: steps 1 run through the worker's pipeline) and its own
+outer optimizer. Steps 2-6 run per slice: stage s's packets, checks, aggregate, outer step and
+agreement check stay among the W processes of stage s (its stage group, where a process's index
+is its worker). All stages of a worker sign with the worker's key and commit to the same batches,
+trace and losses; only the packet and base hash differ. Rank 0 (worker 0, stage 0) gathers its
+worker's stage results and records one round: per-stage parts under "stages", and a checkpoint
+manifest (the stage checkpoints' digests) as the ledger entry's subject.
 
 `[outer] delay = 0`: S_r = G_r and steps 3-6 of round r finish before round r+1 starts.
 `[outer] delay = 1`: the exchange of round r runs while round r+1's inner steps run; steps 4-6
@@ -31,15 +43,15 @@ and the worker's own (public) packets, so anyone can recompute it.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -55,29 +67,33 @@ from .compress.controller import UNLIMITED_BYTES
 from .config import Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
-from .hashing import canonical_json, tensors_hash
+from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .inner import InnerLoop
-from .link import Link
-from .outer import OuterOptimizer
 from .ledger import Ledger, SqliteLedger
 from .ledger.entry import make_entry
+from .link import Link
+from .outer import OuterOptimizer
 from .packet import decode_packet, encode_bundle, encode_packet, packet_codecs
-from .verify.aggregate import aggregate as robust_aggregate
-from .verify.check import RoundCheck, check_round, hex_root
-from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
-from .verify.identity import derive_worker_key, load_private_key, public_key_hex
+from .pipeline import PipelineInnerLoop, pipeline_eval_loss
 from .records import RunDir, atomic_write
 from .store import LocalStore
-from .task import Task
+from .task import CorpusTask, Task
+from .topology import Topology, build_stage_model
+from .verify.aggregate import aggregate as robust_aggregate
+from .verify.check import check_round, hex_root
+from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
+from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 
 
 @dataclass
 class Worker:
-    """Everything one worker process holds across rounds."""
+    """Everything one worker process (one stage of one worker) holds across rounds."""
 
     cfg: Config
-    rank: int
-    world: int
+    rank: int  # global rank = worker * stages + stage
+    topo: Topology
+    worker_group: dist.ProcessGroup  # this worker's stages, in stage order (pipeline, gathers)
+    stage_group: dist.ProcessGroup  # this stage in every worker, in worker order (agreement, eval)
     task: Task
     run: RunDir
     store: LocalStore
@@ -96,6 +112,18 @@ class Worker:
     @property
     def is_recorder(self) -> bool:
         return self.rank == 0
+
+    @property
+    def worker(self) -> int:
+        return self.topo.worker_of(self.rank)
+
+    @property
+    def stage(self) -> int:
+        return self.topo.stage_of(self.rank)
+
+    @property
+    def workers(self) -> int:
+        return self.topo.workers
 
 
 @dataclass
@@ -130,8 +158,8 @@ class Sent:
 class DeltaEncoder:
     """delta -> packet: a fixed codec or the adaptive controller, with optional error feedback."""
 
-    def __init__(self, cfg: Config, shapes: dict[str, tuple[int, ...]], link: Link | None, world: int) -> None:
-        self.cfg, self.shapes, self.link, self.world = cfg.compress, shapes, link, world
+    def __init__(self, cfg: Config, shapes: dict[str, tuple[int, ...]], link: Link | None, workers: int) -> None:
+        self.cfg, self.shapes, self.link, self.workers = cfg.compress, shapes, link, workers
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
         if cfg.compress.codec == "adaptive":
             ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
@@ -147,7 +175,7 @@ class DeltaEncoder:
             return self.cfg.budget_bytes
         if self.link is None or compute_s <= 0:
             return UNLIMITED_BYTES
-        return round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s, compute_s, self.world, self.cfg.safety)
+        return round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s, compute_s, self.workers, self.cfg.safety)
 
     def encode(self, delta: dict[str, torch.Tensor], compute_s: float) -> tuple[bytes, dict[str, torch.Tensor], dict]:
         """(packet, what receivers will decode from it, codec log)."""
@@ -172,30 +200,53 @@ class DeltaEncoder:
             self.feedback.load_state_dict({k[len("feedback/"):]: v for k, v in tensors.items() if k.startswith("feedback/")})
 
 
+def check_splittable(task: Task, stages: int) -> None:
+    """Only the built-in GPT can be cut into pipeline stages; say so before anything starts."""
+    if stages > 1 and not isinstance(getattr(task.make_model, "__self__", None), CorpusTask):
+        raise ValueError(
+            f"topology.stages = {stages}: a custom Task's model cannot be split into pipeline stages "
+            "(only the built-in GPT can); set topology.stages = 1"
+        )
+
+
 def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, resume_round: int) -> Worker:
-    """Build one worker's state: model, optimizers, exchange; restore it when resuming."""
+    """Build one process's state (one stage of one worker): model slice, optimizers, groups,
+    exchange; restore it when resuming."""
     torch.set_num_threads(cfg.train.threads)
+    topo = Topology(cfg.topology.workers, cfg.topology.stages, world)
+    worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
+    check_splittable(task, stages)
     run = RunDir(run_dir)
     store = LocalStore(run.store_dir)
-    model = task.make_model()
-    total_steps = cfg.train.rounds * cfg.train.inner_steps
-    inner = InnerLoop(model, cfg.train, total_steps, task.loss)
-    outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)
     timeout = timedelta(seconds=cfg.run.timeout_s)
-    group = dist.new_group(list(range(world)), timeout=timeout)  # the exchange's own group
+    worker_group, stage_group = topo.build_groups(timeout)  # main thread: pipeline, agreement, eval
+    _, exchange_group = topo.build_groups(timeout)  # the exchange thread's own stage group
+    total_steps = cfg.train.rounds * cfg.train.inner_steps
+    if stages == 1:
+        model = task.make_model()
+        inner = InnerLoop(model, cfg.train, total_steps, task.loss)
+    else:
+        model = build_stage_model(cfg.model, cfg.run.seed, stage, stages)
+        inner = PipelineInnerLoop(
+            model, cfg.train, total_steps, stage=stage, stages=stages, group=worker_group,
+            microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule,
+        )
+    outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)  # this stage's slice of G
     link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
     link = None if link.unlimited else link
-    exchange = Exchange(group, cfg.run.max_packet_bytes, link=link)
+    exchange = Exchange(exchange_group, cfg.run.max_packet_bytes, link=link)
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
-    encoder = DeltaEncoder(cfg, shapes, link, world)
-    eval_set = task.eval_batches()[rank::world]
+    encoder = DeltaEncoder(cfg, shapes, link, topo.workers)
+    eval_set = task.eval_batches()[worker :: topo.workers]  # the same share on every stage of a worker
     manifest = run.read_manifest()
     admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
-    identity = Identity(manifest["run_id"], worker_key(cfg, rank), admitted, EquivocationDetector(admitted))
-    if public_key_hex(identity.key) != admitted.get(rank):
-        raise RuntimeError(f"worker {rank}'s key is not the one the run manifest admits")
+    # a worker's stages share its key: they are one participant, trusted to each other
+    identity = Identity(manifest["run_id"], worker_key(cfg, worker), admitted, EquivocationDetector(admitted))
+    if public_key_hex(identity.key) != admitted.get(worker):
+        raise RuntimeError(f"worker {worker}'s key is not the one the run manifest admits")
     ledger = open_ledger(cfg, run) if rank == 0 else None
-    w = Worker(cfg, rank, world, task, run, store, model, inner, outer, exchange, encoder, eval_set, identity, ledger)
+    w = Worker(cfg, rank, topo, worker_group, stage_group, task, run, store, model, inner, outer, exchange,
+               encoder, eval_set, identity, ledger)
     if resume_round > 0:
         restore(w, resume_round)
     return w
@@ -206,9 +257,10 @@ def restore(w: Worker, next_round: int) -> None:
     if w.cfg.outer.delay:
         raise RuntimeError("resume of a delay-1 run is not supported yet: its exchange in flight is not saved")
     record = w.run.rounds()[next_round - 1]
-    ckpt = st_load(w.store.get(record["checkpoint"]))
+    mine = record["stages"][w.stage] if w.topo.stages > 1 else record  # this stage's slice
+    ckpt = st_load(w.store.get(mine["checkpoint"]))
     params = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
-    if tensors_hash(params) != record["params_hash"]:
+    if tensors_hash(params) != mine["params_hash"]:
         raise RuntimeError(f"checkpoint of round {next_round - 1} does not match its record")
     w.outer = OuterOptimizer(params, w.cfg.outer)
     w.outer.load_state_tensors(ckpt)
@@ -220,12 +272,18 @@ def restore(w: Worker, next_round: int) -> None:
 def evaluate(w: Worker) -> float:
     """Held-out loss of the global params, averaged over all workers' shares of the eval set."""
     load_params(w.model, w.outer.params)
-    total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for x, y in w.eval_set:
-            total[0] += float(w.task.loss(w.model, x, y)) * y.numel()
-            total[1] += y.numel()
-    dist.all_reduce(total)
+    total = torch.zeros(2, dtype=torch.float64)  # [sum of loss * target tokens, target tokens]
+    if w.topo.stages == 1:
+        with torch.no_grad():
+            for x, y in w.eval_set:
+                total[0] += float(w.task.loss(w.model, x, y)) * y.numel()
+                total[1] += y.numel()
+    elif w.eval_set:  # forward through the worker's pipeline; every stage gets the worker's loss
+        loss = pipeline_eval_loss(w.model, w.eval_set, w.worker_group, stage=w.stage, stages=w.topo.stages,
+                                  microbatches=w.cfg.topology.microbatches)
+        tokens = sum(y.numel() for _, y in w.eval_set)
+        total += torch.tensor([loss * tokens, tokens], dtype=torch.float64)
+    dist.all_reduce(total, group=w.stage_group)  # over the workers (each stage sums the same numbers)
     return float(total[0] / total[1])
 
 
@@ -244,7 +302,7 @@ def start_point(w: Worker) -> dict[str, torch.Tensor]:
     c = o.lr * (1 + o.momentum) if o.nesterov else o.lr
     fresh = w.own_decoded[-1]
     stale = w.own_decoded[-2] if len(w.own_decoded) > 1 else None
-    return {k: G[k] - c / w.world * (fresh[k] - (stale[k] if stale is not None else 0)) for k in G}
+    return {k: G[k] - c / w.workers * (fresh[k] - (stale[k] if stale is not None else 0)) for k in G}
 
 
 def run_inner_and_send(w: Worker, r: int) -> Sent:
@@ -254,7 +312,7 @@ def run_inner_and_send(w: Worker, r: int) -> Sent:
     start = start_point(w)
     load_params(w.model, start)
     k = cfg.verify.trace_every or cfg.train.inner_steps
-    result = w.inner.run(lambda step: w.task.batch(w.rank, r, step), cfg.train.inner_steps, trace_every=k)
+    result = w.inner.run(lambda step: w.task.batch(w.worker, r, step), cfg.train.inner_steps, trace_every=k)
     with torch.no_grad():
         delta = {key: start[key] - p.detach() for key, p in w.model.named_parameters()}
     # the budget hides the exchange under the next round's inner steps (measured: this round's)
@@ -263,8 +321,8 @@ def run_inner_and_send(w: Worker, r: int) -> Sent:
     packet_hash = w.store.put(packet)
     losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
     commitment = Commitment(
-        run_id=w.identity.run_id, round=r, worker=w.rank, base_hash=w.base_hashes[r],
-        batch_root=batch_root(w.task, w.rank, r, cfg.train.inner_steps),
+        run_id=w.identity.run_id, round=r, worker=w.worker, base_hash=w.base_hashes[r],
+        batch_root=batch_root(w.task, w.worker, r, cfg.train.inner_steps),
         trace_root=hex_root(result.trace), trace=tuple(result.trace), losses=tuple(losses),
         packet_hash=packet_hash, packet_bytes=len(packet), codec=packet_codecs(packet),
     )
@@ -288,8 +346,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     # 4. verify every bundle: signature, commitment, packet, data, screen (verify/check.py)
     G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
-    for data in packets:
-        w.store.put(data)
+    bundle_hashes = [w.store.put(data) for data in packets]
     check = check_round(
         packets, run_id=w.identity.run_id, round=r, base_hash=w.base_hashes.pop(r),
         admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
@@ -297,8 +354,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
     )
     hashes = [check.packet_hashes[j] for j in range(len(packets))]
-    if hashes[w.rank] != sent.packet_hash:
-        raise ExchangeError(f"worker {w.rank}: its own packet came back altered")
+    if hashes[w.worker] != sent.packet_hash:  # index in the stage group = worker
+        raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
     w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
 
     # 5. aggregate the accepted deltas (robustly, if configured) and take the outer step
@@ -317,44 +374,93 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()
-    if not _all_hashes_agree(params_hash, w.world):
+    if not _all_hashes_agree(params_hash, w.stage_group):
         raise RuntimeError(f"round {r}: workers disagree on the global params; refusing to continue")
+    commitments = [check.commitments[j] for j in range(len(packets))]
+    stage_record = {  # what this stage decided; the whole record when there is one stage
+        "packets": hashes,
+        "bundles": bundle_hashes,
+        "bundle_bytes": [len(p) for p in packets],  # signed commitment + packet, as sent
+        "verdicts": [check.verdicts[j] for j in range(len(packets))],
+        "evidence": {str(j): e for j, e in check.evidence.items()},
+        "commitments": [c.digest if c else None for c in commitments],
+        "codecs": [_codec_summary(c.commitment.codec) if c and isinstance(c.commitment.codec, dict) else {} for c in commitments],
+        "codec_log": sent.codec_log,
+        "aggregate_hash": tensors_hash(aggregate) if aggregate is not None else None,
+        "params_hash": params_hash,
+        "checkpoint": ckpt_digest,
+    }
+    entry_commitments = [
+        {"worker": j, "signed": c.to_dict() if c else None, "bundle_sha256": None if c else hashes[j],
+         "verdict": check.verdicts[j]}
+        for j, c in enumerate(commitments)
+    ]
     res = sent.result
     mine = torch.tensor(
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s],
         dtype=torch.float64,
     )
-    gathered = [torch.zeros_like(mine) for _ in range(w.world)]
+    gathered = [torch.zeros_like(mine) for _ in range(w.topo.world_size)]
     dist.all_gather(gathered, mine)
-    g = torch.stack(gathered)
+    g = torch.stack(gathered).view(w.workers, w.topo.stages, -1)  # [worker, stage, figure]
     is_last = r == cfg.train.rounds - 1
     eval_loss = evaluate(w) if (r + 1) % cfg.train.eval_every == 0 or is_last else None
-    record = {
-        "round": r,
-        "packets": hashes,
-        "bundle_bytes": [len(p) for p in packets],  # signed commitment + packet, as sent
-        "verdicts": [check.verdicts[j] for j in range(len(packets))],
-        "evidence": {str(j): e for j, e in check.evidence.items()},
-        "commitments": [c.digest if c else None for c in (check.commitments[j] for j in range(len(packets)))],
-        "codecs": [_codec_summary(c.commitment.codec) if c and isinstance(c.commitment.codec, dict) else {} for c in (check.commitments[j] for j in range(len(packets)))],
-        "codec_log": sent.codec_log,
-        "aggregate_hash": tensors_hash(aggregate) if aggregate is not None else None,
-        "params_hash": params_hash,
-        "checkpoint": ckpt_digest,
+    record: dict = {"round": r}
+    if w.topo.stages == 1:
+        record |= stage_record
+    else:  # the recorder learns its worker's other stages' results (its own processes: trusted)
+        parts = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group)
+        record |= combine_stages([p["record"] for p in parts], w.store if w.is_recorder else None)
+        entry_commitments = [c | {"stage": s} for s, p in enumerate(parts) for c in p["entry"]]
+    record |= {
         "hashes_agree": True,
-        "train_loss": [float(x) for x in g[:, 0]],
+        "train_loss": [float(x) for x in g[:, -1, 0]],  # a worker's loss, the same on its stages
         "eval_loss": eval_loss,
-        "bytes_sent": [int(x) for x in g[:, 2]],
-        "bytes_received": [int(x) for x in g[:, 3]],
-        "inner_s": [round(float(x), 4) for x in g[:, 1]],
-        "exchange_s": [round(float(x), 4) for x in g[:, 4]],
-        "wait_s": [round(float(x), 4) for x in g[:, 5]],
-        "round_s": round(time.perf_counter() - sent.started - float(g[w.rank, 6]), 4),
-        "tokens": int(res.tokens * w.world),
+        "bytes_sent": [int(x) for x in g[:, :, 2].sum(1)],  # a worker's bytes: its stages' summed
+        "bytes_received": [int(x) for x in g[:, :, 3].sum(1)],
+        "inner_s": [round(float(x), 4) for x in g[:, :, 1].amax(1)],  # stages run in lockstep
+        "exchange_s": [round(float(x), 4) for x in g[:, :, 4].amax(1)],
+        "wait_s": [round(float(x), 4) for x in g[:, :, 5].amax(1)],
+        "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
+        "tokens": int(res.tokens * w.workers),
     }
     if w.ledger is not None:
-        record["entry"] = append_entry(w, record, check, ckpt_digest)
+        record["entry"] = append_entry(w, record, entry_commitments)
     return record
+
+
+def combine_stages(parts: list[dict], store: LocalStore | None) -> dict:
+    """The record of a round of S > 1 stages from each stage's own (`parts`, in stage order).
+
+    A worker's verdict is "accept" when every stage accepted its slice, else the first stage's
+    reason; `checkpoint` is the digest of a JSON manifest of the stage checkpoints (put into
+    `store` when given), `params_hash` and `aggregate_hash` hash the stages' lists of them."""
+    n = len(parts[0]["verdicts"])
+    verdicts, evidence = [], {}
+    for j in range(n):
+        bad = [(s, p["verdicts"][j]) for s, p in enumerate(parts) if p["verdicts"][j] != "accept"]
+        verdicts.append(bad[0][1] if bad else "accept")
+        if bad:
+            evidence[str(j)] = {"stage": bad[0][0], "evidence": parts[bad[0][0]]["evidence"].get(str(j))}
+    codecs = []
+    for j in range(n):
+        counts: dict[str, int] = {}
+        for p in parts:
+            for spec, k in p["codecs"][j].items():
+                counts[spec] = counts.get(spec, 0) + k
+        codecs.append(dict(sorted(counts.items())))
+    manifest = canonical_json({"stages": [{"checkpoint": p["checkpoint"], "params_hash": p["params_hash"]} for p in parts]})
+    aggregates = [p["aggregate_hash"] for p in parts]
+    return {
+        "stages": parts,
+        "verdicts": verdicts,
+        "evidence": evidence,
+        "codecs": codecs,
+        "bundle_bytes": [sum(p["bundle_bytes"][j] for p in parts) for j in range(n)],
+        "aggregate_hash": json_hash(aggregates) if any(a is not None for a in aggregates) else None,
+        "params_hash": json_hash([p["params_hash"] for p in parts]),
+        "checkpoint": store.put(manifest) if store is not None else sha256_hex(manifest),
+    }
 
 
 def aggregate_deltas(accepted: dict[int, dict[str, torch.Tensor]], v: VerifyConfig) -> dict[str, torch.Tensor]:
@@ -367,18 +473,19 @@ def aggregate_deltas(accepted: dict[int, dict[str, torch.Tensor]], v: VerifyConf
     return robust_aggregate(dict(sorted(accepted.items())), v.aggregator, **params)
 
 
-def append_entry(w: Worker, record: dict, check: RoundCheck, checkpoint: str) -> str:
-    """Append the round's ledger entry (in-toto Statement); returns its hash."""
-    commitments = [
-        {"worker": j, "signed": c.to_dict() if c else None, "bundle_sha256": None if c else record["packets"][j],
-         "verdict": check.verdicts[j]}
-        for j, c in sorted(check.commitments.items())
-    ]
+def append_entry(w: Worker, record: dict, commitments: list[dict]) -> str:
+    """Append the round's ledger entry (in-toto Statement); returns its hash.
+
+    With stages, `commitments` holds every stage's (each marked with its "stage") and the
+    subject is the stage-checkpoint manifest; the predicate lists the stages' own hashes."""
+    extra = {}
+    if "stages" in record:
+        extra["stages"] = [{k: p[k] for k in ("checkpoint", "params_hash", "aggregate_hash")} for p in record["stages"]]
     entry = make_entry(
         run_id=w.identity.run_id, round=record["round"], prev_entry_hash=w.ledger.head_hash(),
-        checkpoint=checkpoint, commitments=commitments, aggregate_hash=record["aggregate_hash"],
+        checkpoint=record["checkpoint"], commitments=commitments, aggregate_hash=record["aggregate_hash"],
         codecs=record["codecs"], eval_loss=record["eval_loss"], params_hash=record["params_hash"],
-        aggregator=w.cfg.verify.aggregator,
+        aggregator=w.cfg.verify.aggregator, **extra,
     )
     w.ledger.append(entry)
     return w.ledger.head_hash()
@@ -404,11 +511,25 @@ def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
     return dict(sorted(out.items()))
 
 
-def _all_hashes_agree(digest_hex: str, world: int) -> bool:
+def _all_hashes_agree(digest_hex: str, group: dist.ProcessGroup) -> bool:
     mine = torch.frombuffer(bytearray(bytes.fromhex(digest_hex)), dtype=torch.uint8).clone()
-    everyone = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
     return all(torch.equal(mine, other) for other in everyone)
+
+
+def _gather_json(obj: dict, group: dist.ProcessGroup) -> list[dict]:
+    """Every rank's `obj` (JSON) in group order: JSON bytes in uint8 tensors, never pickle."""
+    data = json.dumps(obj, sort_keys=True, allow_nan=False).encode()
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(bufs, mine, group=group)
+    return [json.loads(b[: int(s)].numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
 
 
 def progress_line(rec: dict, rounds: int, elapsed: float, tokens_per_s: float) -> str:
@@ -430,7 +551,8 @@ def train_worker(
     cfg: Config, rank: int, world: int, task: Task, run_dir: str, start_round: int,
     quiet: bool = False, stop_after: int | None = None,
 ) -> dict | None:
-    """The whole run on one worker (dist already initialised). Rank 0 writes the records.
+    """The whole run on one process, i.e. one stage of one worker (dist already
+    initialised; `world` = workers * stages processes). Rank 0 writes the records.
 
     `stop_after`: stop cleanly once that many rounds are recorded (a preemption point)."""
     w = setup_worker(cfg, rank, world, task, run_dir, start_round)
@@ -479,12 +601,13 @@ def train_worker(
         "eval_loss_end": evals[-1] if evals else None,
         "tokens": sum(p["tokens"] for p in records),
         "rounds": len(records),
-        "workers": world,
+        "workers": w.workers,
+        "stages": w.topo.stages,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(sum(p["tokens"] for p in records) / wall, 1),
-        "bytes_sent_per_worker": int(sum(sum(p["bytes_sent"]) for p in records) / world),
+        "bytes_sent_per_worker": int(sum(sum(p["bytes_sent"]) for p in records) / w.workers),
         # inner-step time over wall time, averaged over workers: the share of time spent computing
-        "utilisation": round(sum(sum(p["inner_s"]) for p in records) / world / wall, 4),
+        "utilisation": round(sum(sum(p["inner_s"]) for p in records) / w.workers / wall, 4),
         "final_checkpoint": last["checkpoint"],
         "final_params_hash": last["params_hash"],
         "mode": "diloco",

@@ -1,7 +1,7 @@
 """Launching a run: the manifest, the run id, local worker processes or torchrun, and resume.
 
-A local run spawns one process per worker with torch.multiprocessing, joined by gloo on
-loopback at a free port. Under `torchrun` the same worker entry point (`python -m veriloco.run`)
+A local run spawns workers * stages processes (one per stage of each worker; topology.py) with
+torch.multiprocessing, joined by gloo on loopback at a free port. Under `torchrun` the same worker entry point (`python -m veriloco.run`)
 reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment torchrun sets.
 """
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import __version__
-from .config import Config, config_from_dict, load_config
+from .config import Config, ConfigError, config_from_dict, load_config
 from .data import load_corpus
 from .hashing import json_hash
 from .model import build_model
@@ -89,8 +89,8 @@ def launch(
     cfg: Config, task: Task, run: RunDir, start_round: int = 0, quiet: bool = False,
     stop_after: int | None = None,
 ) -> dict:
-    """Run workers as local processes; returns the summary."""
-    world = cfg.topology.workers
+    """Run workers (each `stages` processes) as local processes; returns the summary."""
+    world = cfg.topology.workers * cfg.topology.stages
     port = free_port()
     mp.spawn(_spawned, args=(world, cfg, task, str(run.root), start_round, port, quiet, stop_after), nprocs=world, join=True)
     import json
@@ -108,6 +108,9 @@ def train(
 
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
     """Train a user's Task (own model and data) through the same round engine."""
+    from .round import check_splittable
+
+    check_splittable(task, cfg.topology.stages)
     run = RunDir(out)
     manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
                 "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
@@ -124,9 +127,9 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
     done = len(run.rounds())
     if done >= cfg.train.rounds:
         raise RunDirError(f"{run.root} is already complete ({done}/{cfg.train.rounds} rounds)")
-    for w in range(cfg.topology.workers):
-        if done and not (run.worker_dir(w) / f"state-{done - 1}.safetensors").exists():
-            raise RunDirError(f"worker {w} has no saved state for round {done - 1} in {run.root}")
+    for rank in range(cfg.topology.workers * cfg.topology.stages):  # private state is per process
+        if done and not (run.worker_dir(rank) / f"state-{done - 1}.safetensors").exists():
+            raise RunDirError(f"process {rank} has no saved state for round {done - 1} in {run.root}")
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after)
@@ -143,7 +146,10 @@ def torchrun_main(argv: list[str]) -> None:
         rest = rest[:i] + rest[i + 2 :]
     cfg = load_config(rest[0] if rest else None, args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg.topology.workers = world
+    stages = cfg.topology.stages
+    if world % stages:
+        raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages ({stages})")
+    cfg.topology.workers = world // stages
     run, task = prepare_run(cfg, out) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (None, None)
     init_distributed(cfg, rank, world, "env://")
     dist.barrier()
