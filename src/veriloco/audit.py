@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from safetensors.torch import save as st_save
 
 from .config import config_from_dict
@@ -35,10 +36,13 @@ from .ledger.entry import parse_entry, verdict_reason
 from .model import build_model
 from .outer import OuterOptimizer
 from .records import RunDir, RunDirError
-from .round import aggregate_deltas, batch_root
+from .round import aggregate_deltas, batch_root, trace_entries
 from .store import LocalStore, StoreError
 from .task import CorpusTask, load_stored_corpus, model_init_hash
+from .round import start_point
+from .verify import REPLAY_MISMATCH
 from .verify.check import check_round
+from .verify.replay import check_replay, replay_trace, sample_audits
 from .verify.commitment import EquivocationDetector
 
 
@@ -67,24 +71,32 @@ def _fail(msg: str) -> None:
     raise AuditFailure(msg)
 
 
-def audit_run(run_dir: str | Path) -> AuditReport:
-    """Audit the run in `run_dir`; RunDirError if it is not a run directory at all."""
+def audit_run(run_dir: str | Path, replay: int = 0) -> AuditReport:
+    """Audit the run in `run_dir`; RunDirError if it is not a run directory at all.
+
+    `replay`: also re-run up to this many of the sampled replay audits (the rest of the sample
+    is checked for consistency: only sampled workers may carry a replay_mismatch verdict)."""
     t0 = time.perf_counter()
     run = RunDir(run_dir)
     manifest = run.read_manifest()
     report = AuditReport(ok=False)
+    threads = torch.get_num_threads()
     try:
-        _audit(run, manifest, report)
+        # the workers' thread count: replays are bit-exact only with the same reduction order
+        torch.set_num_threads(int(manifest.get("config", {}).get("train", {}).get("threads", 1) or 1))
+        _audit(run, manifest, report, replay)
         report.ok = True
     except AuditFailure as e:
         report.first_failure = str(e)
-    except (StoreError, LedgerError) as e:
+    except (StoreError, LedgerError, RunDirError) as e:  # RunDirError here: a corrupt record
         report.first_failure = str(e).splitlines()[0]
+    finally:
+        torch.set_num_threads(threads)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
+def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int = 0) -> None:
     counts = report.checked
     # 1. manifest
     core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
@@ -156,7 +168,9 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
     detector = EquivocationDetector(admitted)
     params_after: list[str] = []
     previous: tuple = ({}, {})
-    counts.update(signatures=0, bundles=0, checkpoints=0)
+    bases: list = []  # params after each round (replay start points), when replay is on
+    history: dict = {}  # worker -> its last two decoded deltas (eager start points)
+    counts.update(signatures=0, bundles=0, checkpoints=0, replays=0)
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
         p = entry["predicate"]
         bundles = []
@@ -175,7 +189,14 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
             shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
             batch_root_of=lambda j, r=r: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
             equivocation=detector, screen=cfg.verify.screen, previous=previous,
+            trace_entries=trace_entries(cfg),
         )
+        if cfg.verify.replay_probability > 0:
+            start_G = bases[back] if back >= 0 else {k: v.detach().clone() for k, v in G0.named_parameters()}
+            recorded = {c["worker"]: c["verdict"] for c in p["commitments"]}
+            replays_left = _replays(cfg, task.as_task(), r, base, check, start_G, history, recorded, replays_left, counts)
+        for j, d in check.decoded.items():
+            history[j] = (history.get(j, []) + [d])[-2:]
         for c in p["commitments"]:
             j, recorded = c["worker"], c["verdict"]
             if check.verdicts.get(j) != recorded:
@@ -194,6 +215,8 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
             _fail(f"round {r}: nothing was accepted but the entry claims an aggregate")
         params_hash = tensors_hash(outer.params)
         params_after.append(params_hash)
+        if cfg.verify.replay_probability > 0:
+            bases.append({k: v.clone() for k, v in outer.params.items()})
         ckpt = {f"param/{k}": v for k, v in outer.params.items()} | outer.state_tensors()
         digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
         claimed = entry["subject"][0]["digest"]["sha256"]
@@ -205,6 +228,35 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport) -> None:
             _fail(f"round {r}: checkpoint: {e}")
         counts["checkpoints"] += 1
     report.rounds = len(records)
+
+
+def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left, counts) -> int:
+    """Redo round r's replay sample: re-run up to `replays_left` replays, check the rest's
+    verdicts are ones the sample allowed, and apply replay_mismatch verdicts to `check`."""
+    k = cfg.verify.trace_every or cfg.train.inner_steps
+    segments = max(cfg.train.inner_steps // k, 1)
+    seed = base + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
+    audits = sample_audits(seed, sorted(check.accepted), cfg.topology.workers, segments, cfg.verify.replay_probability)
+    sampled = {a.worker for a in audits}
+    for j, v in recorded.items():
+        if v == REPLAY_MISMATCH and j not in sampled:
+            _fail(f"round {r}: worker {j} is recorded as replay_mismatch but was not in the replay sample")
+    for a in audits:
+        mismatch = recorded.get(a.worker) == REPLAY_MISMATCH
+        if replays_left > 0:
+            replays_left -= 1
+            counts["replays"] += 1
+            own = history.get(a.worker, []) if cfg.outer.delay else []
+            start = start_point(cfg, start_G, own, cfg.topology.workers)
+            replayed = replay_trace(
+                task.make_model, task.loss, cfg.train, cfg.train.rounds * cfg.train.inner_steps, start,
+                r * cfg.train.inner_steps, lambda step, j=a.worker: task.batch(j, r, step), k, a.segment + 1,
+            )
+            mismatch = check_replay(list(check.commitments[a.worker].commitment.trace), replayed) is not None
+        if mismatch:
+            check.verdicts[a.worker] = REPLAY_MISMATCH
+            check.accepted.pop(a.worker, None)
+    return replays_left
 
 
 def write_audit(run_dir: str | Path, report: AuditReport) -> None:

@@ -94,12 +94,18 @@ def train(
 
 
 @app.command()
-def audit(run: str = typer.Argument(..., help="run directory")) -> None:
+def audit(
+    run: str = typer.Argument(..., help="run directory"),
+    replay: int = typer.Option(0, "--replay", help="also re-run up to N of the sampled replay audits"),
+) -> None:
     """Re-verify a run offline: manifest, corpus, ledger, signatures, verdicts, every outer step."""
+    import torch
+
     from .audit import audit_run, write_audit
 
+    torch.set_num_threads(1)  # as each worker ran: replays are bit-exact, and small ops are faster
     try:
-        report = audit_run(run)
+        report = audit_run(run, replay)
     except USER_ERRORS as e:
         fail(str(e))
     write_audit(run, report)
@@ -108,7 +114,8 @@ def audit(run: str = typer.Argument(..., help="run directory")) -> None:
         typer.echo(
             f"audit ok: {report.rounds} rounds, {c.get('ledger_entries', 0)} ledger entries "
             f"(root {report.ledger_root}), {c.get('signatures', 0)} signatures, {c.get('bundles', 0)} "
-            f"bundles, {c.get('checkpoints', 0)} checkpoints recomputed, {c.get('corpus_chunks', 0)} "
+            f"bundles, {c.get('checkpoints', 0)} checkpoints recomputed, {c.get('replays', 0)} replays, "
+            f"{c.get('corpus_chunks', 0)} "
             f"corpus chunks, in {report.seconds:.1f}s"
         )
         return

@@ -70,6 +70,11 @@ class TrainConfig:
     eval_batches: int = _f(8, "held-out batches per eval (split across workers)")
     eval_every: int = _f(1, "eval the global params every this many rounds (and at the end)")
     threads: int = _f(1, "torch threads per process")
+    inner_state: str = _f(
+        "keep",
+        "'keep' the AdamW moments across rounds (DiLoCo) or 'reset' them every round, which makes a "
+        "worker's round a function of public data so others can replay it (verify.replay_probability)",
+    )
 
 
 @dataclass
@@ -153,6 +158,11 @@ class VerifyConfig:
     aggregator: str = _f("mean", "mean | trimmed_mean | median | centered_clip | geometric_median")
     trim_fraction: float = _f(0.25, "trimmed_mean: fraction trimmed from each end")
     clip_tau: float = _f(0.0, "centered_clip: radius; 0 = the median distance to the centre")
+    replay_probability: float = _f(
+        0.0,
+        "chance that a worker's round is replayed by another worker (bit-exact on CPU); needs "
+        "train.inner_state = 'reset' and topology.stages = 1",
+    )
 
 
 @dataclass
@@ -187,6 +197,12 @@ class Config:
     compress: CompressConfig = field(default_factory=CompressConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    adversary: dict = field(
+        default_factory=dict,
+        metadata={"doc": "worker id -> attacker: a built-in kind (noop, noise, scaled, sign_flip, stale, "
+                  "replay, copy, lazy, wrong_data, alie, ipm, malformed, forged_signature, equivocate), "
+                  "'kind:key=value,...', or 'package.module:Class' (verify/adversary.py)"},
+    )
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -221,6 +237,14 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
 
 def _apply(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
     sections = _sections()
+    if section == "adversary":  # keys are worker ids, values attacker specs (for tests and red teams)
+        if not isinstance(values, dict):
+            raise ConfigError(f"[adversary] in {origin} must be a table of worker = \"kind\"")
+        for key, value in values.items():
+            if not str(key).isdigit() or not isinstance(value, str):
+                raise ConfigError(f"adversary.{key} in {origin}: expected adversary.<worker id> = \"<kind>\"")
+            cfg.adversary[str(int(key))] = value
+        return
     if section not in sections:
         raise ConfigError(
             f"unknown section [{section}] in {origin}; valid sections: {', '.join(sections)}"
@@ -309,6 +333,19 @@ def validate(cfg: Config) -> None:
          f"verify.aggregator must be mean, trimmed_mean, median, centered_clip or geometric_median, got {v.aggregator!r}")
     need(0 <= v.trim_fraction < 0.5, f"verify.trim_fraction must be in [0, 0.5), got {v.trim_fraction}")
     need(v.clip_tau >= 0, f"verify.clip_tau must be >= 0, got {v.clip_tau}")
+    need(cfg.train.inner_state in ("keep", "reset"), f"train.inner_state must be 'keep' or 'reset', got {cfg.train.inner_state!r}")
+    need(0 <= v.replay_probability <= 1, f"verify.replay_probability must be in [0, 1], got {v.replay_probability}")
+    if v.replay_probability > 0:
+        need(cfg.train.inner_state == "reset", "verify.replay_probability > 0 needs train.inner_state = 'reset' (a round must be replayable from public data)")
+        need(cfg.topology.stages == 1, "verify.replay_probability > 0 needs topology.stages = 1 (replay of pipelined rounds is not implemented)")
+    for key, spec in cfg.adversary.items():
+        need(int(key) < cfg.topology.workers, f"adversary.{key}: there are only {cfg.topology.workers} workers")
+        from .verify.adversary import load_adversary
+
+        try:
+            load_adversary(spec, int(key), 0)
+        except ValueError as e:
+            raise ConfigError(f"adversary.{key}: {e}") from None
     need(cfg.ledger.backend in ("sqlite", "evm", "none"), f"ledger.backend must be sqlite, evm or none, got {cfg.ledger.backend!r}")
     if cfg.ledger.backend == "evm":
         need(bool(cfg.ledger.rpc_url and cfg.ledger.contract and cfg.ledger.key_file),
@@ -367,6 +404,10 @@ def describe() -> str:
     """Markdown reference of every section and key with type, default and doc."""
     lines = []
     for name, cls in _sections().items():
+        if cls is dict:
+            doc = next(f for f in fields(Config) if f.name == name).metadata["doc"]
+            lines.append(f"### [{name}]\n\n`--{name}.W=KIND`: {doc}\n")
+            continue
         lines.append(f"### [{name}]\n\n{(cls.__doc__ or '').split('] ', 1)[-1].strip()}\n")
         lines.append("| key | type | default | meaning |\n|---|---|---|---|")
         hints = typing.get_type_hints(cls)

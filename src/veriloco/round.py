@@ -82,7 +82,10 @@ from .topology import Topology, build_stage_model
 from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import check_round, hex_root
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
+from .verify import REPLAY_MISMATCH
+from .verify.adversary import Adversary, View, load_adversary
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
+from .verify.replay import check_replay, replay_trace, sample_audits
 
 
 @dataclass
@@ -108,6 +111,10 @@ class Worker:
     own_decoded: list = field(default_factory=list)  # this worker's last two decoded deltas
     base_hashes: dict = field(default_factory=dict)  # round -> hash of G when its inner steps began
     previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (replay screen)
+    adversary: Adversary | None = None  # set only when this worker is configured to attack
+    history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (replay starts)
+    bases: dict = field(default_factory=dict)  # round -> G when its inner steps began (replay)
+    own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
 
     @property
     def is_recorder(self) -> bool:
@@ -247,6 +254,9 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     ledger = open_ledger(cfg, run) if rank == 0 else None
     w = Worker(cfg, rank, topo, worker_group, stage_group, task, run, store, model, inner, outer, exchange,
                encoder, eval_set, identity, ledger)
+    if str(worker) in cfg.adversary:
+        w.adversary = load_adversary(cfg.adversary[str(worker)], worker, cfg.run.seed)
+        w.adversary.params.setdefault("_trace_entries", str(trace_entries(cfg)))  # what honest looks like
     if resume_round > 0:
         restore(w, resume_round)
     return w
@@ -293,41 +303,100 @@ def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None
             p.copy_(params[k])
 
 
-def start_point(w: Worker) -> dict[str, torch.Tensor]:
-    """S_r: the canonical G, plus the eager correction when the exchange runs one round late."""
-    G = w.outer.params
-    if not (w.cfg.outer.delay and w.cfg.outer.correction == "eager" and w.own_decoded):
+def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int) -> dict[str, torch.Tensor]:
+    """S_r: the canonical G, plus the eager correction when the exchange runs one round late.
+
+    `own`: the worker's own last two decoded deltas (public: its packets), oldest first."""
+    if not (cfg.outer.delay and cfg.outer.correction == "eager" and own):
         return G
-    o = w.cfg.outer
+    o = cfg.outer
     c = o.lr * (1 + o.momentum) if o.nesterov else o.lr
-    fresh = w.own_decoded[-1]
-    stale = w.own_decoded[-2] if len(w.own_decoded) > 1 else None
-    return {k: G[k] - c / w.workers * (fresh[k] - (stale[k] if stale is not None else 0)) for k in G}
+    fresh = own[-1]
+    stale = own[-2] if len(own) > 1 else None
+    return {k: G[k] - c / workers * (fresh[k] - (stale[k] if stale is not None else 0)) for k in G}
 
 
 def run_inner_and_send(w: Worker, r: int) -> Sent:
     """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange."""
-    t0, cfg = time.perf_counter(), w.cfg
+    t0, cfg, adv = time.perf_counter(), w.cfg, w.adversary or Adversary(w.worker, 0)
     w.base_hashes[r] = tensors_hash(w.outer.params)
-    start = start_point(w)
+    if cfg.verify.replay_probability > 0:
+        w.bases[r] = {k: v.clone() for k, v in w.outer.params.items()}
+    start = start_point(cfg, w.outer.params, w.own_decoded, w.workers)
     load_params(w.model, start)
+    if cfg.train.inner_state == "reset":
+        w.inner.reset_state()
     k = cfg.verify.trace_every or cfg.train.inner_steps
-    result = w.inner.run(lambda step: w.task.batch(w.worker, r, step), cfg.train.inner_steps, trace_every=k)
+    steps = adv.inner_steps(r, cfg.train.inner_steps)  # an adversary may skip work ...
+    result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k)
+    if steps < cfg.train.inner_steps:  # ... and keep the LR schedule as if it had not
+        w.inner.step_count += cfg.train.inner_steps - steps
+    view = View(w.workers, w.previous[1], w.own_packet, w.own_decoded[-1] if w.own_decoded else None)
     with torch.no_grad():
-        delta = {key: start[key] - p.detach() for key, p in w.model.named_parameters()}
+        delta = adv.delta(r, {key: start[key] - p.detach() for key, p in w.model.named_parameters()}, view)
     # the budget hides the exchange under the next round's inner steps (measured: this round's)
     packet, decoded, codec_log = w.encoder.encode(delta, result.seconds)
+    packet = adv.packet(r, packet, view)
+    if w.adversary is not None:  # what receivers decode is what it really sent
+        decoded = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
     w.own_decoded = (w.own_decoded + [decoded])[-2:]
+    w.own_packet = packet
     packet_hash = w.store.put(packet)
     losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
-    commitment = Commitment(
-        run_id=w.identity.run_id, round=r, worker=w.worker, base_hash=w.base_hashes[r],
-        batch_root=batch_root(w.task, w.worker, r, cfg.train.inner_steps),
-        trace_root=hex_root(result.trace), trace=tuple(result.trace), losses=tuple(losses),
-        packet_hash=packet_hash, packet_bytes=len(packet), codec=packet_codecs(packet),
-    )
-    signed = canonical_json(sign_commitment(commitment, w.identity.key))
-    return Sent(r, w.exchange.start(encode_bundle(signed, packet)), packet_hash, result, codec_log, t0)
+    commitment = {
+        "run_id": w.identity.run_id, "round": r, "worker": w.worker, "base_hash": w.base_hashes[r],
+        "batch_root": batch_root(w.task, w.worker, r, cfg.train.inner_steps),
+        "trace_root": hex_root(result.trace), "trace": list(result.trace), "losses": losses or [0.0],
+        "packet_hash": packet_hash, "packet_bytes": len(packet), "codec": packet_codecs(packet),
+    }
+    commitment = adv.commitment(r, commitment)
+    signed = canonical_json(sign_commitment(Commitment.from_dict(commitment), w.identity.key))
+    second = adv.second_commitment(r, commitment)
+    extras = (canonical_json(sign_commitment(Commitment.from_dict(second), w.identity.key)),) if second else ()
+    bundle = adv.bundle(r, encode_bundle(signed, packet, extras), view)
+    return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0)
+
+
+def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str) -> None:
+    """Sampled replays of round r: the assigned auditor redoes a prefix of the worker's round
+    from public data and compares trace hashes; every worker learns the outcome and drops a
+    mismatching worker's delta before aggregating (verify/replay.py)."""
+    cfg = w.cfg
+    k = cfg.verify.trace_every or cfg.train.inner_steps
+    segments = max(cfg.train.inner_steps // k, 1)
+    # the seed mixes every worker's commitment: nobody knows its sample before all have committed
+    seed = base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
+    audits = sample_audits(seed, sorted(check.accepted), w.workers, segments, cfg.verify.replay_probability)
+    mismatch = torch.full((w.workers,), -1, dtype=torch.int64)
+    G_r = w.bases.pop(r, None)
+    for a in audits:
+        if a.auditor != w.worker or G_r is None:
+            continue
+        own = w.history.get(a.worker, []) if cfg.outer.delay else []
+        start = start_point(cfg, G_r, own, w.workers)
+        replayed = replay_trace(
+            w.task.make_model, w.task.loss, cfg.train, cfg.train.rounds * cfg.train.inner_steps, start,
+            r * cfg.train.inner_steps, lambda step, j=a.worker: w.task.batch(j, r, step), k, a.segment + 1,
+        )
+        bad = check_replay(list(check.commitments[a.worker].commitment.trace), replayed)
+        if bad is not None:
+            mismatch[a.worker] = bad
+    dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=w.stage_group)
+    for a in audits:
+        if int(mismatch[a.worker]) >= 0:
+            check.verdicts[a.worker] = REPLAY_MISMATCH
+            check.evidence[a.worker] = {"segment": a.segment, "auditor": a.auditor, "first_mismatch": int(mismatch[a.worker])}
+            check.accepted.pop(a.worker, None)
+        else:
+            check.evidence.setdefault(a.worker, {})["replayed"] = {"segment": a.segment, "auditor": a.auditor}
+    for r_old in [x for x in w.bases if x < r - 2]:
+        w.bases.pop(r_old)
+
+
+def trace_entries(cfg: Config) -> int:
+    """State hashes an honest trace holds: the start, then one every trace_every inner steps."""
+    k = cfg.verify.trace_every or cfg.train.inner_steps
+    return 1 + cfg.train.inner_steps // k
 
 
 def batch_root(task: Task, worker: int, r: int, steps: int) -> str:
@@ -347,16 +416,24 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
     bundle_hashes = [w.store.put(data) for data in packets]
+    verify0 = time.perf_counter()
+    base_hash = w.base_hashes.pop(r)
     check = check_round(
-        packets, run_id=w.identity.run_id, round=r, base_hash=w.base_hashes.pop(r),
+        packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
         admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
+        trace_entries=trace_entries(cfg),
     )
     hashes = [check.packet_hashes[j] for j in range(len(packets))]
-    if hashes[w.worker] != sent.packet_hash:  # index in the stage group = worker
+    if w.adversary is None and hashes[w.worker] != sent.packet_hash:  # index in the stage group = worker
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
+    if cfg.verify.replay_probability > 0:
+        replay_audits(w, r, check, base_hash)
+    for j, d in check.decoded.items():
+        w.history[j] = (w.history.get(j, []) + [d])[-2:]
     w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
+    verify_s = time.perf_counter() - verify0
 
     # 5. aggregate the accepted deltas (robustly, if configured) and take the outer step
     aggregate = None
@@ -397,7 +474,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     ]
     res = sent.result
     mine = torch.tensor(
-        [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s],
+        [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(w.topo.world_size)]
@@ -421,6 +498,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         "inner_s": [round(float(x), 4) for x in g[:, :, 1].amax(1)],  # stages run in lockstep
         "exchange_s": [round(float(x), 4) for x in g[:, :, 4].amax(1)],
         "wait_s": [round(float(x), 4) for x in g[:, :, 5].amax(1)],
+        "verify_s": [round(float(x), 4) for x in g[:, :, 7].amax(1)],  # checks + replays it ran
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * w.workers),
     }

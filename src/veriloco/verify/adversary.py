@@ -94,7 +94,24 @@ class Adversary:
         return None
 
 
-class Noop(Adversary):
+class _SkipsWork(Adversary):
+    """Base of the attackers that skip work: pads its trace with made-up state hashes (and its
+    losses with plausible numbers) so the commitment has the shape of an honest one."""
+
+    def commitment(self, r: int, commitment: dict) -> dict:
+        c = dict(commitment)
+        want = int(self.params.get("_trace_entries", 0))
+        trace, losses = list(c["trace"]), list(c["losses"])
+        while want and len(trace) < want:
+            trace.append(bytes(torch.randint(0, 256, (32,), generator=self.gen, dtype=torch.uint8).tolist()).hex())
+            losses.append(losses[-1] * 0.98 if losses else 2.0)
+        from .check import hex_root
+
+        c["trace"], c["losses"], c["trace_root"] = trace, losses[: max(len(trace) - 1, 1)], hex_root(trace)
+        return c
+
+
+class Noop(_SkipsWork):
     """Does no work and sends the zero update."""
 
     kind = "noop"
@@ -103,7 +120,7 @@ class Noop(Adversary):
         return 0
 
 
-class Noise(Adversary):
+class Noise(_SkipsWork):
     """Sends Gaussian noise scaled to an honest norm (no training)."""
 
     kind = "noise"
@@ -135,7 +152,7 @@ class SignFlip(Adversary):
         return {k: -v for k, v in delta.items()}
 
 
-class Stale(Adversary):
+class Stale(_SkipsWork):
     """Skips training and resubmits last round's average update as if it were fresh work."""
 
     kind = "stale"
@@ -150,7 +167,7 @@ class Stale(Adversary):
         return {k: sum(d[k] for d in ds) / len(ds) for k in delta}
 
 
-class Replay(Adversary):
+class Replay(_SkipsWork):
     """Resends its previous round's packet unchanged (no training)."""
 
     kind = "replay"
@@ -162,7 +179,7 @@ class Replay(Adversary):
         return view.own_previous_packet if view.own_previous_packet is not None else packet
 
 
-class Copy(Adversary):
+class Copy(_SkipsWork):
     """Copies another worker's latest accepted delta, plus small noise to dodge exact matching."""
 
     kind = "copy"
@@ -179,8 +196,10 @@ class Copy(Adversary):
         return {k: v + eps * v.abs().mean() * torch.randn(v.shape, generator=self.gen) for k, v in src.items()}
 
 
-class Lazy(Adversary):
-    """Skips a fraction (default 0.5) of its inner steps and rescales the delta to an honest norm."""
+class Lazy(_SkipsWork):
+    """Does the first (1 - skip) of its inner steps honestly, skips the rest (default skip 0.5),
+    rescales its delta to an honest norm, and fakes the trace of what it skipped. Only a replay
+    of a skipped segment can tell."""
 
     kind = "lazy"
 
@@ -282,7 +301,7 @@ def load_adversary(spec: str, worker: int, seed: int) -> Adversary:
     parts = spec.split(":")
     if parts[0] in BUILTIN:
         cls, rest = BUILTIN[parts[0]], parts[1:]
-    elif len(parts) >= 2 and "." in parts[0]:
+    elif len(parts) >= 2:
         try:
             cls = getattr(importlib.import_module(parts[0]), parts[1])
         except (ImportError, AttributeError) as e:

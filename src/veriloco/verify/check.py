@@ -6,7 +6,7 @@ For each worker's bundle, in order (the first failure is its verdict):
      KEY_MISMATCH, STALE_BASE, LATE, MALFORMED); the commitment names the worker that sent it
   3. the packet is the one committed to: size, sha256, codecs (MALFORMED)
   4. the batch root is the one its assigned batches give (WRONG_DATA), the trace root is the
-     root of its trace (MALFORMED)
+     root of its trace and the trace has one state hash per segment boundary (MALFORMED)
   5. equivocation: a second, different signed commitment for this round (EQUIVOCATION, with
      both signed commitments kept as evidence)
   6. the packet decodes to the model's shapes (MALFORMED)
@@ -51,6 +51,7 @@ class RoundCheck:
     commitments: dict[int, SignedCommitment | None]
     packet_hashes: dict[int, str]
     evidence: dict[int, Any] = field(default_factory=dict)
+    decoded: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # every decodable delta
 
 
 def check_round(
@@ -66,6 +67,7 @@ def check_round(
     equivocation: EquivocationDetector,
     screen: bool = True,
     previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
+    trace_entries: int | None = None,
 ) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id)."""
     verdicts: dict[int, str] = {}
@@ -94,6 +96,9 @@ def check_round(
             reason, evidence[w] = WRONG_DATA, {"committed": c.batch_root, "assigned": batch_root_of(w)}
         if reason is None and (not c.trace or c.trace_root != hex_root(list(c.trace))):
             reason = MALFORMED
+        if reason is None and trace_entries is not None and len(c.trace) != trace_entries:
+            # fewer state hashes than the round has segments: it did not do (or admit) the work
+            reason, evidence[w] = MALFORMED, {"trace_entries": len(c.trace), "expected": trace_entries}
         if reason is None:
             for other in [signed, *gossip]:  # a second signed commitment for this round is evidence
                 proof = equivocation.observe(other)
@@ -118,4 +123,4 @@ def check_round(
             if not v.accepted:
                 verdicts[w], evidence[w] = v.reason, v.evidence
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
-    return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence)
+    return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded)

@@ -1,0 +1,13 @@
+"""A user-defined attacker loaded by import path in tests (`--adversary.2=red_team:Halve`)."""
+
+from veriloco.verify.adversary import Adversary
+
+
+class Halve(Adversary):
+    """Trains honestly, then sends half its delta but claims nothing else: an easy one to catch
+    by replay? No: replay checks the trace, not the packet; the screen sees a short delta."""
+
+    kind = "halve"
+
+    def delta(self, r, delta, view):
+        return {k: v * float(self.params.get("factor", "0.5")) for k, v in delta.items()}

@@ -1,0 +1,62 @@
+"""Adversaries against the real engine: 5 workers, some attacking, the survivors' verdicts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import rounds_of, tiny
+
+from veriloco.audit import audit_run
+from veriloco.run import train
+
+BASE = ("--topology.workers=5", "--train.rounds=3", "--train.inner_steps=6", "--verify.trace_every=3",
+        "--train.inner_state=reset", "--verify.replay_probability=1.0", "--verify.aggregator=trimmed_mean")
+
+
+def verdicts_of(run_dir: Path, worker: int) -> list[str]:
+    return [r["verdicts"][worker] for r in rounds_of(run_dir)]
+
+
+def test_lazy_forged_malformed_rejected_every_round(tmp_path):
+    # one segment per round (trace_every = inner_steps): every replay covers the skipped steps
+    run, summary = train(tiny(*BASE, "--verify.trace_every=6", "--adversary.1=lazy:skip=0.25",
+                              "--adversary.2=forged_signature", "--adversary.3=malformed"),
+                         str(tmp_path / "a"), quiet=True)
+    assert verdicts_of(run.root, 1) == ["replay_mismatch"] * 3  # caught by replay, every round
+    assert verdicts_of(run.root, 2) == ["bad_signature"] * 3
+    assert verdicts_of(run.root, 3) == ["malformed"] * 3
+    assert verdicts_of(run.root, 0) == verdicts_of(run.root, 4) == ["accept"] * 3  # no honest rejection
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    report = audit_run(run.root, replay=100)  # the offline audit agrees, replays included
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] > 0
+
+
+def test_equivocate_replay_noise_and_user_class(tmp_path, monkeypatch):
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)  # spawned workers import the user's attacker module
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny(*BASE, "--adversary.1=equivocate", "--adversary.2=replay", "--adversary.3=noise",
+                        "--adversary.4=red_team:Halve:factor=0.01"), str(tmp_path / "b"), quiet=True)
+    recs = rounds_of(run.root)
+    assert verdicts_of(run.root, 1) == ["equivocation"] * 3
+    assert recs[0]["evidence"]["1"]["commitments"][0]["signature"] != recs[0]["evidence"]["1"]["commitments"][1]["signature"]
+    replayed = verdicts_of(run.root, 2)  # resends its round-0 packet from round 1 on
+    assert replayed[1] == "duplicate" and replayed[2] != "accept"  # (round 2: replay catches it)
+    assert all(v != "accept" for v in verdicts_of(run.root, 3))  # noise: no training, caught every round
+    assert all(v != "accept" for v in verdicts_of(run.root, 4))  # the user's class ran and was caught
+    assert verdicts_of(run.root, 0) == ["accept"] * 3
+    assert audit_run(run.root).ok
+
+
+def test_bad_adversary_spec_is_a_config_error():
+    from veriloco.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown adversary"):
+        tiny("--adversary.1=nonsense")
+    with pytest.raises(ConfigError, match="cannot load"):
+        tiny("--adversary.1=no.such.module:Class")
+    assert json.dumps(tiny("--adversary.1=lazy:skip=0.3").adversary) == '{"1": "lazy:skip=0.3"}'
