@@ -11,3 +11,16 @@ class Halve(Adversary):
 
     def delta(self, r, delta, view):
         return {k: v * float(self.params.get("factor", "0.5")) for k, v in delta.items()}
+
+
+class Dies(Adversary):
+    """Fault injection: the worker's process exits abruptly at round `at` (default 1), mid-round."""
+
+    kind = "dies"
+
+    def inner_steps(self, r, steps):
+        if r == int(self.params.get("at", "1")):
+            import os
+
+            os._exit(9)
+        return steps

@@ -211,12 +211,15 @@ class Lazy(_SkipsWork):
 
 
 class WrongData(Adversary):
-    """Trains on other data (shifted batches) but commits the root of its assigned batches."""
+    """Trains on other data than assigned (its sequences reversed: the same bytes, another
+    distribution, so norms and losses look ordinary) but commits the root of its assigned
+    batches, as if it had trained on them."""
 
     kind = "wrong_data"
 
     def batch(self, r: int, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.roll(inputs, 1, 0), torch.roll(targets, 1, 0)
+        seq = torch.cat([inputs, targets[:, -1:]], dim=1).flip(1)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
 class Alie(Adversary):
