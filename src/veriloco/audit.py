@@ -36,7 +36,7 @@ from .ledger.entry import parse_entry, verdict_reason
 from .model import build_model
 from .outer import OuterOptimizer
 from .records import RunDir, RunDirError
-from .round import aggregate_deltas, batch_root, trace_entries
+from .round import aggregate_deltas, batch_root, make_loss_gain, trace_entries
 from .store import LocalStore, StoreError
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .round import start_point
@@ -170,6 +170,11 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int =
     previous: tuple = ({}, {})
     bases: list = []  # params after each round (replay start points), when replay is on
     history: dict = {}  # worker -> its last two decoded deltas (eager start points)
+    init = {k: v.detach().clone() for k, v in G0.named_parameters()}
+
+    def start_of(back: int) -> dict:  # G when round (back + 1 + delay)'s inner steps began
+        return bases[back] if back >= 0 else init
+
     counts.update(signatures=0, bundles=0, checkpoints=0, replays=0)
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
         p = entry["predicate"]
@@ -190,9 +195,11 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int =
             batch_root_of=lambda j, r=r: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
             equivocation=detector, screen=cfg.verify.screen, previous=previous,
             trace_entries=trace_entries(cfg),
+            loss_gain_of=make_loss_gain(task.as_task(), G0, start_of(back), r, min(cfg.verify.loss_gain_batches, cfg.train.inner_steps))
+            if cfg.verify.loss_gain_batches else None,
         )
         if cfg.verify.replay_probability > 0:
-            start_G = bases[back] if back >= 0 else {k: v.detach().clone() for k, v in G0.named_parameters()}
+            start_G = start_of(back)
             recorded = {c["worker"]: c["verdict"] for c in p["commitments"]}
             replays_left = _replays(cfg, task.as_task(), r, base, check, start_G, history, recorded, replays_left, counts)
         for j, d in check.decoded.items():
@@ -215,7 +222,7 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int =
             _fail(f"round {r}: nothing was accepted but the entry claims an aggregate")
         params_hash = tensors_hash(outer.params)
         params_after.append(params_hash)
-        if cfg.verify.replay_probability > 0:
+        if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
             bases.append({k: v.clone() for k, v in outer.params.items()})
         ckpt = {f"param/{k}": v for k, v in outer.params.items()} | outer.state_tensors()
         digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))

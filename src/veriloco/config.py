@@ -158,6 +158,11 @@ class VerifyConfig:
     aggregator: str = _f("mean", "mean | trimmed_mean | median | centered_clip | geometric_median")
     trim_fraction: float = _f(0.25, "trimmed_mean: fraction trimmed from each end")
     clip_tau: float = _f(0.0, "centered_clip: radius; 0 = the median distance to the centre")
+    loss_gain_batches: int = _f(
+        0,
+        "screen: reject a delta that does not lower the loss of G on this many of the worker's own "
+        "batches (Templar's Gauntlet); costs 2 forward passes per batch per worker; 0 = off",
+    )
     replay_probability: float = _f(
         0.0,
         "chance that a worker's round is replayed by another worker (bit-exact on CPU); needs "
@@ -334,6 +339,7 @@ def validate(cfg: Config) -> None:
     need(0 <= v.trim_fraction < 0.5, f"verify.trim_fraction must be in [0, 0.5), got {v.trim_fraction}")
     need(v.clip_tau >= 0, f"verify.clip_tau must be >= 0, got {v.clip_tau}")
     need(cfg.train.inner_state in ("keep", "reset"), f"train.inner_state must be 'keep' or 'reset', got {cfg.train.inner_state!r}")
+    need(v.loss_gain_batches >= 0, f"verify.loss_gain_batches must be >= 0, got {v.loss_gain_batches}")
     need(0 <= v.replay_probability <= 1, f"verify.replay_probability must be in [0, 1], got {v.replay_probability}")
     if v.replay_probability > 0:
         need(cfg.train.inner_state == "reset", "verify.replay_probability > 0 needs train.inner_state = 'reset' (a round must be replayable from public data)")

@@ -86,6 +86,7 @@ from .verify import REPLAY_MISMATCH
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 from .verify.replay import check_replay, replay_trace, sample_audits
+from .verify.screen import LossGain
 
 
 @dataclass
@@ -320,7 +321,7 @@ def run_inner_and_send(w: Worker, r: int) -> Sent:
     """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange."""
     t0, cfg, adv = time.perf_counter(), w.cfg, w.adversary or Adversary(w.worker, 0)
     w.base_hashes[r] = tensors_hash(w.outer.params)
-    if cfg.verify.replay_probability > 0:
+    if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
         w.bases[r] = {k: v.clone() for k, v in w.outer.params.items()}
     start = start_point(cfg, w.outer.params, w.own_decoded, w.workers)
     load_params(w.model, start)
@@ -357,6 +358,29 @@ def run_inner_and_send(w: Worker, r: int) -> Sent:
     return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0)
 
 
+def loss_gain_fn(w: Worker, r: int):
+    """The screen's loss-gain check for round r on this worker (see make_loss_gain)."""
+    return make_loss_gain(w.task, w.model, w.bases.get(r, w.outer.params), r,
+                          min(w.cfg.verify.loss_gain_batches, w.cfg.train.inner_steps))
+
+
+def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tensor], r: int, n: int):
+    """gain(j, delta): loss of G_r and of G_r - delta on worker j's first n batches of round r.
+    Deterministic, so every worker (and the audit) computes the same numbers."""
+
+    def loss_at(params: dict[str, torch.Tensor], j: int) -> float:
+        load_params(model, params)
+        with torch.no_grad():
+            return sum(float(task.loss(model, *task.batch(j, r, s))) for s in range(n)) / n
+
+    def gain(j: int, delta: dict[str, torch.Tensor]) -> LossGain:
+        before = loss_at(G_r, j)
+        after = loss_at({k: G_r[k] - delta[k] for k in G_r}, j)
+        return LossGain(before, after, before, after)
+
+    return gain
+
+
 def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str) -> None:
     """Sampled replays of round r: the assigned auditor redoes a prefix of the worker's round
     from public data and compares trace hashes; every worker learns the outcome and drops a
@@ -368,7 +392,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str) -> None:
     seed = base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
     audits = sample_audits(seed, sorted(check.accepted), w.workers, segments, cfg.verify.replay_probability)
     mismatch = torch.full((w.workers,), -1, dtype=torch.int64)
-    G_r = w.bases.pop(r, None)
+    G_r = w.bases.get(r)
     for a in audits:
         if a.auditor != w.worker or G_r is None:
             continue
@@ -389,8 +413,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str) -> None:
             check.accepted.pop(a.worker, None)
         else:
             check.evidence.setdefault(a.worker, {})["replayed"] = {"segment": a.segment, "auditor": a.auditor}
-    for r_old in [x for x in w.bases if x < r - 2]:
-        w.bases.pop(r_old)
+
 
 
 def trace_entries(cfg: Config) -> int:
@@ -424,6 +447,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
         trace_entries=trace_entries(cfg),
+        loss_gain_of=loss_gain_fn(w, r) if cfg.verify.loss_gain_batches else None,
     )
     hashes = [check.packet_hashes[j] for j in range(len(packets))]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:  # index in the stage group = worker
@@ -432,6 +456,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         replay_audits(w, r, check, base_hash)
     for j, d in check.decoded.items():
         w.history[j] = (w.history.get(j, []) + [d])[-2:]
+    for r_old in [x for x in w.bases if x <= r]:
+        w.bases.pop(r_old)
     w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
     verify_s = time.perf_counter() - verify0
 

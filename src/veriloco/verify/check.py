@@ -34,7 +34,7 @@ from .commitment import (
     check_packet,
     parse_signed_commitment,
 )
-from .screen import ScreenConfig, screen_round
+from .screen import LossGain, ScreenConfig, screen_round
 
 
 def hex_root(hashes: list[str]) -> str:
@@ -68,6 +68,7 @@ def check_round(
     screen: bool = True,
     previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
     trace_entries: int | None = None,
+    loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
 ) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id)."""
     verdicts: dict[int, str] = {}
@@ -112,12 +113,21 @@ def check_round(
         verdicts[w] = reason or ACCEPT
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
+        gains = {w: loss_gain_of(w, d) for w, d in decoded.items()} if loss_gain_of else None
+        # a delta must lower its own batches' loss by a fair share of what the median delta does
+        # (with 3+ workers; with fewer, by more than nothing): noise of an honest norm gains ~0
+        floor = 0.0
+        if gains and len(gains) >= 3:
+            floor = max(0.0, 0.25 * sorted(g.own_gain for g in gains.values())[len(gains) // 2])
         screened = screen_round(
             decoded,
             packet_hashes={w: packet_hashes[w] for w in decoded},
             previous_packet_hashes=prev_hashes,
             previous_deltas=prev_deltas,
-            config=ScreenConfig(),
+            loss_gains=gains,
+            # only "no gain on its own batches" is decided here: own-vs-random advantage is too
+            # noisy over a few batches to reject on without false positives (replay decides data)
+            config=ScreenConfig(min_own_gain=floor, min_own_advantage=-1e9),
         )
         for w, v in screened.items():
             if not v.accepted:
