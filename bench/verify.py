@@ -47,8 +47,8 @@ def main() -> None:
     attacks = ATTACKS
     if args.quick:
         args.seeds, args.rounds = 1, 8
-    base = ["--topology.workers=4", f"--train.rounds={args.rounds}", "--train.inner_steps=10",
-            "--verify.trace_every=5", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
+    base = ["--topology.workers=4", f"--train.rounds={args.rounds}", "--train.inner_steps=20",
+            "--verify.trace_every=5", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", "--train.eval_every=1000"]
     rows, honest_subs, honest_rej, verify_s, inner_s = [], 0, 0, 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:

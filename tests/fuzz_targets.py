@@ -18,7 +18,12 @@ from veriloco.ledger.entry import LedgerError, make_entry, parse_entry
 from veriloco.packet import PacketError, decode_bundle, decode_packet, encode_bundle, encode_packet
 from veriloco.records import RunDir, RunDirError
 from veriloco.store import LocalStore, StoreError
-from veriloco.verify.commitment import Commitment, CommitmentError, parse_signed_commitment, sign_commitment
+from veriloco.verify.commitment import (
+    Commitment,
+    CommitmentError,
+    parse_signed_commitment,
+    sign_commitment,
+)
 from veriloco.verify.identity import derive_worker_key
 
 SHAPES = {"a.weight": (8, 16), "b.bias": (16,)}

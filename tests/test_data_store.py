@@ -7,12 +7,20 @@ import hashlib
 import pytest
 import torch
 
+from veriloco.compress import codec_from_spec
 from veriloco.config import DataConfig
-from veriloco.data import DataError, batch, batch_offsets, corpus_from_raw, eval_batches, load_corpus, stdlib_files
+from veriloco.data import (
+    DataError,
+    batch,
+    batch_offsets,
+    corpus_from_raw,
+    eval_batches,
+    load_corpus,
+    stdlib_files,
+)
 from veriloco.hashing import sha256_hex, tensors_hash
 from veriloco.ledger.merkle import root as merkle_root
 from veriloco.packet import PacketError, decode_packet, encode_packet
-from veriloco.compress import codec_from_spec
 from veriloco.store import LocalStore, StoreError
 
 RAW = bytes(range(256)) * 400  # a fixed synthetic corpus

@@ -36,14 +36,13 @@ from .ledger.entry import parse_entry, verdict_reason
 from .model import build_model
 from .outer import OuterOptimizer
 from .records import RunDir, RunDirError
-from .round import aggregate_deltas, batch_root, make_loss_gain, trace_entries
+from .round import aggregate_deltas, batch_root, make_loss_gain, start_point, trace_entries
 from .store import LocalStore, StoreError
 from .task import CorpusTask, load_stored_corpus, model_init_hash
-from .round import start_point
 from .verify import REPLAY_MISMATCH
 from .verify.check import check_round
-from .verify.replay import check_replay, replay_trace, sample_audits
 from .verify.commitment import EquivocationDetector
+from .verify.replay import check_replay, replay_trace, sample_audits
 
 
 class AuditFailure(Exception):

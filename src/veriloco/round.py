@@ -79,11 +79,11 @@ from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import CorpusTask, Task
 from .topology import Topology, build_stage_model
-from .verify.aggregate import aggregate as robust_aggregate
-from .verify.check import check_round, hex_root
-from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify import REPLAY_MISMATCH
 from .verify.adversary import Adversary, View, load_adversary
+from .verify.aggregate import aggregate as robust_aggregate
+from .verify.check import RoundCheck, check_round, hex_root
+from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 from .verify.replay import check_replay, replay_trace, sample_audits
 from .verify.screen import LossGain
