@@ -716,6 +716,8 @@ def train_worker(
         "final_params_hash": last["params_hash"],
         "mode": "diloco",
         "complete": len(records) == cfg.train.rounds,
+        "ledger_head": w.ledger.head_hash() if w.ledger is not None else None,
+        "ledger_root": w.ledger.root() if w.ledger is not None else None,
     }
 
 
