@@ -7,7 +7,10 @@ attacking (`--adversary.1=KIND`), inner state reset per round so replay needs no
 replay probability `--replay`. For each attack and seed: the rounds in which worker 1's update
 was rejected (detection rate = rejected rounds / rounds where it attacked; rounds-to-detection =
 first rejected round + 1), the honest workers' false rejections, and the final eval loss next
-to the clean run's with the same seed. Verification compute is the time every worker spent in
+to the clean run's with the same seed. One trace segment per round (trace_every = inner_steps): a
+sampled replay redoes the whole round, which catches a lazy worker wherever it skipped (a
+finer trace lets a replay stop early, but a lazy worker skips the last steps, so only a
+full replay is sure to see them). Verification compute is the time every worker spent in
 the per-round checks and replays, as a share of inner-step time. Writes
 `{"attacks": [...], "honest": {...}, "overhead": x}`.
 """
@@ -40,7 +43,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fewer attacks")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--replay", type=float, default=0.25, help="replay probability per worker per round")
+    ap.add_argument("--replay", type=float, default=0.1, help="replay probability per worker per round")
     ap.add_argument("--aggregator", default="trimmed_mean")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verify.json"))
     args = ap.parse_args()
@@ -48,7 +51,7 @@ def main() -> None:
     if args.quick:
         args.seeds, args.rounds = 1, 8
     base = ["--topology.workers=4", f"--train.rounds={args.rounds}", "--train.inner_steps=20",
-            "--verify.trace_every=5", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
+            "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", "--train.eval_every=1000"]
     rows, honest_subs, honest_rej, verify_s, inner_s = [], 0, 0, 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +68,8 @@ def main() -> None:
             kind = attack.split(":")[0]
             rates, firsts, losses, reasons = [], [], [], set()
             for seed in range(args.seeds):
-                recs = run_one(base, [f"--run.seed={seed}", f"--adversary.1={attack}"], Path(tmp) / f"{kind}-{seed}")
+                name = attack.replace(":", "-").replace("=", "")
+                recs = run_one(base, [f"--run.seed={seed}", f"--adversary.1={attack}"], Path(tmp) / f"{name}-{seed}")
                 rejected = [r["round"] for r in recs if r["verdicts"][1] != "accept"]
                 reasons |= {r["verdicts"][1] for r in recs if r["verdicts"][1] != "accept"}
                 attacked = [r["round"] for r in recs if kind not in ("replay", "copy", "stale") or r["round"] > 0]
