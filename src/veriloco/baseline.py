@@ -60,7 +60,7 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
         torch.set_num_threads(cfg.train.threads)
         run = RunDir(run_dir)
         model = task.make_model()
-        ddp = DDP(model, broadcast_buffers=False)
+        ddp = DDP(model, broadcast_buffers=False)  # no buffers in the GPT
         counter = _CommCounter(world, link)
         ddp.register_comm_hook(counter, _counting_allreduce)
         inner = InnerLoop(ddp, cfg.train, cfg.train.rounds * cfg.train.inner_steps, task.loss)
@@ -111,6 +111,10 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
                 "tokens_per_s": round(tokens / wall, 1), "bytes_sent_per_worker": counter.bytes,
                 "final_checkpoint": None,
             })
+        # drop DDP's reducer before the group: its destructor joins gloo threads that may be
+        # waiting for the GIL held here, which hung some workers at exit
+        del ddp, inner
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
