@@ -397,3 +397,12 @@ def test_cli_prove(original):
         assert proof["root"] == ledger.root()
     bad = runner.invoke(app, ["prove", str(original), str(ROUNDS)])
     assert bad.exit_code == 2 and "not in the ledger" in bad.stderr
+
+
+def test_signed_checkpoint_manifest_checked(run):
+    signed = json.loads((run / "checkpoint.sig.json").read_text())
+    signed["manifest"]["round"] = 0  # any edit breaks the recorder's signature
+    (run / "checkpoint.sig.json").write_text(json.dumps(signed))
+    assert "signed checkpoint manifest" in failure(run) and "signature" in failure(run)
+    (run / "checkpoint.sig.json").unlink()
+    assert "checkpoint.sig.json is missing" in failure(run)

@@ -37,6 +37,7 @@ from .model import build_model
 from .outer import OuterOptimizer
 from .records import RunDir, RunDirError
 from .round import aggregate_deltas, batch_root, make_loss_gain, start_point, trace_entries
+from .signing import check_signed_manifest
 from .store import LocalStore, StoreError
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .verify import REPLAY_MISMATCH
@@ -234,6 +235,12 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int =
             _fail(f"round {r}: checkpoint: {e}")
         counts["checkpoints"] += 1
     report.rounds = len(records)
+    # 5. the signed checkpoint manifest of a complete run (recorder = worker 0)
+    if (run.root / "summary.json").is_file() and json.loads((run.root / "summary.json").read_text()).get("complete"):
+        problem = check_signed_manifest(run, admitted[0], records[-1]["checkpoint"])
+        if problem:
+            _fail(f"signed checkpoint manifest: {problem}")
+        counts["signed_manifest"] = 1
 
 
 def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left, counts) -> int:

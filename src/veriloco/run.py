@@ -80,9 +80,21 @@ def _spawned(
     try:
         summary = train_worker(cfg, rank, world, task, run_dir, start_round, quiet, stop_after)
         if summary is not None:
-            RunDir(run_dir).write_summary(summary)
+            _finish(RunDir(run_dir), cfg, summary)
     finally:
         dist.destroy_process_group()
+
+
+def _finish(run: RunDir, cfg: Config, summary: dict) -> None:
+    """The recorder's last act: signed checkpoint manifest (complete runs), then the summary."""
+    from .round import worker_key
+    from .signing import write_signed_manifest
+
+    manifest = run.read_manifest()
+    if summary.get("complete") and summary.get("final_checkpoint") and "run_id" in manifest:
+        write_signed_manifest(run, manifest["run_id"], summary["final_checkpoint"], summary["rounds"] - 1,
+                              worker_key(cfg, 0))
+    run.write_summary(summary)
 
 
 def launch(
@@ -159,7 +171,7 @@ def torchrun_main(argv: list[str]) -> None:
     try:
         summary = train_worker(cfg, rank, world, task.as_task(), str(run.root), 0)
         if summary is not None:
-            run.write_summary(summary)
+            _finish(run, cfg, summary)
     except Exception:
         traceback.print_exc()
         raise
