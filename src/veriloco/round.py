@@ -163,6 +163,10 @@ class Sent:
     started: float
 
 
+HEADER_BYTES_PER_TENSOR = 200  # measured: 150-190 bytes of safetensors header per tensor and codec
+COMMITMENT_RESERVE_BYTES = 4096  # a signed commitment with its trace is 1-3 KB
+
+
 class DeltaEncoder:
     """delta -> packet: a fixed codec or the adaptive controller, with optional error feedback."""
 
@@ -171,7 +175,9 @@ class DeltaEncoder:
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
         if cfg.compress.codec == "adaptive":
             ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
-            self.controller: AdaptiveController | None = AdaptiveController(ladder)
+            # the budget covers the wire, not just the payload: charge each tensor its share of
+            # the safetensors header (names, dtypes, shapes, offsets, codec spec) ...
+            self.controller: AdaptiveController | None = AdaptiveController(ladder, overhead_bytes_per_tensor=HEADER_BYTES_PER_TENSOR)
             self.codecs: dict[str, Codec] = {}
         else:
             self.controller = None
@@ -180,10 +186,12 @@ class DeltaEncoder:
     def budget(self, compute_s: float) -> int:
         """Packet bytes that fit under `compute_s` of compute on this link."""
         if self.cfg.budget_bytes:
-            return self.cfg.budget_bytes
-        if self.link is None or compute_s <= 0:
+            total = self.cfg.budget_bytes
+        elif self.link is None or compute_s <= 0:
             return UNLIMITED_BYTES
-        return round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s, compute_s, self.workers, self.cfg.safety)
+        else:
+            total = round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s, compute_s, self.workers, self.cfg.safety)
+        return max(total - COMMITMENT_RESERVE_BYTES, 0)  # ... and the signed commitment rides along
 
     def encode(self, delta: dict[str, torch.Tensor], compute_s: float) -> tuple[bytes, dict[str, torch.Tensor], dict]:
         """(packet, what receivers will decode from it, codec log)."""
