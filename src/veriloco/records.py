@@ -22,20 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from .hashing import canonical_json, json_hash
+from .store import atomic_write
 
 
 class RunDirError(ValueError):
     """A run directory is missing, incomplete, or holds malformed records."""
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file and rename (nothing half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RunDir:

@@ -17,6 +17,24 @@ from .hashing import sha256_hex
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
+def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+    """Write `data` to `path` via a private temporary file, fsync, chmod `mode`, rename: readers
+    see the old file or the whole new one, never a part (a crash leaves no partial file)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # created 0600
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 class StoreError(Exception):
     """A blob is missing, corrupt, or a name is not a sha256 hex digest."""
 
@@ -46,17 +64,7 @@ class LocalStore:
         if path.exists():
             return digest
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, data)
         return digest
 
     def get(self, digest: str, max_bytes: int | None = None) -> bytes:

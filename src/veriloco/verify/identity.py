@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from ..store import atomic_write
 
 MAX_KEY_FILE_BYTES = 4096  # a PEM Ed25519 key is ~120 bytes; anything near this is not a key
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
@@ -100,18 +101,7 @@ def save_private_key(
         raise IdentityError(f"key file {path} already exists; refusing to overwrite it")
     if not path.parent.is_dir():
         raise IdentityError(f"cannot write key file {path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-key-")  # mkstemp creates it 0600
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, data, mode=0o600)  # private key: owner only
     return path
 
 
