@@ -1,4 +1,19 @@
-"""`veriloco audit RUN`: re-verify a finished run offline from its directory alone.
+"""`veriloco audit`: re-verify a finished run offline, from its directory or a ledger and a store.
+
+    veriloco audit RUN                                    # a run directory
+    veriloco audit --ledger RUN/ledger.sqlite --store s3://bucket/store
+    veriloco audit --ledger evm:0xCONTRACT@http://host:8545 --run-id ID --store memory://b/store
+
+Where the run is read from (`Sources`):
+  - a run directory holds everything: manifest.json, rounds.jsonl, checkpoint.sig.json, store/,
+    and the ledger (RUN/ledger.sqlite, or for `[ledger] backend = "evm"` the contract named in the
+    config, with the entry bodies in RUN/ledger-bodies);
+  - a ledger and a store: the ledger gives the run id (entry 0; an EVM contract holds many runs,
+    so there it is `--run-id`). A finished run publishes itself into its store (run.py
+    `publish_run`): the blob named by the run id is the manifest core, the ref
+    `runs/<run id>.sig.json` is the signed checkpoint manifest, and the blobs it lists are the
+    full manifest and rounds.jsonl; the EVM ledger's entry bodies are blobs of the store too.
+    Nothing is trusted for being there: every item is checked below.
 
 What is checked, in this order (the first failure is reported with its round):
   1. the manifest: its hash is the run id; the config parses; the model built from the config's
@@ -6,16 +21,22 @@ What is checked, in this order (the first failure is reported with its round):
   2. the corpus: every chunk in the store is present and hashes to its name; the Merkle root
      of the chunks is the manifest's corpus root
   3. the ledger: every entry parses, the hash chain holds, the stored Merkle roots are right
-     (RFC 9162); rounds.jsonl agrees with the ledger entry by entry (entry hash, checkpoint,
-     aggregate and params hashes, eval loss, codecs, verdicts), so the report shows no lie
-  4. every round, redone from the stored bytes alone: each worker's bundle (signed commitment +
-     packet) is present and hashes to its name; the checks every worker ran (signature under the
-     admitted key, base params, packet hash, assigned batches, equivocation, screen) give the
-     verdicts the entry records; the accepted deltas aggregate to the recorded aggregate hash;
-     the outer step from the previous params gives the params and the checkpoint digest the
-     entry claims, and that checkpoint blob is in the store.
+     (RFC 9162; on an EVM chain also the on-chain hashes, roots and events); rounds.jsonl agrees
+     with the ledger entry by entry (entry hash, checkpoint, aggregate and params hashes, eval
+     loss, codecs, verdicts, each stage's hashes), so the report shows no lie
+  4. every round, redone from the stored bytes alone, for each pipeline stage's slice of the
+     model (the whole model when `[topology] stages = 1`): each worker's bundle (signed
+     commitment + packet) is present and hashes to its name; the checks every worker ran
+     (signature under the admitted key, base params, packet hash, assigned batches,
+     equivocation, screen) give the verdicts the entry records; the accepted deltas aggregate to
+     the recorded aggregate hash; the outer step from the previous params gives the params and
+     the checkpoint digest the entry claims, and that checkpoint blob is in the store. With
+     stages, the stage checkpoints then make the stage-checkpoint manifest the entry's subject
+     names (and it is in the store), and the stages' hashes combine to the entry's.
+  5. the signed checkpoint manifest of a complete run: the recorder's signature, and every file
+     it lists (final checkpoint, manifest, rounds.jsonl) hashes to its digest.
 Exit code 0 when all of it holds, 1 with a line naming the first round and thing that does not,
-2 when RUN is not a run directory.
+2 when the input is not a run (no run directory, no such ledger or store, the run not in them).
 """
 
 from __future__ import annotations
@@ -25,29 +46,39 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import save as st_save
 
 from .config import config_from_dict
-from .hashing import json_hash, sha256_hex, tensors_hash
-from .ledger import LedgerError, SqliteLedger, verify_chain
+from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
+from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
 from .model import build_model
 from .outer import OuterOptimizer
 from .records import RunDir, RunDirError
 from .round import aggregate_deltas, batch_root, make_loss_gain, start_point, trace_entries
-from .signing import check_signed_manifest
-from .store import LocalStore, StoreError
+from .signing import FILE as SIGNED_FILE
+from .signing import check_signed, signed_files
+from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, load_stored_corpus, model_init_hash
+from .topology import build_stage_model
 from .verify import REPLAY_MISMATCH
 from .verify.check import check_round
 from .verify.commitment import EquivocationDetector
 from .verify.replay import check_replay, replay_trace, sample_audits
 
+MAX_RECORDS_BYTES = 256 << 20  # a published rounds.jsonl (about 2-20 KB a round)
+MAX_MANIFEST_BYTES = 16 << 20
+
 
 class AuditFailure(Exception):
     """Something in the run does not hold; the message names the round and the thing."""
+
+
+class AuditInputError(ValueError):
+    """What was given is not a run to audit (no such ledger, store or run in them): exit 2."""
 
 
 @dataclass
@@ -60,31 +91,232 @@ class AuditReport:
     first_failure: str | None = None
     ledger_root: str | None = None
     seconds: float = 0.0
+    source: str = ""
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "rounds": self.rounds, "checked": self.checked,
                 "first_failure": self.first_failure, "ledger_root": self.ledger_root,
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3), "source": self.source}
 
 
 def _fail(msg: str) -> None:
     raise AuditFailure(msg)
 
 
+# ---- where the run is read from -----------------------------------------------------------------
+
+@dataclass
+class Loaded:
+    """What the audit reads before checking: the manifest, the round records, the signed
+    checkpoint manifest (None when absent) and whether the run says it completed."""
+
+    manifest: dict
+    records: list[dict]
+    signed: bytes | None
+    complete: bool
+
+
+class Sources:
+    """A run as the audit reads it. The constructor checks only that the input names a run (else
+    AuditInputError / RunDirError: exit 2); `load` and `open_ledger` run inside the audit, so
+    what they find wrong is a failure of the run (exit 1)."""
+
+    description: str
+    store: Any  # LocalStore or FsspecStore: get(digest, max_bytes) checks every blob's hash
+
+    def load(self) -> Loaded:
+        raise NotImplementedError
+
+    def open_ledger(self, manifest: dict) -> Ledger:
+        raise NotImplementedError
+
+    def read(self, name: str, digest: str) -> bytes | None:
+        """A file the signed checkpoint manifest lists, or None."""
+        raise NotImplementedError
+
+
+class DirSources(Sources):
+    """A run directory."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run = RunDir(run_dir)
+        self.manifest = self.run.read_manifest()  # RunDirError: not a run directory
+        self.description = str(self.run.root)
+        self.store = LocalStore(self.run.store_dir)
+
+    def load(self) -> Loaded:
+        summary = self.run.summary_path
+        complete = summary.is_file() and bool(json.loads(summary.read_text()).get("complete"))
+        signed = self.run.root / SIGNED_FILE
+        return Loaded(self.manifest, self.run.rounds(), signed.read_bytes() if signed.is_file() else None,
+                      complete)
+
+    def open_ledger(self, manifest: dict) -> Ledger:
+        ledger_cfg = manifest["config"].get("ledger", {})
+        backend = ledger_cfg.get("backend", "sqlite")
+        if backend == "evm":
+            return open_evm_ledger(ledger_cfg.get("contract", ""), ledger_cfg.get("rpc_url", ""),
+                                   manifest.get("run_id", ""), self.run.root / "ledger-bodies")
+        if backend != "sqlite":
+            _fail(f"ledger: the run kept no ledger (ledger.backend = {backend!r})")
+        if not (self.run.root / "ledger.sqlite").exists():
+            _fail("ledger: RUN/ledger.sqlite is missing")
+        return SqliteLedger(self.run.root / "ledger.sqlite")
+
+    def read(self, name: str, digest: str) -> bytes | None:
+        p = self.run.root / name
+        return p.read_bytes() if ".." not in Path(name).parts and p.is_file() else None
+
+
+class StoreSources(Sources):
+    """A ledger (an SQLite file, or `evm:CONTRACT@RPC_URL` with `run_id`) and a store URL."""
+
+    def __init__(self, ledger: str, store_url: str, run_id: str | None = None) -> None:
+        try:
+            self.store = open_store(store_url, create=False)
+        except StoreError as e:
+            raise AuditInputError(str(e)) from None
+        if run_id is not None:
+            try:
+                check_digest(run_id)
+            except StoreError:
+                raise AuditInputError(f"--run-id must be 64 lowercase hex digits, got {run_id!r:.80}") from None
+        self.spec = ledger
+        if ledger.startswith("evm:"):
+            contract, at, url = ledger[len("evm:"):].partition("@")
+            if not (contract and at and url):
+                raise AuditInputError(f"an EVM ledger is given as evm:CONTRACT@RPC_URL, got {ledger!r:.120}")
+            if run_id is None:
+                raise AuditInputError("--run-id is needed with an EVM ledger: one contract records many runs")
+            self.evm: tuple[str, str] | None = (contract, url)
+            self.run_id = run_id
+            with self._open_evm() as opened:  # reachable, the right contract, the run on it
+                if opened.size() == 0:
+                    raise AuditInputError(f"contract {contract} holds no entries of run {run_id}")
+        else:
+            self.evm = None
+            path = Path(ledger)
+            if not path.is_file():
+                raise AuditInputError(f"ledger {ledger} is not a file" if path.exists() else f"ledger {ledger} does not exist")
+            with open(path, "rb") as f:
+                if f.read(16) != b"SQLite format 3\x00":
+                    raise AuditInputError(f"ledger {ledger} is not an SQLite ledger (give evm:CONTRACT@RPC_URL for a chain)")
+            found = _ledger_run_id(path)
+            if found is None:
+                raise AuditInputError(f"ledger {ledger} holds no readable entry naming its run" +
+                                      ("" if run_id else "; give --run-id"))
+            if run_id is not None and found != run_id:
+                raise AuditInputError(f"ledger {ledger} records run {found}, not --run-id {run_id}")
+            self.run_id = run_id or found
+        if not self.store.has(self.run_id):
+            raise AuditInputError(f"store {store_url} holds no run {self.run_id} (no blob named by the run id)")
+        self.description = f"ledger {ledger}, store {store_url}"
+
+    def _open_evm(self) -> Ledger:
+        assert self.evm is not None
+        try:
+            return open_evm_ledger(*self.evm, self.run_id, self.store)
+        except AuditFailure as e:
+            raise AuditInputError(str(e).removeprefix("ledger: ")) from None
+
+    def load(self) -> Loaded:
+        core = self.store.get(self.run_id, max_bytes=MAX_MANIFEST_BYTES)  # its name is its hash
+        try:
+            signed = self.store.get_ref(run_ref(self.run_id))
+        except StoreError as e:
+            _fail(f"signed checkpoint manifest: {e} (a run publishes it into its store when it completes)")
+        try:
+            files = signed_files(signed)
+        except ValueError as e:
+            _fail(f"signed checkpoint manifest: {e}")
+        for name in ("manifest.json", "rounds.jsonl"):
+            if name not in files:
+                _fail(f"signed checkpoint manifest: it lists no {name}")
+        try:
+            manifest = json.loads(self.store.get(files["manifest.json"], max_bytes=MAX_MANIFEST_BYTES))
+        except StoreError as e:
+            _fail(f"manifest: {e}")
+        except ValueError:
+            _fail("manifest: the manifest.json blob is not JSON")
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
+            _fail("manifest: the manifest.json blob has no config")
+        if canonical_json({k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}) != core:
+            _fail(f"manifest: the manifest.json blob is not the manifest of run {self.run_id[:16]}")
+        try:
+            records = _parse_records(self.store.get(files["rounds.jsonl"], max_bytes=MAX_RECORDS_BYTES))
+        except StoreError as e:
+            _fail(f"records: {e}")
+        return Loaded(manifest, records, signed, complete=True)
+
+    def open_ledger(self, manifest: dict) -> Ledger:
+        return self._open_evm() if self.evm is not None else SqliteLedger(self.spec)
+
+    def read(self, name: str, digest: str) -> bytes | None:
+        try:
+            return self.store.get(digest)
+        except StoreError:
+            return None
+
+
+def open_evm_ledger(contract: str, rpc_url: str, run_id: str, mirror: Any) -> Ledger:
+    """The EVM ledger of `run_id`, read-only (no key), bodies from `mirror` (a store or a dir)."""
+    from .ledger.evm import EvmLedger
+
+    try:
+        return EvmLedger.connect(rpc_url, contract, run_id, None, mirror, register=False, verify_on_open=False)
+    except LedgerError as e:
+        raise AuditFailure(f"ledger: {str(e).splitlines()[0]}") from None
+
+
+def _ledger_run_id(path: Path) -> str | None:
+    """The run id of the first entry of the SQLite ledger at `path` that names one."""
+    with SqliteLedger(path) as ledger:
+        for i in range(ledger.size()):
+            try:
+                run_id = json.loads(ledger.entry_bytes(i))["predicate"]["run_id"]
+                return check_digest(run_id)
+            except (ValueError, KeyError, TypeError, LedgerError, StoreError):
+                continue
+    return None
+
+
+def _parse_records(data: bytes) -> list[dict]:
+    """rounds.jsonl as published: every line a complete JSON object."""
+    out = []
+    for i, line in enumerate(data.splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            _fail(f"records: rounds.jsonl line {i + 1} is not valid JSON")
+        if not isinstance(obj, dict):
+            _fail(f"records: rounds.jsonl line {i + 1} is not a JSON object")
+        out.append(obj)
+    return out
+
+
+# ---- the audit ------------------------------------------------------------------------------------
+
 def audit_run(run_dir: str | Path, replay: int = 0) -> AuditReport:
     """Audit the run in `run_dir`; RunDirError if it is not a run directory at all.
 
     `replay`: also re-run up to this many of the sampled replay audits (the rest of the sample
     is checked for consistency: only sampled workers may carry a replay_mismatch verdict)."""
+    return audit_sources(DirSources(run_dir), replay)
+
+
+def audit_published(ledger: str, store_url: str, run_id: str | None = None, replay: int = 0) -> AuditReport:
+    """Audit a run from a ledger (SQLite file or `evm:CONTRACT@RPC_URL`) and its store's URL;
+    AuditInputError (one line) when they do not name a run."""
+    return audit_sources(StoreSources(ledger, store_url, run_id), replay)
+
+
+def audit_sources(src: Sources, replay: int = 0) -> AuditReport:
+    """Audit the run `src` reads; the report says what held and the first thing that did not."""
     t0 = time.perf_counter()
-    run = RunDir(run_dir)
-    manifest = run.read_manifest()
-    report = AuditReport(ok=False)
+    report = AuditReport(ok=False, source=src.description)
     threads = torch.get_num_threads()
     try:
-        # the workers' thread count: replays are bit-exact only with the same reduction order
-        torch.set_num_threads(int(manifest.get("config", {}).get("train", {}).get("threads", 1) or 1))
-        _audit(run, manifest, report, replay)
+        _audit(src, report, replay)
         report.ok = True
     except AuditFailure as e:
         report.first_failure = str(e)
@@ -96,8 +328,30 @@ def audit_run(run_dir: str | Path, replay: int = 0) -> AuditReport:
     return report
 
 
-def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int = 0) -> None:
+@dataclass
+class _Slice:
+    """What the audit carries from round to round for one pipeline stage's slice of the model
+    (the whole model when there is one stage), as that stage's processes did."""
+
+    outer: OuterOptimizer
+    init: dict  # its params before round 0
+    detector: EquivocationDetector
+    params_after: list = field(default_factory=list)  # params hash after each round
+    previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (screen)
+    bases: list = field(default_factory=list)  # params after each round (replay start points)
+    history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
+
+    def start_of(self, back: int) -> dict:  # G when round (back + 1 + delay)'s inner steps began
+        return self.bases[back] if back >= 0 else self.init
+
+
+def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
     counts = report.checked
+    loaded = src.load()
+    manifest, records = loaded.manifest, loaded.records
+    # the workers' thread count: replays are bit-exact only with the same reduction order
+    torch.set_num_threads(int(manifest.get("config", {}).get("train", {}).get("threads", 1) or 1))
+
     # 1. manifest
     core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
     if json_hash(core) != manifest.get("run_id"):
@@ -106,30 +360,29 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int =
         cfg = config_from_dict(manifest["config"])
     except ValueError as e:
         _fail(f"manifest: config does not parse: {e}")
-    if cfg.topology.__dict__.get("stages", 1) != 1:
-        _fail("manifest: audit of pipeline-stage runs (stages > 1) is not supported yet")
+    stages = cfg.topology.stages
+    if stages > 1 and (cfg.verify.loss_gain_batches or cfg.verify.replay_probability > 0):
+        _fail("manifest: audit of pipeline-stage runs with loss-gain screening or replays is not supported")
     G0 = build_model(cfg.model, cfg.run.seed)
     if model_init_hash(G0) != manifest.get("model_init_hash"):
         _fail("manifest: the model built from the config's seed does not have the manifest's init hash")
-    store = LocalStore(run.store_dir)
+    store = src.store
 
     # 2. corpus
     try:
         corpus = load_stored_corpus(store, manifest["corpus_manifest"], cfg)
-    except StoreError as e:
+    except (StoreError, KeyError) as e:
         _fail(f"corpus: {e}")
     if corpus.root != manifest["corpus_root"]:
         _fail(f"corpus: Merkle root {corpus.root} is not the manifest's {manifest['corpus_root']}")
     counts["corpus_chunks"] = len(corpus.chunks)
-    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
+    task = CorpusTask(cfg, "", manifest["corpus_manifest"])
     task._corpus = corpus
 
     # 3. ledger and records
-    if not (run.root / "ledger.sqlite").exists():
-        _fail("ledger: RUN/ledger.sqlite is missing")
-    ledger = SqliteLedger(run.root / "ledger.sqlite")
+    ledger = src.open_ledger(manifest)
     try:
-        problems = verify_chain(ledger)
+        problems = ledger.verify()
         if problems:  # "entry <i>: <why>"; entry i is round i
             m = re.match(r"entry (\d+): (.*)", problems[0], re.S)
             _fail(f"round {m[1]}: ledger entry: {m[2]}" if m else f"ledger: {problems[0]}")
@@ -138,7 +391,6 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int =
         report.ledger_root = ledger.root()
     finally:
         ledger.close()
-    records = run.rounds()
     if not records and not entries:
         _fail("records: the run has no completed round to audit")
     if len(records) != len(entries):
@@ -147,100 +399,182 @@ def _audit(run: RunDir, manifest: dict, report: AuditReport, replays_left: int =
               f"{'the ledger' if len(records) > r else 'rounds.jsonl'} (rounds.jsonl has "
               f"{len(records)} rounds, the ledger {len(entries)} entries)")
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
-        p = entry["predicate"]
-        if rec.get("round") != r or p["run_id"] != manifest["run_id"]:
-            _fail(f"round {r}: record or entry is out of order or from another run")
-        if rec.get("checkpoint") != entry["subject"][0]["digest"]["sha256"]:
-            _fail(f"round {r}: rounds.jsonl checkpoint differs from the ledger entry's")
-        if "entry" in rec and rec["entry"] != entry_hashes[r]:
-            _fail(f"round {r}: rounds.jsonl names entry {str(rec['entry'])[:16]}, the ledger's hashes to {entry_hashes[r][:16]}")
-        for key in ("aggregate_hash", "params_hash", "eval_loss", "codecs"):
-            if key in rec and key in p and rec[key] != p[key]:
-                _fail(f"round {r}: rounds.jsonl {key} differs from the ledger entry's")
-        if "verdicts" in rec and rec["verdicts"] != [verdict_reason(c) for c in p["commitments"]]:
-            _fail(f"round {r}: rounds.jsonl verdicts differ from the ledger entry's")
+        _check_record(r, rec, entry, entry_hashes[r], manifest["run_id"], stages, cfg.topology.workers)
     counts["ledger_entries"] = len(entries)
 
-    # 4. every round, redone
+    # 4. every round, redone, stage by stage
     admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
-    outer = OuterOptimizer(dict(G0.named_parameters()), cfg.outer)
-    shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
-    detector = EquivocationDetector(admitted)
-    params_after: list[str] = []
-    previous: tuple = ({}, {})
-    bases: list = []  # params after each round (replay start points), when replay is on
-    history: dict = {}  # worker -> its last two decoded deltas (eager start points)
-    init = {k: v.detach().clone() for k, v in G0.named_parameters()}
-
-    def start_of(back: int) -> dict:  # G when round (back + 1 + delay)'s inner steps began
-        return bases[back] if back >= 0 else init
-
+    slices = []
+    for s in range(stages):
+        model = G0 if stages == 1 else build_stage_model(cfg.model, cfg.run.seed, s, stages)
+        params = dict(model.named_parameters())
+        slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},
+                             EquivocationDetector(admitted)))
     counts.update(signatures=0, bundles=0, checkpoints=0, replays=0)
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
         p = entry["predicate"]
-        bundles = []
-        for j, digest in enumerate(rec.get("bundles") or []):
-            try:
-                bundles.append(store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20)))
-            except StoreError as e:
-                _fail(f"round {r}: bundle of worker {j}: {e}")
-        if len(bundles) != len(p["commitments"]):
-            _fail(f"round {r}: {len(bundles)} bundles stored, the entry lists {len(p['commitments'])} commitments")
-        counts["bundles"] += len(bundles)
-        back = r - 1 - cfg.outer.delay
-        base = params_after[back] if back >= 0 else tensors_hash(dict(G0.named_parameters()))
-        check = check_round(
-            bundles, run_id=manifest["run_id"], round=r, base_hash=base, admitted_keys=admitted,
-            shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
-            batch_root_of=lambda j, r=r: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
-            equivocation=detector, screen=cfg.verify.screen, previous=previous,
-            trace_entries=trace_entries(cfg),
-            loss_gain_of=make_loss_gain(task.as_task(), G0, start_of(back), r, min(cfg.verify.loss_gain_batches, cfg.train.inner_steps))
-            if cfg.verify.loss_gain_batches else None,
-        )
-        if cfg.verify.replay_probability > 0:
-            start_G = start_of(back)
-            recorded = {c["worker"]: c["verdict"] for c in p["commitments"]}
-            replays_left = _replays(cfg, task.as_task(), r, base, check, start_G, history, recorded, replays_left, counts)
-        for j, d in check.decoded.items():
-            history[j] = (history.get(j, []) + [d])[-2:]
-        for c in p["commitments"]:
-            j, recorded = c["worker"], c["verdict"]
-            if check.verdicts.get(j) != recorded:
-                _fail(f"round {r}: worker {j}'s verdict recomputes to {check.verdicts.get(j)!r}, the entry says {recorded!r}")
-            signed = check.commitments.get(j)
-            if (signed.to_dict() if signed else None) != c["signed"]:
-                _fail(f"round {r}: worker {j}'s signed commitment in the ledger is not the one in its bundle")
-            counts["signatures"] += signed is not None
-        previous = ({j: check.packet_hashes[j] for j in check.accepted}, check.accepted)
-        if check.accepted:
-            agg = aggregate_deltas(check.accepted, cfg.verify)
-            if tensors_hash(agg) != p["aggregate_hash"]:
-                _fail(f"round {r}: the accepted packets aggregate to {tensors_hash(agg)[:16]}, the entry says {str(p['aggregate_hash'])[:16]}")
-            outer.step(agg)
-        elif p["aggregate_hash"] is not None:
-            _fail(f"round {r}: nothing was accepted but the entry claims an aggregate")
-        params_hash = tensors_hash(outer.params)
-        params_after.append(params_hash)
-        if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
-            bases.append({k: v.clone() for k, v in outer.params.items()})
-        ckpt = {f"param/{k}": v for k, v in outer.params.items()} | outer.state_tensors()
-        digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
         claimed = entry["subject"][0]["digest"]["sha256"]
-        if digest != claimed or p.get("params_hash", params_hash) != params_hash:
-            _fail(f"round {r}: the outer step recomputes to checkpoint {digest[:16]}, the entry claims {claimed[:16]}")
+        if stages == 1:
+            redone = _redo_slice(cfg, task, store, G0, slices[0], r, rec, p["commitments"],
+                                 (p["aggregate_hash"], claimed, p.get("params_hash")), f"round {r}: ",
+                                 admitted, manifest["run_id"], counts, replays_left)
+            replays_left = redone.replays_left
+            try:
+                store.get(claimed)
+            except StoreError as e:
+                _fail(f"round {r}: checkpoint: {e}")
+            counts["checkpoints"] += 1
+            continue
+        results = []
+        for s, sl in enumerate(slices):
+            mine = [c for c in p["commitments"] if c.get("stage") == s]
+            want = p["stages"][s]
+            where = f"round {r}: stage {s}: "
+            results.append(_redo_slice(cfg, task, store, G0, sl, r, rec["stages"][s], mine,
+                                       (want["aggregate_hash"], want["checkpoint"], want["params_hash"]),
+                                       where, admitted, manifest["run_id"], counts, 0))
+            try:
+                store.get(want["checkpoint"])
+            except StoreError as e:
+                _fail(f"{where}checkpoint: {e}")
+            counts["checkpoints"] += 1
+        # the stage checkpoints make the manifest the entry names, the stages' hashes its hashes
+        stage_manifest = canonical_json({"stages": [{"checkpoint": x.checkpoint, "params_hash": x.params_hash}
+                                                    for x in results]})
+        if sha256_hex(stage_manifest) != claimed:
+            _fail(f"round {r}: the stage checkpoints make manifest {sha256_hex(stage_manifest)[:16]}, "
+                  f"the entry claims {claimed[:16]}")
         try:
             store.get(claimed)
         except StoreError as e:
-            _fail(f"round {r}: checkpoint: {e}")
-        counts["checkpoints"] += 1
+            _fail(f"round {r}: stage-checkpoint manifest: {e}")
+        if json_hash([x.params_hash for x in results]) != p.get("params_hash"):
+            _fail(f"round {r}: the stages' params hashes do not combine to the entry's params hash")
+        aggregates = [x.aggregate_hash for x in results]
+        combined = json_hash(aggregates) if any(a is not None for a in aggregates) else None
+        if combined != p["aggregate_hash"]:
+            _fail(f"round {r}: the stages' aggregates do not combine to the entry's aggregate hash")
     report.rounds = len(records)
+
     # 5. the signed checkpoint manifest of a complete run (recorder = worker 0)
-    if (run.root / "summary.json").is_file() and json.loads((run.root / "summary.json").read_text()).get("complete"):
-        problem = check_signed_manifest(run, admitted[0], records[-1]["checkpoint"])
+    if loaded.complete:
+        problem = check_signed(loaded.signed, admitted[0], records[-1]["checkpoint"], src.read)
         if problem:
             _fail(f"signed checkpoint manifest: {problem}")
         counts["signed_manifest"] = 1
+
+
+def _check_record(r: int, rec: dict, entry: dict, entry_hash: str, run_id: str, stages: int, workers: int) -> None:
+    """rounds.jsonl's record of round r says what the ledger entry says."""
+    p = entry["predicate"]
+    if rec.get("round") != r or p["run_id"] != run_id:
+        _fail(f"round {r}: record or entry is out of order or from another run")
+    if rec.get("checkpoint") != entry["subject"][0]["digest"]["sha256"]:
+        _fail(f"round {r}: rounds.jsonl checkpoint differs from the ledger entry's")
+    if "entry" in rec and rec["entry"] != entry_hash:
+        _fail(f"round {r}: rounds.jsonl names entry {str(rec['entry'])[:16]}, the ledger's hashes to {entry_hash[:16]}")
+    for key in ("aggregate_hash", "params_hash", "eval_loss", "codecs"):
+        if key in rec and key in p and rec[key] != p[key]:
+            _fail(f"round {r}: rounds.jsonl {key} differs from the ledger entry's")
+    if stages == 1:
+        if "verdicts" in rec and rec["verdicts"] != [verdict_reason(c) for c in p["commitments"]]:
+            _fail(f"round {r}: rounds.jsonl verdicts differ from the ledger entry's")
+        return
+    parts, claimed = rec.get("stages"), p.get("stages")
+    if not (isinstance(parts, list) and isinstance(claimed, list) and len(parts) == len(claimed) == stages):
+        _fail(f"round {r}: rounds.jsonl or the ledger entry does not hold one part per stage ({stages})")
+    for s, (part, want) in enumerate(zip(parts, claimed, strict=True)):
+        if not isinstance(part, dict) or not isinstance(want, dict):
+            _fail(f"round {r}: stage {s}: the record or entry part is not an object")
+        for key in ("checkpoint", "params_hash", "aggregate_hash"):
+            if part.get(key) != want.get(key):
+                _fail(f"round {r}: stage {s}: rounds.jsonl {key} differs from the ledger entry's")
+        mine = [verdict_reason(c) for c in p["commitments"] if c.get("stage") == s]
+        if part.get("verdicts") != mine:
+            _fail(f"round {r}: stage {s}: rounds.jsonl verdicts differ from the ledger entry's")
+    # a worker's verdict: accept when every stage accepted its slice, else the first stage's reason
+    combined = []
+    for j in range(workers):
+        bad = [part["verdicts"][j] for part in parts if j < len(part["verdicts"]) and part["verdicts"][j] != "accept"]
+        combined.append(bad[0] if bad else "accept")
+    if rec.get("verdicts") != combined:
+        _fail(f"round {r}: rounds.jsonl verdicts are not its stages' verdicts combined")
+
+
+class _Redone(NamedTuple):
+    """What redoing one slice's round gave."""
+
+    checkpoint: str
+    params_hash: str
+    aggregate_hash: str | None
+    replays_left: int
+
+
+def _redo_slice(
+    cfg, task: CorpusTask, store: Any, G0: torch.nn.Module, sl: _Slice, r: int, part: dict,
+    recorded: list[dict], claims: tuple, where: str, admitted: dict, run_id: str, counts: dict,
+    replays_left: int,
+) -> _Redone:
+    """Redo round r for one slice: check its bundles, compare verdicts and signed commitments with
+    the entry's `recorded` commitments, aggregate, take the outer step, and compare with `claims`
+    = (aggregate hash, checkpoint digest, params hash or None); `where` starts every failure
+    message ("round r: " or "round r: stage s: "). Returns what it recomputed."""
+    claimed_aggregate, claimed_checkpoint, claimed_params = claims
+    bundles = []
+    for j, digest in enumerate(part.get("bundles") or []):
+        try:
+            bundles.append(store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20)))
+        except StoreError as e:
+            _fail(f"{where}bundle of worker {j}: {e}")
+    if len(bundles) != len(recorded):
+        _fail(f"{where}{len(bundles)} bundles stored, the entry lists {len(recorded)} commitments")
+    counts["bundles"] += len(bundles)
+    back = r - 1 - cfg.outer.delay
+    base = sl.params_after[back] if back >= 0 else tensors_hash(sl.init)
+    shapes = {k: tuple(v.shape) for k, v in sl.outer.params.items()}
+    replayable = cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches
+    check = check_round(
+        bundles, run_id=run_id, round=r, base_hash=base, admitted_keys=admitted,
+        shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
+        batch_root_of=lambda j: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
+        equivocation=sl.detector, screen=cfg.verify.screen, previous=sl.previous,
+        trace_entries=trace_entries(cfg),
+        loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, min(cfg.verify.loss_gain_batches, cfg.train.inner_steps))
+        if cfg.verify.loss_gain_batches else None,
+    )
+    if cfg.verify.replay_probability > 0:
+        verdicts = {c["worker"]: c["verdict"] for c in recorded}
+        replays_left = _replays(cfg, task.as_task(), r, base, check, sl.start_of(back), sl.history, verdicts,
+                                replays_left, counts)
+    for j, d in check.decoded.items():
+        sl.history[j] = (sl.history.get(j, []) + [d])[-2:]
+    for c in recorded:
+        j, verdict = c["worker"], c["verdict"]
+        if check.verdicts.get(j) != verdict:
+            _fail(f"{where}worker {j}'s verdict recomputes to {check.verdicts.get(j)!r}, the entry says {verdict!r}")
+        signed = check.commitments.get(j)
+        if (signed.to_dict() if signed else None) != c["signed"]:
+            _fail(f"{where}worker {j}'s signed commitment in the ledger is not the one in its bundle")
+        counts["signatures"] += signed is not None
+    sl.previous = ({j: check.packet_hashes[j] for j in check.accepted}, check.accepted)
+    aggregate_hash = None
+    if check.accepted:
+        agg = aggregate_deltas(check.accepted, cfg.verify)
+        aggregate_hash = tensors_hash(agg)
+        if aggregate_hash != claimed_aggregate:
+            _fail(f"{where}the accepted packets aggregate to {aggregate_hash[:16]}, the entry says {str(claimed_aggregate)[:16]}")
+        sl.outer.step(agg)
+    elif claimed_aggregate is not None:
+        _fail(f"{where}nothing was accepted but the entry claims an aggregate")
+    params_hash = tensors_hash(sl.outer.params)
+    sl.params_after.append(params_hash)
+    if replayable:
+        sl.bases.append({k: v.clone() for k, v in sl.outer.params.items()})
+    ckpt = {f"param/{k}": v for k, v in sl.outer.params.items()} | sl.outer.state_tensors()
+    digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
+    if digest != claimed_checkpoint or (claimed_params or params_hash) != params_hash:
+        _fail(f"{where}the outer step recomputes to checkpoint {digest[:16]}, the entry claims {str(claimed_checkpoint)[:16]}")
+    return _Redone(digest, params_hash, aggregate_hash, replays_left)
 
 
 def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left, counts) -> int:
@@ -272,9 +606,20 @@ def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left
     return replays_left
 
 
+def open_run_ledger(run_dir: str | Path) -> Ledger:
+    """The ledger of the run in `run_dir` (SQLite or EVM, as its config says), read-only for EVM;
+    RunDirError when there is none."""
+    src = DirSources(run_dir)
+    try:
+        return src.open_ledger(src.manifest)
+    except AuditFailure as e:
+        raise RunDirError(str(e).removeprefix("ledger: ").replace("RUN/", f"{src.run.root}/")) from None
+
+
 def write_audit(run_dir: str | Path, report: AuditReport) -> None:
     """Save the outcome as RUN/audit.json (the run report shows it)."""
     (Path(run_dir) / "audit.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
 
 
-__all__ = ["AuditFailure", "AuditReport", "audit_run", "write_audit", "RunDirError"]
+__all__ = ["AuditFailure", "AuditInputError", "AuditReport", "audit_published", "audit_run", "audit_sources",
+           "open_run_ledger", "write_audit", "RunDirError"]

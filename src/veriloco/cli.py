@@ -3,6 +3,8 @@
     veriloco train [CONFIG.toml] [--section.key=value ...] [--out DIR]
     veriloco train --resume DIR
     veriloco audit RUN             # re-verify a finished run from its directory alone
+    veriloco audit --ledger RUN/ledger.sqlite --store s3://bucket/store   # ... or from where it was published
+    veriloco audit --ledger evm:CONTRACT@RPC_URL --run-id ID --store URL   # ... with an EVM ledger
     veriloco prove RUN ROUND       # inclusion proof of a round's ledger entry
     veriloco report RUN            # RUN/report.html: one self-contained page
     veriloco keygen --out DIR --workers N   # Ed25519 keys for [verify] key_dir
@@ -95,20 +97,33 @@ def train(
 
 @app.command()
 def audit(
-    run: str = typer.Argument(..., help="run directory"),
+    run: str = typer.Argument(None, help="run directory"),
+    ledger: str = typer.Option(None, "--ledger", help="instead of RUN: the run's SQLite ledger file, or evm:CONTRACT@RPC_URL"),
+    store: str = typer.Option(None, "--store", help="with --ledger: the run's store, a path or fsspec URL (s3://, memory://...)"),
+    run_id: str = typer.Option(None, "--run-id", help="with --ledger: which run (needed for an EVM contract)"),
     replay: int = typer.Option(0, "--replay", help="also re-run up to N of the sampled replay audits"),
 ) -> None:
-    """Re-verify a run offline: manifest, corpus, ledger, signatures, verdicts, every outer step."""
+    """Re-verify a run offline: manifest, corpus, ledger, signatures, verdicts, every outer step.
+
+    From its directory (RUN), or from a ledger and a store (--ledger, --store) it was published to."""
     import torch
 
-    from .audit import audit_run, write_audit
+    from .audit import AuditInputError, audit_published, audit_run, write_audit
+    from .ledger import LedgerError
 
+    if replay < 0:
+        fail(f"--replay must be >= 0, got {replay}")
+    if run is not None and (ledger or store or run_id):
+        fail("give a run directory, or --ledger and --store, not both")
+    if run is None and not (ledger and store):
+        fail("give a run directory, or both --ledger LEDGER and --store URL")
     torch.set_num_threads(1)  # as each worker ran: replays are bit-exact, and small ops are faster
     try:
-        report = audit_run(run, replay)
-    except USER_ERRORS as e:
-        fail(str(e))
-    write_audit(run, report)
+        report = audit_run(run, replay) if run is not None else audit_published(ledger, store, run_id, replay)
+    except (*USER_ERRORS, AuditInputError, LedgerError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if run is not None:
+        write_audit(run, report)
     c = report.checked
     if report.ok:
         typer.echo(
@@ -128,19 +143,22 @@ def prove(run: str = typer.Argument(..., help="run directory"), round: int = typ
     """Print an RFC 9162 inclusion proof of ROUND's entry in the run's ledger (and check it)."""
     import json
 
-    from .ledger import SqliteLedger
+    from .audit import open_run_ledger
+    from .ledger import LedgerError
     from .ledger.merkle import leaf_hash, verify_inclusion
 
-    path = Path(run) / "ledger.sqlite"
-    if not path.is_file():
-        fail(f"{run} has no ledger.sqlite")
-    ledger = SqliteLedger(path)
+    try:
+        ledger = open_run_ledger(run)
+    except USER_ERRORS as e:
+        fail(str(e).splitlines()[0])
     try:
         n = ledger.size()
         if not 0 <= round < n:
             fail(f"round {round} is not in the ledger (it has rounds 0..{n - 1})")
         proof, root = ledger.inclusion_proof(round), ledger.root()
         leaf = leaf_hash(ledger.entry_bytes(round))
+    except LedgerError as e:
+        fail(f"ledger: {str(e).splitlines()[0]}", code=1)
     finally:
         ledger.close()
     ok = verify_inclusion(leaf, round, n, proof, root)

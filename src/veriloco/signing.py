@@ -1,14 +1,17 @@
 """Signed checkpoint manifests, in the spirit of OpenSSF model signing.
 
 At the end of a run the recorder (worker 0) writes `RUN/checkpoint.sig.json`: a canonical JSON
-manifest listing the sha256 of every file that makes up the result — the final checkpoint blob
-and the run manifest — signed with its Ed25519 key. `veriloco audit` checks the signature
-against the recorder's admitted key and every listed digest against the files.
+manifest listing the sha256 of every file that makes up the result — the final checkpoint blob,
+the run manifest and the round records (rounds.jsonl) — signed with its Ed25519 key.
+`veriloco audit` checks the signature against the recorder's admitted key and every listed
+digest against the files: in the run directory, or, for a run published into a store
+(run.py `publish_run`), against the store's blobs of those digests.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -29,6 +32,7 @@ def write_signed_manifest(run: RunDir, run_id: str, checkpoint: str, round: int,
         "files": {
             f"store/{checkpoint[:2]}/{checkpoint[2:]}": checkpoint,
             "manifest.json": sha256_hex(run.manifest_path.read_bytes()),
+            "rounds.jsonl": sha256_hex(run.rounds_path.read_bytes()),
         },
     }
     signed = {"manifest": body, "public_key": public_key_hex(key),
@@ -42,20 +46,47 @@ def check_signed_manifest(run: RunDir, recorder_key: str, checkpoint: str) -> st
     """None when RUN/checkpoint.sig.json is signed by `recorder_key`, names `checkpoint`, and
     every file it lists hashes to its digest; otherwise what is wrong, in one line."""
     path = run.root / FILE
-    if not path.is_file():
+
+    def read(name: str, digest: str) -> bytes | None:
+        p = run.root / name
+        return p.read_bytes() if ".." not in Path(name).parts and p.is_file() else None
+
+    return check_signed(path.read_bytes() if path.is_file() else None, recorder_key, checkpoint, read)
+
+
+def signed_files(data: bytes) -> dict[str, str]:
+    """{name: sha256} listed in a signed manifest (unchecked: call `check_signed` to trust it);
+    ValueError if `data` is not a signed manifest."""
+    try:
+        files = json.loads(data)["manifest"]["files"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{FILE} is not a signed manifest") from None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ValueError(f"{FILE} is not a signed manifest")
+    return files
+
+
+def check_signed(
+    data: bytes | None, recorder_key: str, checkpoint: str, read: Callable[[str, str], bytes | None]
+) -> str | None:
+    """None when the signed manifest `data` is signed by `recorder_key`, names `checkpoint`, and
+    every file it lists, as `read(name, digest)` returns it, hashes to its digest; otherwise what
+    is wrong, in one line. `read` returns None for a file it cannot find."""
+    if data is None:
         return f"{FILE} is missing"
     try:
-        signed = json.loads(path.read_bytes())
+        signed = json.loads(data)
         body, sig, pub = signed["manifest"], signed["signature"], signed["public_key"]
-        files = body["files"]
+        files = dict(body["files"])
+        message = DOMAIN + canonical_json(body)
     except (ValueError, KeyError, TypeError):
         return f"{FILE} is not a signed manifest"
-    if pub != recorder_key or not verify_signature(pub, DOMAIN + canonical_json(body), sig):
+    if pub != recorder_key or not verify_signature(pub, message, sig):
         return f"{FILE}: the signature is not the recorder's"
     if checkpoint not in files.values():
         return f"{FILE} does not name the final checkpoint {checkpoint[:16]}"
     for name, digest in files.items():
-        p = run.root / name
-        if ".." in Path(name).parts or not p.is_file() or sha256_hex(p.read_bytes()) != digest:
+        got = read(name, digest) if isinstance(name, str) and isinstance(digest, str) else None
+        if got is None or sha256_hex(got) != digest:
             return f"{FILE}: {name} is missing or does not hash to its listed digest"
     return None

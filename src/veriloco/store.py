@@ -3,6 +3,12 @@
 Writes are atomic (write to a temporary file, fsync, rename), so a crash leaves either the whole
 blob or nothing; every read checks the hash, so a flipped byte on disk is an error, not data.
 Used for the corpus, packets, checkpoints and traces.
+
+Beside the blobs a store holds a few *refs* (`refs/<name>`, as in git): small named files that
+say where to start reading. A finished run publishes its signed checkpoint manifest as the ref
+`runs/<run id>.sig.json` (run.py `publish_run`), so `veriloco audit --ledger ... --store URL`
+finds the run in a store from its run id alone. A ref is not content-addressed: whoever reads
+one checks what it says (a signature, the digests it lists) before trusting it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from pathlib import Path
 from .hashing import sha256_hex
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_REF = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(/[a-z0-9][a-z0-9._-]{0,127}){0,3}$")
+MAX_REF_BYTES = 1 << 20
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
@@ -39,6 +47,18 @@ class StoreError(Exception):
     """A blob is missing, corrupt, or a name is not a sha256 hex digest."""
 
 
+def check_ref(name: str) -> str:
+    """Return `name` if it is a ref name (lowercase path segments, no `..`), else StoreError."""
+    if not isinstance(name, str) or not _REF.match(name) or ".." in name:
+        raise StoreError(f"not a ref name: {name!r:.80}")
+    return name
+
+
+def run_ref(run_id: str) -> str:
+    """The ref under which a finished run publishes its signed checkpoint manifest."""
+    return f"runs/{check_digest(run_id)}.sig.json"
+
+
 def check_digest(digest: str) -> str:
     """Return `digest` if it is a lowercase 64-char sha256 hex string, else raise StoreError."""
     if not isinstance(digest, str) or not _HEX64.match(digest):
@@ -47,10 +67,14 @@ def check_digest(digest: str) -> str:
 
 
 class LocalStore:
-    """Blobs under `root/ab/cdef...` on local disk."""
+    """Blobs under `root/ab/cdef...` on local disk; refs under `root/refs/`.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    `create=False` opens an existing store only (StoreError if `root` is not a directory)."""
+
+    def __init__(self, root: str | os.PathLike[str], create: bool = True) -> None:
         self.root = Path(root)
+        if not create and not self.root.is_dir():
+            raise StoreError(f"store {self.root} does not exist")
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, digest: str) -> Path:
@@ -89,6 +113,22 @@ class LocalStore:
         """Where blob `digest` lives on disk (for tests and tools that corrupt it on purpose)."""
         return self._path(digest)
 
+    def put_ref(self, name: str, data: bytes) -> None:
+        """Point ref `name` at `data` (atomically replacing what it held)."""
+        path = self.root / "refs" / check_ref(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, data)
+
+    def get_ref(self, name: str) -> bytes:
+        """What ref `name` holds; StoreError if it is missing or over MAX_REF_BYTES."""
+        path = self.root / "refs" / check_ref(name)
+        try:
+            if path.stat().st_size > MAX_REF_BYTES:
+                raise StoreError(f"ref {name} is over the limit {MAX_REF_BYTES} bytes")
+            return path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            raise StoreError(f"ref {name} is missing from {self.root}") from None
+
     def digests(self) -> list[str]:
         """All blob names, sorted."""
         out = []
@@ -114,10 +154,11 @@ class FsspecStore:
     - publication is atomic: on object stores (s3, gcs, azure) one PUT with mode="create"
       (a conditional put: an existing blob, which has the same bytes by construction, is kept);
       on other filesystems the bytes go to `ab/.tmp-<random>` and are then `fs.mv`-ed into place.
-    `storage_options` are passed to fsspec (credentials, endpoints).
+    `storage_options` are passed to fsspec (credentials, endpoints); `create=False` opens an
+    existing store only (StoreError if nothing is at `url`).
     """
 
-    def __init__(self, url: str, **storage_options: object) -> None:
+    def __init__(self, url: str, create: bool = True, **storage_options: object) -> None:
         import fsspec  # imported here so LocalStore users need not have it
 
         self.url = url
@@ -128,6 +169,8 @@ class FsspecStore:
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.atomic_put = any(p in _ATOMIC_PUT_PROTOCOLS for p in protocols)
+        if not create and not self.fs.exists(self.root):
+            raise StoreError(f"store {url} does not exist")
         self.fs.makedirs(self.root, exist_ok=True)
 
     def _path(self, digest: str) -> str:
@@ -187,6 +230,33 @@ class FsspecStore:
         """The blob's path inside `self.fs` (for tests and tools that corrupt it on purpose)."""
         return self._path(digest)
 
+    def put_ref(self, name: str, data: bytes) -> None:
+        """Point ref `name` at `data`: one PUT on object stores, write-then-rename elsewhere."""
+        path = f"{self.root}/refs/{check_ref(name)}"
+        if self.atomic_put:
+            self.fs.pipe_file(path, data)
+            return
+        parent = path.rsplit("/", 1)[0]
+        self.fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.tmp-{os.urandom(8).hex()}"
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, path)  # replaces the old ref whole
+        except BaseException:
+            if self.fs.exists(tmp):
+                self.fs.rm_file(tmp)
+            raise
+
+    def get_ref(self, name: str) -> bytes:
+        """What ref `name` holds; StoreError if it is missing or over MAX_REF_BYTES."""
+        path = f"{self.root}/refs/{check_ref(name)}"
+        try:
+            if int(self.fs.info(path)["size"]) > MAX_REF_BYTES:
+                raise StoreError(f"ref {name} is over the limit {MAX_REF_BYTES} bytes")
+            return self.fs.cat_file(path, start=0, end=MAX_REF_BYTES + 1)
+        except FileNotFoundError:
+            raise StoreError(f"ref {name} is missing from {self.url}") from None
+
     def digests(self) -> list[str]:
         """All blob names, sorted (temporary files are skipped)."""
         out = []
@@ -197,11 +267,12 @@ class FsspecStore:
         return sorted(out)
 
 
-def open_store(url_or_path: str | os.PathLike[str]) -> LocalStore | FsspecStore:
-    """A LocalStore for a plain path or a `file://` URL (it fsyncs); an FsspecStore otherwise."""
+def open_store(url_or_path: str | os.PathLike[str], create: bool = True) -> LocalStore | FsspecStore:
+    """A LocalStore for a plain path or a `file://` URL (it fsyncs); an FsspecStore otherwise.
+    `create=False`: StoreError unless a store is already there."""
     s = os.fspath(url_or_path)
     if s.startswith("file://"):
-        return LocalStore(s[len("file://") :])
+        return LocalStore(s[len("file://") :], create)
     if "://" in s:
-        return FsspecStore(s)
-    return LocalStore(s)
+        return FsspecStore(s, create)
+    return LocalStore(s, create)

@@ -349,6 +349,93 @@ class InProcessChain:
 
         return Account.from_key(self.keys[i])
 
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> ChainServer:
+        """Serve this chain over HTTP JSON-RPC on `host:port` (0: a free port) from a daemon
+        thread, so other processes (a run's spawned workers, `veriloco audit`) reach it by URL."""
+        return ChainServer(self, host, port)
+
+
+class ChainServer:
+    """A minimal HTTP JSON-RPC endpoint in front of an `InProcessChain` (tests, demos).
+
+    Each POST is one JSON-RPC request (or a batch); it goes through the same eth-tester
+    middleware an in-process `Web3` uses, one at a time (eth-tester is not thread-safe), and the
+    result is encoded as a node would: quantities as 0x-hex, bytes as 0x-hex. `url` is where it
+    listens; `close()` stops it.
+    """
+
+    def __init__(self, chain: InProcessChain, host: str = "127.0.0.1", port: int = 0) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from web3 import Web3
+
+        w3 = Web3(chain.w3.provider, middleware=[])  # the tester's own middleware only
+        call = chain.w3.provider.request_func(w3, w3.middleware_onion)
+        lock = threading.Lock()
+
+        def answer(req: Any) -> dict[str, Any]:
+            rid = req.get("id") if isinstance(req, dict) else None
+            if not isinstance(req, dict) or not isinstance(req.get("method"), str):
+                return {"jsonrpc": "2.0", "id": rid, "error": {"code": -32600, "message": "invalid request"}}
+            try:
+                with lock:
+                    out = call(req["method"], req.get("params") or [])
+            except Exception as e:  # a revert or a validation error: the node's error answer
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                return {"jsonrpc": "2.0", "id": rid, "error": {"code": 3 if "revert" in msg else -32000, "message": msg}}
+            if "error" in out:
+                return {"jsonrpc": "2.0", "id": rid, "error": dict(out["error"])}
+            return {"jsonrpc": "2.0", "id": rid, "result": _rpc_json(out.get("result"))}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                try:
+                    req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                    body = [answer(x) for x in req] if isinstance(req, list) else answer(req)
+                except ValueError:
+                    body = {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "parse error"}}
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="chain-rpc", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> ChainServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rpc_json(x: Any) -> Any:
+    """A tester result as JSON-RPC writes it: ints as 0x-hex quantities, bytes as 0x-hex."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return hex(x)
+    if isinstance(x, (bytes, bytearray)):
+        return "0x" + bytes(x).hex()
+    if isinstance(x, dict) or hasattr(x, "items"):
+        return {k: _rpc_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_rpc_json(v) for v in x]
+    return x
+
 
 class EvmLedger(Ledger):
     """A `Ledger` whose order, entry hashes and Merkle roots live in a LineageLedger contract.
