@@ -46,7 +46,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from safetensors.torch import save as st_save
@@ -68,6 +68,9 @@ from .verify import REPLAY_MISMATCH
 from .verify.check import check_round
 from .verify.commitment import EquivocationDetector
 from .verify.replay import check_replay, replay_trace, sample_audits
+
+if TYPE_CHECKING:
+    from .ledger.evm import EvmLedger
 
 MAX_RECORDS_BYTES = 256 << 20  # a published rounds.jsonl (about 2-20 KB a round)
 MAX_MANIFEST_BYTES = 16 << 20
@@ -191,7 +194,7 @@ class StoreSources(Sources):
             self.evm: tuple[str, str] | None = (contract, url)
             self.run_id = run_id
             with self._open_evm() as opened:  # reachable, the right contract, the run on it
-                if opened.size() == 0:
+                if opened.contract.count(opened.run_id) == 0:  # (bodies are read in the audit)
                     raise AuditInputError(f"contract {contract} holds no entries of run {run_id}")
         else:
             self.evm = None
@@ -212,7 +215,7 @@ class StoreSources(Sources):
             raise AuditInputError(f"store {store_url} holds no run {self.run_id} (no blob named by the run id)")
         self.description = f"ledger {ledger}, store {store_url}"
 
-    def _open_evm(self) -> Ledger:
+    def _open_evm(self) -> EvmLedger:
         assert self.evm is not None
         try:
             return open_evm_ledger(*self.evm, self.run_id, self.store)
@@ -258,7 +261,7 @@ class StoreSources(Sources):
             return None
 
 
-def open_evm_ledger(contract: str, rpc_url: str, run_id: str, mirror: Any) -> Ledger:
+def open_evm_ledger(contract: str, rpc_url: str, run_id: str, mirror: Any) -> EvmLedger:
     """The EVM ledger of `run_id`, read-only (no key), bodies from `mirror` (a store or a dir)."""
     from .ledger.evm import EvmLedger
 
