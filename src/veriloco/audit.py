@@ -36,7 +36,8 @@ What is checked, in this order (the first failure is reported with its round):
   5. the signed checkpoint manifest of a complete run: the recorder's signature, and every file
      it lists (final checkpoint, manifest, rounds.jsonl) hashes to its digest.
 Exit code 0 when all of it holds, 1 with a line naming the first round and thing that does not,
-2 when the input is not a run (no run directory, no such ledger or store, the run not in them).
+2 when the input is not a run (no run directory, no such ledger or store, the run not in them,
+an EVM RPC that cannot be reached).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class Loaded:
 class Sources:
     """A run as the audit reads it. The constructor checks only that the input names a run (else
     AuditInputError / RunDirError: exit 2); `load` and `open_ledger` run inside the audit, so
-    what they find wrong is a failure of the run (exit 1)."""
+    what they find wrong is a failure of the run (exit 1), except a chain that cannot be reached
+    (AuditInputError)."""
 
     description: str
     store: Any  # LocalStore or FsspecStore: get(digest, max_bytes) checks every blob's hash
@@ -149,7 +151,10 @@ class DirSources(Sources):
 
     def load(self) -> Loaded:
         summary = self.run.summary_path
-        complete = summary.is_file() and bool(json.loads(summary.read_text()).get("complete"))
+        try:
+            complete = summary.is_file() and bool(json.loads(summary.read_text()).get("complete"))
+        except (ValueError, AttributeError):
+            _fail("records: summary.json is not a JSON object")
         signed = self.run.root / SIGNED_FILE
         return Loaded(self.manifest, self.run.rounds(), signed.read_bytes() if signed.is_file() else None,
                       complete)
@@ -217,10 +222,7 @@ class StoreSources(Sources):
 
     def _open_evm(self) -> EvmLedger:
         assert self.evm is not None
-        try:
-            return open_evm_ledger(*self.evm, self.run_id, self.store)
-        except AuditFailure as e:
-            raise AuditInputError(str(e).removeprefix("ledger: ")) from None
+        return open_evm_ledger(*self.evm, self.run_id, self.store)
 
     def load(self) -> Loaded:
         core = self.store.get(self.run_id, max_bytes=MAX_MANIFEST_BYTES)  # its name is its hash
@@ -262,13 +264,15 @@ class StoreSources(Sources):
 
 
 def open_evm_ledger(contract: str, rpc_url: str, run_id: str, mirror: Any) -> EvmLedger:
-    """The EVM ledger of `run_id`, read-only (no key), bodies from `mirror` (a store or a dir)."""
+    """The EVM ledger of `run_id`, read-only (no key), bodies from `mirror` (a store or a dir).
+    AuditInputError when the chain cannot be reached or holds no LineageLedger there: nothing
+    about the run is known yet (what the ledger holds is checked by the audit)."""
     from .ledger.evm import EvmLedger
 
     try:
         return EvmLedger.connect(rpc_url, contract, run_id, None, mirror, register=False, verify_on_open=False)
     except LedgerError as e:
-        raise AuditFailure(f"ledger: {str(e).splitlines()[0]}") from None
+        raise AuditInputError(str(e).splitlines()[0]) from None
 
 
 def _ledger_run_id(path: Path) -> str | None:
@@ -615,7 +619,7 @@ def open_run_ledger(run_dir: str | Path) -> Ledger:
     src = DirSources(run_dir)
     try:
         return src.open_ledger(src.manifest)
-    except AuditFailure as e:
+    except (AuditFailure, AuditInputError) as e:
         raise RunDirError(str(e).removeprefix("ledger: ").replace("RUN/", f"{src.run.root}/")) from None
 
 
