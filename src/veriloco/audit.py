@@ -225,7 +225,10 @@ class StoreSources(Sources):
         return open_evm_ledger(*self.evm, self.run_id, self.store)
 
     def load(self) -> Loaded:
-        core = self.store.get(self.run_id, max_bytes=MAX_MANIFEST_BYTES)  # its name is its hash
+        try:
+            core = self.store.get(self.run_id, max_bytes=MAX_MANIFEST_BYTES)  # its name is its hash
+        except StoreError as e:
+            _fail(f"manifest: {e}")
         try:
             signed = self.store.get_ref(run_ref(self.run_id))
         except StoreError as e:
@@ -245,7 +248,11 @@ class StoreSources(Sources):
             _fail("manifest: the manifest.json blob is not JSON")
         if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
             _fail("manifest: the manifest.json blob has no config")
-        if canonical_json({k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}) != core:
+        try:
+            same = canonical_json({k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}) == core
+        except ValueError:  # NaN or the like: not something a run wrote
+            same = False
+        if not same:
             _fail(f"manifest: the manifest.json blob is not the manifest of run {self.run_id[:16]}")
         try:
             records = _parse_records(self.store.get(files["rounds.jsonl"], max_bytes=MAX_RECORDS_BYTES))
