@@ -23,12 +23,13 @@ import typer
 
 from .config import ConfigError, describe, load_config
 from .data import DataError
+from .faults import FaultError
 from .records import RunDirError
 from .store import StoreError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Verifiable low-communication decentralized training.")
 
-USER_ERRORS = (ConfigError, DataError, RunDirError, StoreError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, RunDirError, StoreError, FileNotFoundError, FaultError)
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -62,6 +63,8 @@ def train(
     resume: str = typer.Option(None, "--resume", help="continue the run in this directory"),
     quiet: bool = typer.Option(False, "--quiet", help="no per-round progress lines"),
     stop_after: int = typer.Option(None, "--stop-after", help="stop cleanly after this many rounds (resume later)"),
+    fault: list[str] = typer.Option(None, "--fault", help="inject a fault (elastic membership): die:W@R[.S], "
+                                    "late:W@R+SECONDS, restart:W+SECONDS, join:W@R; repeatable"),
 ) -> None:
     """Train: the default config, a config file, `--section.key=value` overrides (CLI > file > defaults)."""
     from .run import resume as resume_run
@@ -86,7 +89,7 @@ def train(
 
                 run_dir, summary = train_ddp(cfg, out, quiet)
             else:
-                run_dir, summary = train_run(cfg, out, quiet, stop_after)
+                run_dir, summary = train_run(cfg, out, quiet, stop_after, fault or None)
     except USER_ERRORS as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except Exception as e:  # a worker failed: torch.multiprocessing re-raises its traceback here

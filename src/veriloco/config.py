@@ -188,6 +188,17 @@ class RunConfig:
     backend: str = _f("auto", "'gloo', 'nccl', or 'auto' (nccl when CUDA is available)")
     timeout_s: float = _f(120.0, "collective timeout: a dead peer is an error after this long")
     max_packet_bytes: int = _f(1 << 30, "packets larger than this are rejected before decoding")
+    membership: str = _f(
+        "static",
+        "'static': a fixed world, a dead worker stops the run; 'elastic': a quorum per round from torchft's "
+        "Lighthouse, so the run goes on without dead or late workers and they rejoin (membership.py)",
+    )
+    min_workers: int = _f(0, "elastic: fewest active workers that may commit a round (0: a majority of topology.workers)")
+    round_deadline: float = _f(
+        0.0, "elastic: seconds the others wait for a live worker's packet once the first is ready; a packet later "
+        "than that is recorded as late and left out (0: run.timeout_s)",
+    )
+    heartbeat_timeout_s: float = _f(2.0, "elastic: a worker silent this long is dead and left out of the next quorum")
 
 
 @dataclass
@@ -357,6 +368,19 @@ def validate(cfg: Config) -> None:
         need(bool(cfg.ledger.rpc_url and cfg.ledger.contract and cfg.ledger.key_file),
              "ledger.backend = 'evm' needs ledger.rpc_url, ledger.contract and ledger.key_file")
     need(cfg.run.timeout_s > 0, f"run.timeout_s must be > 0, got {cfg.run.timeout_s}")
+    r = cfg.run
+    need(r.membership in ("static", "elastic"), f"run.membership must be 'static' or 'elastic', got {r.membership!r}")
+    need(0 <= r.min_workers <= cfg.topology.workers,
+         f"run.min_workers must be in [0, topology.workers = {cfg.topology.workers}], got {r.min_workers}")
+    need(r.round_deadline >= 0, f"run.round_deadline must be >= 0, got {r.round_deadline}")
+    need(r.heartbeat_timeout_s > 0, f"run.heartbeat_timeout_s must be > 0, got {r.heartbeat_timeout_s}")
+    if r.membership == "elastic":
+        need(cfg.topology.stages == 1, "run.membership = 'elastic' needs topology.stages = 1 (pipelined workers are not elastic yet)")
+        need(cfg.outer.delay == 0, "run.membership = 'elastic' needs outer.delay = 0 (the delayed exchange is not elastic yet)")
+        need(cfg.ledger.backend != "evm", "run.membership = 'elastic' records with whichever worker commits first: use ledger.backend 'sqlite' or 'none'")
+    else:
+        need(r.round_deadline == 0 and r.min_workers == 0,
+             "run.round_deadline and run.min_workers need run.membership = 'elastic'")
 
 
 def _check_topology(cfg: Config) -> None:

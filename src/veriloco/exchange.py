@@ -70,14 +70,20 @@ class ExchangeHandle:
 class Exchange:
     """All-gather of packets among the ranks of `group` (None: the default group)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, max_packet_bytes: int, link=None, device: str = "cpu") -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, max_packet_bytes: int, link=None, device: str = "cpu",
+                 comm=None) -> None:
+        """`comm`: a membership.PgComm (a quorum's own group) to run over instead of `group`."""
+        self.group, self.comm = group, comm
         self.max_packet_bytes = max_packet_bytes
         self.link = link
         self.device = torch.device(device)
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self._ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.size)]
+        if comm is not None:
+            self.rank, self.size = comm.rank, comm.size
+            self._ranks = list(range(self.size))
+        else:
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+            self._ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.size)]
 
     def start(self, packet: bytes) -> ExchangeHandle:
         """Begin sending `packet`; returns at once."""
@@ -89,10 +95,15 @@ class Exchange:
 
     def _run(self, packet: bytes, box: dict) -> None:
         try:
-            sizes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
             mine = torch.tensor([len(packet)], dtype=torch.int64, device=self.device)
-            dist.all_gather_single(sizes, mine, group=self.group)
-            sizes_list = [int(s) for s in sizes.cpu()]
+            if self.comm is not None:
+                out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
+                self.comm.all_gather(out, mine)
+                sizes_list = [int(s) for s in out]
+            else:
+                sizes = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+                dist.all_gather_single(sizes, mine, group=self.group)
+                sizes_list = [int(s) for s in sizes.cpu()]
             for r, n in enumerate(sizes_list):
                 if n < 0 or n > self.max_packet_bytes:
                     raise ExchangeError(f"rank {r} announced a packet of {n} bytes (limit {self.max_packet_bytes})")
@@ -104,7 +115,9 @@ class Exchange:
                 else:
                     buf = torch.empty(n, dtype=torch.uint8, device=self.device)
                 bufs.append(buf)
-                if n:
+                if n and self.comm is not None:
+                    works.append(self.comm.broadcast(buf, r))
+                elif n:
                     works.append(dist.broadcast(buf, src=self._ranks[r], group=self.group, async_op=True))
             for w in works:
                 w.wait()

@@ -70,8 +70,9 @@ from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .inner import InnerLoop
 from .ledger import Ledger, SqliteLedger
-from .ledger.entry import make_entry
+from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
 from .link import Link
+from .membership import GroupComm, PgComm
 from .outer import OuterOptimizer
 from .packet import decode_packet, encode_bundle, encode_packet, packet_codecs
 from .pipeline import PipelineInnerLoop, pipeline_eval_loss
@@ -79,7 +80,7 @@ from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import CorpusTask, Task
 from .topology import Topology, build_stage_model
-from .verify import REPLAY_MISMATCH
+from .verify import ABSENT, REPLAY_MISMATCH
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root
@@ -116,6 +117,8 @@ class Worker:
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (replay starts)
     bases: dict = field(default_factory=dict)  # round -> G when its inner steps began (replay)
     own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
+    eval_all: list = field(default_factory=list)  # elastic: the whole eval set, split among a round's members
+    defer_entry: bool = False  # elastic: the ledger entry is appended at commit (elastic.py), not here
 
     @property
     def is_recorder(self) -> bool:
@@ -132,6 +135,20 @@ class Worker:
     @property
     def workers(self) -> int:
         return self.topo.workers
+
+
+@dataclass
+class Participants:
+    """Who takes part in a round and how to reach them (static: everyone, the fixed world)."""
+
+    members: list[int]  # workers whose packets the round has, ascending
+    comm: GroupComm | PgComm  # this stage's processes of those workers; index = position in members
+    stats_comm: GroupComm | PgComm  # every process of those workers (members x stages)
+    absent: dict[int, str] = field(default_factory=dict)  # worker -> ABSENT or LATE
+
+    @classmethod
+    def everyone(cls, w: Worker) -> Participants:
+        return cls(list(range(w.workers)), GroupComm(w.stage_group), GroupComm(None))
 
 
 @dataclass
@@ -225,9 +242,11 @@ def check_splittable(task: Task, stages: int) -> None:
         )
 
 
-def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, resume_round: int) -> Worker:
+def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, resume_round: int,
+                 elastic: bool = False) -> Worker:
     """Build one process's state (one stage of one worker): model slice, optimizers, groups,
-    exchange; restore it when resuming."""
+    exchange; restore it when resuming. `elastic`: no fixed world (membership.py); the groups
+    and the exchange are made per round by the elastic loop (elastic.py)."""
     torch.set_num_threads(cfg.train.threads)
     topo = Topology(cfg.topology.workers, cfg.topology.stages, world)
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
@@ -235,8 +254,11 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     run = RunDir(run_dir)
     store = LocalStore(run.store_dir)
     timeout = timedelta(seconds=cfg.run.timeout_s)
-    worker_group, stage_group = topo.build_groups(timeout)  # main thread: pipeline, agreement, eval
-    _, exchange_group = topo.build_groups(timeout)  # the exchange thread's own stage group
+    if elastic:
+        worker_group = stage_group = exchange_group = None
+    else:
+        worker_group, stage_group = topo.build_groups(timeout)  # main thread: pipeline, agreement, eval
+        _, exchange_group = topo.build_groups(timeout)  # the exchange thread's own stage group
     total_steps = cfg.train.rounds * cfg.train.inner_steps
     if stages == 1:
         model = task.make_model()
@@ -250,7 +272,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)  # this stage's slice of G
     link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
     link = None if link.unlimited else link
-    exchange = Exchange(exchange_group, cfg.run.max_packet_bytes, link=link)
+    exchange = None if elastic else Exchange(exchange_group, cfg.run.max_packet_bytes, link=link)
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
     encoder = DeltaEncoder(cfg, shapes, link, topo.workers)
     eval_set = task.eval_batches()[worker :: topo.workers]  # the same share on every stage of a worker
@@ -260,9 +282,11 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     identity = Identity(manifest["run_id"], worker_key(cfg, worker), admitted, EquivocationDetector(admitted))
     if public_key_hex(identity.key) != admitted.get(worker):
         raise RuntimeError(f"worker {worker}'s key is not the one the run manifest admits")
-    ledger = open_ledger(cfg, run) if rank == 0 else None
+    ledger = open_ledger(cfg, run) if rank == 0 or elastic else None  # elastic: whoever commits first records
     w = Worker(cfg, rank, topo, worker_group, stage_group, task, run, store, model, inner, outer, exchange,
                encoder, eval_set, identity, ledger)
+    if elastic:
+        w.eval_all = task.eval_batches()
     if str(worker) in cfg.adversary:
         w.adversary = load_adversary(cfg.adversary[str(worker)], worker, cfg.run.seed)
         w.adversary.params.setdefault("_trace_entries", str(trace_entries(cfg)))  # what honest looks like
@@ -288,13 +312,16 @@ def restore(w: Worker, next_round: int) -> None:
     w.encoder.load_state_tensors(state)
 
 
-def evaluate(w: Worker) -> float:
-    """Held-out loss of the global params, averaged over all workers' shares of the eval set."""
+def evaluate(w: Worker, part: Participants | None = None) -> float:
+    """Held-out loss of the global params, averaged over all workers' shares of the eval set
+    (elastic: the whole eval set, split among the round's members)."""
+    part = part or Participants.everyone(w)
     load_params(w.model, w.outer.params)
     total = torch.zeros(2, dtype=torch.float64)  # [sum of loss * target tokens, target tokens]
+    share = w.eval_all[part.comm.rank :: part.comm.size] if w.eval_all else w.eval_set
     if w.topo.stages == 1:
         with torch.no_grad():
-            for x, y in w.eval_set:
+            for x, y in share:
                 total[0] += float(w.task.loss(w.model, x, y)) * y.numel()
                 total[1] += y.numel()
     elif w.eval_set:  # forward through the worker's pipeline; every stage gets the worker's loss
@@ -302,7 +329,7 @@ def evaluate(w: Worker) -> float:
                                   microbatches=w.cfg.topology.microbatches)
         tokens = sum(y.numel() for _, y in w.eval_set)
         total += torch.tensor([loss * tokens, tokens], dtype=torch.float64)
-    dist.all_reduce(total, group=w.stage_group)  # over the workers (each stage sums the same numbers)
+    part.comm.all_reduce(total)  # over the workers (each stage sums the same numbers)
     return float(total[0] / total[1])
 
 
@@ -389,7 +416,7 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
     return gain
 
 
-def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str) -> None:
+def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> None:
     """Sampled replays of round r: the assigned auditor redoes a prefix of the worker's round
     from public data and compares trace hashes; every worker learns the outcome and drops a
     mismatching worker's delta before aggregating (verify/replay.py)."""
@@ -398,7 +425,13 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str) -> None:
     segments = max(cfg.train.inner_steps // k, 1)
     # the seed mixes every worker's commitment: nobody knows its sample before all have committed
     seed = base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
-    audits = sample_audits(seed, sorted(check.accepted), w.workers, segments, cfg.verify.replay_probability)
+    # auditors are drawn among the round's members (positions in part.members), so none is absent
+    pos = {j: i for i, j in enumerate(part.members)}
+    audits = [
+        a.__class__(part.members[a.worker], a.segment, part.members[a.auditor])
+        for a in sample_audits(seed, sorted(pos[j] for j in check.accepted), len(part.members), segments,
+                               cfg.verify.replay_probability)
+    ]
     mismatch = torch.full((w.workers,), -1, dtype=torch.int64)
     G_r = w.bases.get(r)
     for a in audits:
@@ -413,7 +446,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str) -> None:
         bad = check_replay(list(check.commitments[a.worker].commitment.trace), replayed)
         if bad is not None:
             mismatch[a.worker] = bad
-    dist.all_reduce(mismatch, op=dist.ReduceOp.MAX, group=w.stage_group)
+    part.comm.all_reduce(mismatch, op=dist.ReduceOp.MAX)
     for a in audits:
         if int(mismatch[a.worker]) >= 0:
             check.verdicts[a.worker] = REPLAY_MISMATCH
@@ -435,18 +468,22 @@ def batch_root(task: Task, worker: int, r: int, steps: int) -> str:
     return hex_root([batch_digest(*task.batch(worker, r, step)) for step in range(steps)])
 
 
-def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
-    """Steps 4-6 of sent.round: wait, decode, aggregate, outer step, checkpoint, record."""
+def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants | None = None) -> dict:
+    """Steps 4-6 of sent.round: wait, decode, aggregate, outer step, checkpoint, record.
+
+    `part`: the round's members (elastic membership); None is every worker of the fixed world."""
     cfg, r = w.cfg, sent.round
+    part = part or Participants.everyone(w)
+    W, members = w.workers, part.members
     wait0 = time.perf_counter()
-    packets = sent.handle.wait()
+    packets = dict(zip(members, sent.handle.wait(), strict=True))
     wait_s = time.perf_counter() - wait0
     stats = sent.handle.stats
 
     # 4. verify every bundle: signature, commitment, packet, data, screen (verify/check.py)
     G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
-    bundle_hashes = [w.store.put(data) for data in packets]
+    bundle_hashes = {j: w.store.put(data) for j, data in packets.items()}
     verify0 = time.perf_counter()
     base_hash = w.base_hashes.pop(r)
     check = check_round(
@@ -457,16 +494,19 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         trace_entries=trace_entries(cfg),
         loss_gain_of=loss_gain_fn(w, r) if cfg.verify.loss_gain_batches else None,
     )
-    hashes = [check.packet_hashes[j] for j in range(len(packets))]
-    if w.adversary is None and hashes[w.worker] != sent.packet_hash:  # index in the stage group = worker
+    hashes = [check.packet_hashes.get(j) for j in range(W)]
+    if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
     if cfg.verify.replay_probability > 0:
-        replay_audits(w, r, check, base_hash)
+        replay_audits(w, r, check, base_hash, part)
     for j, d in check.decoded.items():
         w.history[j] = (w.history.get(j, []) + [d])[-2:]
     for r_old in [x for x in w.bases if x <= r]:
         w.bases.pop(r_old)
     w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
+    for j in range(W):  # a worker that missed the round has no "last delta" to start from
+        if j not in packets:
+            w.history.pop(j, None)
     verify_s = time.perf_counter() - verify0
 
     # 5. aggregate the accepted deltas (robustly, if configured) and take the outer step
@@ -485,14 +525,15 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()
-    if not _all_hashes_agree(params_hash, w.stage_group):
+    if not _all_hashes_agree(params_hash, part.comm):
         raise RuntimeError(f"round {r}: workers disagree on the global params; refusing to continue")
-    commitments = [check.commitments[j] for j in range(len(packets))]
+    commitments = [check.commitments.get(j) for j in range(W)]
+    verdicts = [check.verdicts[j] if j in packets else part.absent.get(j, ABSENT) for j in range(W)]
     stage_record = {  # what this stage decided; the whole record when there is one stage
         "packets": hashes,
-        "bundles": bundle_hashes,
-        "bundle_bytes": [len(p) for p in packets],  # signed commitment + packet, as sent
-        "verdicts": [check.verdicts[j] for j in range(len(packets))],
+        "bundles": [bundle_hashes.get(j) for j in range(W)],
+        "bundle_bytes": [len(packets[j]) if j in packets else 0 for j in range(W)],  # commitment + packet, as sent
+        "verdicts": verdicts,
         "evidence": {str(j): e for j, e in check.evidence.items()},
         "commitments": [c.digest if c else None for c in commitments],
         "codecs": [_codec_summary(c.commitment.codec) if c and isinstance(c.commitment.codec, dict) else {} for c in commitments],
@@ -503,7 +544,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
     }
     entry_commitments = [
         {"worker": j, "signed": c.to_dict() if c else None, "bundle_sha256": None if c else hashes[j],
-         "verdict": check.verdicts[j]}
+         "verdict": verdicts[j]}
         for j, c in enumerate(commitments)
     ]
     res = sent.result
@@ -511,11 +552,12 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s],
         dtype=torch.float64,
     )
-    gathered = [torch.zeros_like(mine) for _ in range(w.topo.world_size)]
-    dist.all_gather(gathered, mine)
-    g = torch.stack(gathered).view(w.workers, w.topo.stages, -1)  # [worker, stage, figure]
+    gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
+    part.stats_comm.all_gather(gathered, mine)
+    g = torch.full((W, w.topo.stages, mine.numel()), float("nan"), dtype=torch.float64)  # [worker, stage, figure]
+    g[members] = torch.stack(gathered).view(len(members), w.topo.stages, -1)
     is_last = r == cfg.train.rounds - 1
-    eval_loss = evaluate(w) if (r + 1) % cfg.train.eval_every == 0 or is_last else None
+    eval_loss = evaluate(w, part) if (r + 1) % cfg.train.eval_every == 0 or is_last else None
     record: dict = {"round": r}
     if w.topo.stages == 1:
         record |= stage_record
@@ -523,20 +565,25 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float) -> dict:
         parts = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group)
         record |= combine_stages([p["record"] for p in parts], w.store if w.is_recorder else None)
         entry_commitments = [c | {"stage": s} for s, p in enumerate(parts) for c in p["entry"]]
+    here = [j in packets for j in range(W)]  # an absent worker: null figures, 0 bytes
     record |= {
         "hashes_agree": True,
-        "train_loss": [float(x) for x in g[:, -1, 0]],  # a worker's loss, the same on its stages
+        "train_loss": [float(x) if h else None for x, h in zip(g[:, -1, 0], here, strict=True)],  # the same on a worker's stages
         "eval_loss": eval_loss,
-        "bytes_sent": [int(x) for x in g[:, :, 2].sum(1)],  # a worker's bytes: its stages' summed
-        "bytes_received": [int(x) for x in g[:, :, 3].sum(1)],
-        "inner_s": [round(float(x), 4) for x in g[:, :, 1].amax(1)],  # stages run in lockstep
-        "exchange_s": [round(float(x), 4) for x in g[:, :, 4].amax(1)],
-        "wait_s": [round(float(x), 4) for x in g[:, :, 5].amax(1)],
-        "verify_s": [round(float(x), 4) for x in g[:, :, 7].amax(1)],  # checks + replays it ran
+        "bytes_sent": [int(x) if h else 0 for x, h in zip(g[:, :, 2].sum(1), here, strict=True)],  # a worker's stages' summed
+        "bytes_received": [int(x) if h else 0 for x, h in zip(g[:, :, 3].sum(1), here, strict=True)],
+        "inner_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 1].amax(1), here, strict=True)],  # stages in lockstep
+        "exchange_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 4].amax(1), here, strict=True)],
+        "wait_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 5].amax(1), here, strict=True)],
+        "verify_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 7].amax(1), here, strict=True)],  # checks + replays
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
-        "tokens": int(res.tokens * w.workers),
+        "tokens": int(res.tokens * len(members)),
     }
-    if w.ledger is not None:
+    if part.absent:
+        record["members"] = members
+    if w.defer_entry:
+        record["_entry_commitments"] = entry_commitments
+    elif w.ledger is not None:
         record["entry"] = append_entry(w, record, entry_commitments)
     return record
 
@@ -593,14 +640,21 @@ def append_entry(w: Worker, record: dict, commitments: list[dict]) -> str:
     extra = {}
     if "stages" in record:
         extra["stages"] = [{k: p[k] for k in ("checkpoint", "params_hash", "aggregate_hash")} for p in record["stages"]]
+    r, ledger = record["round"], w.ledger
+    held = ledger.size()  # > r: a crash fell between this round's ledger append and its record
     entry = make_entry(
-        run_id=w.identity.run_id, round=record["round"], prev_entry_hash=w.ledger.head_hash(),
+        run_id=w.identity.run_id, round=r, prev_entry_hash=ledger.entry_hash(r - 1) if r else ZERO_HASH,
         checkpoint=record["checkpoint"], commitments=commitments, aggregate_hash=record["aggregate_hash"],
         codecs=record["codecs"], eval_loss=record["eval_loss"], params_hash=record["params_hash"],
         aggregator=w.cfg.verify.aggregator, **extra,
     )
-    w.ledger.append(entry)
-    return w.ledger.head_hash()
+    if held > r:  # the redone round must be the one the ledger already holds, byte for byte
+        if held > r + 1 or ledger.entry_bytes(r) != entry_bytes(entry):
+            raise RuntimeError(f"round {r}: the ledger already holds a different entry for this round "
+                               f"({held} entries); the redone round did not reproduce it")
+        return ledger.entry_hash(r)
+    ledger.append(entry)
+    return ledger.head_hash()
 
 
 def open_ledger(cfg: Config, run: RunDir) -> Ledger | None:
@@ -623,10 +677,10 @@ def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
     return dict(sorted(out.items()))
 
 
-def _all_hashes_agree(digest_hex: str, group: dist.ProcessGroup) -> bool:
+def _all_hashes_agree(digest_hex: str, comm: GroupComm | PgComm) -> bool:
     mine = torch.frombuffer(bytearray(bytes.fromhex(digest_hex)), dtype=torch.uint8).clone()
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    everyone = [torch.zeros_like(mine) for _ in range(comm.size)]
+    comm.all_gather(everyone, mine)
     return all(torch.equal(mine, other) for other in everyone)
 
 
@@ -650,8 +704,9 @@ def progress_line(rec: dict, rounds: int, elapsed: float, tokens_per_s: float) -
     eta = elapsed / (rec["round"] + 1) * left if rec["round"] >= 0 else 0.0
     ev = f"{rec['eval_loss']:.4f}" if rec["eval_loss"] is not None else "   -  "
     acc = sum(v == "accept" for v in rec["verdicts"])
-    mb = sum(rec["bytes_sent"]) / len(rec["bytes_sent"]) / 1e6
-    train = sum(rec["train_loss"]) / len(rec["train_loss"])
+    losses = [x for x in rec["train_loss"] if x is not None]
+    mb = sum(rec["bytes_sent"]) / len(losses) / 1e6
+    train = sum(losses) / len(losses)
     return (
         f"round {rec['round'] + 1:>4}/{rounds} | eval {ev} | train {train:.4f} | "
         f"{tokens_per_s / 1e3:6.1f}k tok/s | sent {mb:7.3f} MB/worker | "

@@ -24,6 +24,7 @@ WRONG_DATA = "wrong_data"  # helps random batches as much as its own: not traine
 REPLAY_MISMATCH = "replay_mismatch"  # a replayed segment does not reproduce the trace hash
 WITHHELD = "withheld"  # committed but the packet (or a requested segment) never arrived
 LATE = "late"  # arrived after the round's deadline
+ABSENT = "absent"  # no packet this round: dead, partitioned away, or not yet (re)joined
 
 REASONS: tuple[str, ...] = (
     ACCEPT,
@@ -42,6 +43,7 @@ REASONS: tuple[str, ...] = (
     REPLAY_MISMATCH,
     WITHHELD,
     LATE,
+    ABSENT,
 )
 
 # The submodules import the codes above, so they come after them.

@@ -55,7 +55,7 @@ class RoundCheck:
 
 
 def check_round(
-    bundles: list[bytes],
+    bundles: list[bytes] | dict[int, bytes],
     *,
     run_id: str,
     round: int,
@@ -70,13 +70,14 @@ def check_round(
     trace_entries: int | None = None,
     loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
 ) -> RoundCheck:
-    """Verdict per worker for this round's bundles (index = worker id)."""
+    """Verdict per worker for this round's bundles (index = worker id; a dict when only some
+    workers took part, as under elastic membership)."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
     decoded: dict[int, dict[str, torch.Tensor]] = {}
     evidence: dict[int, Any] = {}
-    for w, data in enumerate(bundles):
+    for w, data in (bundles.items() if isinstance(bundles, dict) else enumerate(bundles)):
         commitments[w] = None
         packet_hashes[w] = sha256_hex(data)
         try:

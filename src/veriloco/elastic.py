@@ -1,0 +1,270 @@
+"""The round loop under elastic membership: quorum, commit or retry, heal.
+
+`[run] membership = "elastic"` (membership.py). One process per worker, no fixed world. Round r on
+worker w:
+
+    1-2. inner steps and encode, as in round.py (run_inner_and_send); the bundle is held
+    3.   join the quorum for round r (torchft's Lighthouse): it forms once at least min_workers
+         joined and every live worker joined or the round deadline passed
+         - the quorum's round is higher than r: w is behind (late, or back from the dead):
+           heal from the last committed round and drop this round's work
+         - too few members are at round r: ask again (nothing is committed without a quorum)
+    4-6. exchange, checks, aggregate, outer step, eval over a gloo group of the active members
+         (round.finish_round with their Participants); workers outside it are recorded as late
+         (alive: still heartbeating) or absent
+    commit: the first member to finish appends the ledger entry and the round record under a file
+         lock; the others check the record names the params they computed
+    any failure in 3-6 (a member died mid-round): the outer step is undone and the round retried
+         with a new quorum from the same packets: nothing is half-applied
+
+Healing (a worker that rejoins, or joins for the first time): load the checkpoint of the last
+recorded round from the store, check it against the record's params hash, set the inner step
+counter to where the schedule is, drop per-round memories (error feedback, last deltas).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from safetensors.torch import load as st_load
+
+from .compress import ErrorFeedback
+from .config import Config
+from .exchange import Exchange, ExchangeError
+from .faults import Fault, Injector
+from .hashing import tensors_hash
+from .membership import Membership, MembershipError, QuorumView
+from .outer import OuterOptimizer
+from .round import (
+    Participants,
+    Sent,
+    Worker,
+    append_entry,
+    finish_round,
+    progress_line,
+    run_inner_and_send,
+    setup_worker,
+)
+from .task import Task
+from .verify import ABSENT, LATE
+
+
+@dataclass
+class Held:
+    """An exchange that has not started: the bundle waits for the round's quorum."""
+
+    bundle: bytes
+
+
+class HoldingExchange:
+    """Stands in for round.py's Exchange until the quorum is known (start/wait seam)."""
+
+    def start(self, bundle: bytes) -> Held:
+        return Held(bundle)
+
+
+def train_worker_elastic(
+    cfg: Config, worker: int, task: Task, run_dir: str, lighthouse_addr: str, store_port: int,
+    faults: list[Fault], first: list[int], quiet: bool = False,
+) -> None:
+    """The whole run of one worker process under elastic membership (see the module docstring).
+
+    `first`: the workers the launcher starts together at round 0 (they wait for each other once)."""
+    injector = Injector(faults, worker)
+    members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s)
+    w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True)
+    w.exchange = HoldingExchange()
+    w.defer_entry = True  # commit() appends the ledger entry, once, under the commit lock
+    base_task_batch = w.task.batch
+
+    def batch(j: int, r: int, step: int):  # where a declarative "dies at round r, step s" fires
+        if j == worker:
+            injector.at_step(r, step)
+        return base_task_batch(j, r, step)
+
+    w.task = _with_batch(w.task, batch)
+    done = len(w.run.rounds())
+    members.announce(first, wait=done == 0 and worker in first)
+    r = heal(w, done) if done else 0
+    min_active = cfg.run.min_workers or cfg.topology.workers // 2 + 1
+    while r < cfg.train.rounds:
+        sent = run_inner_and_send(w, r)
+        held: bytes = sent.handle.bundle
+        if injector.late_s(r):
+            time.sleep(injector.late_s(r))
+        while True:
+            try:
+                view = members.quorum(r)
+            except MembershipError as e:  # partitioned from the coordinator, or too few alive
+                _say(quiet, f"worker {worker}: round {r}: {e}; asking again")
+                time.sleep(0.5)
+                continue
+            if view.round > r:  # behind: the others moved on without this packet
+                target = view.round + 1 if len(view.active) >= min_active else view.round
+                _say(quiet, f"worker {worker}: round {r} was committed without it (quorum at round "
+                     f"{view.round}); healing to round {target}")
+                r = heal(w, target)
+                break
+            if len(view.active) < min_active:
+                time.sleep(0.05)  # e.g. a member is healing into this round: it will join
+                continue
+            if _try_round(w, sent, held, view, members, injector, quiet):
+                r += 1
+                break
+    members.close()
+
+
+def _try_round(w: Worker, sent: Sent, held: bytes, view: QuorumView, members: Membership,
+               injector: Injector, quiet: bool) -> bool:
+    """Steps 3-6 and the commit of sent.round among view.active; False (nothing applied) on failure."""
+    r = sent.round
+    saved = _snapshot(w)
+    try:
+        comm = members.group(view)
+        injector.in_exchange(r)
+        sent.handle = Exchange(None, w.cfg.run.max_packet_bytes, link=w.encoder.link, comm=comm).start(held)
+        absent = {j: _absence(members, view, j) for j in range(w.workers) if j not in view.active}
+        rec = finish_round(w, sent, 0.0, Participants(view.active, comm, comm, absent))
+    except (ExchangeError, MembershipError, RuntimeError) as e:
+        if "disagree on the global params" in str(e):
+            raise
+        _restore(w, saved)
+        _say(quiet, f"worker {w.worker}: round {r} failed among workers {view.active} "
+             f"({str(e).splitlines()[0][:160]}); retrying with a new quorum")
+        return False
+    rec["eval_loss_start"] = float(members.store.get("eval_start").decode())  # the launcher's, over the whole eval set
+    commit(w, rec, quiet)
+    return True
+
+
+def _absence(members: Membership, view: QuorumView, j: int) -> str:
+    """LATE for a worker that is alive (heartbeating) but not in the round, else ABSENT."""
+    if j in view.rounds:  # in the quorum but behind: it is healing, it has no packet for this round
+        return ABSENT
+    key = f"alive/{j}"
+    try:  # check() does not block; get() of a missing key would wait for it
+        seen = float(members.store.get(key).decode()) if members.store.check([key]) else float("-inf")
+    except (RuntimeError, ValueError):
+        return ABSENT
+    # a live worker beats every 0.2 s; the quorum left a dead one out only after heartbeat_timeout_s
+    return LATE if time.time() - seen < max(members.heartbeat_timeout_s / 2, 0.6) else ABSENT
+
+
+def commit(w: Worker, rec: dict, quiet: bool) -> None:
+    """Record round rec["round"] once: the first member to get here appends the ledger entry and
+    the record; a later one checks the record it finds names the same params."""
+    r = rec["round"]
+    with _locked(w.run.root / ".commit.lock"):
+        records = w.run.rounds()
+        entry_commitments = rec.pop("_entry_commitments", None)
+        if len(records) > r:
+            if records[r]["params_hash"] != rec["params_hash"]:
+                raise RuntimeError(f"round {r}: the recorded params differ from this worker's; refusing to continue")
+            return
+        if len(records) < r:
+            raise RuntimeError(f"round {r}: round {len(records)} was never recorded")
+        if w.ledger is not None:
+            rec["entry"] = append_entry(w, rec, entry_commitments)
+        w.run.append_round(rec)
+        elapsed = sum(p["round_s"] for p in records) + rec["round_s"]
+        tokens = sum(p["tokens"] for p in records) + rec["tokens"]
+        inner = [x for x, v in zip(rec["inner_s"], rec["train_loss"], strict=True) if v is not None]
+        w.run.append_metrics({
+            "round": r, "eval_loss": rec["eval_loss"], "train_loss": rec["train_loss"], "tokens": tokens,
+            "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
+            "utilisation": round(sum(inner) / len(inner) / rec["round_s"], 4), "members": rec.get("members"),
+        })
+        if not quiet:
+            print(progress_line(rec, w.cfg.train.rounds, elapsed, tokens / elapsed), flush=True)
+
+
+def heal(w: Worker, to_round: int) -> int:
+    """Catch up to the start of round `to_round`: G and outer state of round to_round-1 from the
+    store, checked against its record. Waits (up to run.timeout_s) for that record. Returns to_round."""
+    deadline = time.monotonic() + w.cfg.run.timeout_s
+    while len(w.run.rounds()) < to_round:
+        if time.monotonic() > deadline:
+            raise MembershipError(f"worker {w.worker}: round {to_round - 1} was not recorded within "
+                                  f"{w.cfg.run.timeout_s:g} s; cannot rejoin")
+        time.sleep(0.05)
+    if to_round == 0:
+        return 0
+    record = w.run.rounds()[to_round - 1]
+    ckpt = st_load(w.store.get(record["checkpoint"]))  # the store checks the blob's hash
+    params = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
+    if tensors_hash(params) != record["params_hash"]:
+        raise RuntimeError(f"checkpoint of round {to_round - 1} does not match its record")
+    w.outer = OuterOptimizer(params, w.cfg.outer)
+    w.outer.load_state_tensors(ckpt)
+    w.inner.step_count = to_round * w.cfg.train.inner_steps  # the LR schedule is the run's, not the worker's
+    if w.encoder.feedback is not None:
+        w.encoder.feedback = ErrorFeedback()  # what it dropped belongs to rounds it was not in
+    own = w.run.worker_dir(w.rank) / f"state-{to_round - 1}.safetensors"
+    if own.exists():  # it took part in that round (a resume after a crash): its private state goes on
+        state = st_load(own.read_bytes())
+        w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
+        w.encoder.load_state_tensors(state)
+    w.own_decoded, w.own_packet = [], None
+    w.history, w.previous, w.bases, w.base_hashes = {}, ({}, {}), {}, {}
+    return to_round
+
+
+def _snapshot(w: Worker) -> dict:
+    """What finish_round changes, to undo a round that failed part-way."""
+    return {
+        "params": {k: v.clone() for k, v in w.outer.params.items()},
+        "outer": {k: v.clone() for k, v in w.outer.state_tensors().items()},
+        "history": dict(w.history), "previous": w.previous, "bases": dict(w.bases),
+        "base_hashes": dict(w.base_hashes),
+    }
+
+
+def _restore(w: Worker, saved: dict) -> None:
+    w.outer = OuterOptimizer(saved["params"], w.cfg.outer)
+    w.outer.load_state_tensors(saved["outer"])
+    w.history, w.previous, w.bases, w.base_hashes = saved["history"], saved["previous"], saved["bases"], saved["base_hashes"]
+
+
+@contextmanager
+def _locked(path):
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _with_batch(task: Task, batch) -> Task:
+    import dataclasses
+
+    return dataclasses.replace(task, batch=batch)
+
+
+def _say(quiet: bool, msg: str) -> None:
+    if not quiet:
+        print(msg, flush=True)
+
+
+
+
+def summarize(cfg: Config, records: list[dict], eval_start: float, wall: float) -> dict:
+    """The run's summary.json from its records (an elastic run has no single process that saw it all)."""
+    evals = [p["eval_loss"] for p in records if p["eval_loss"] is not None]
+    tokens = sum(p["tokens"] for p in records)
+    W = cfg.topology.workers
+    last = records[-1] if records else {}
+    return {
+        "eval_loss_start": eval_start, "eval_loss_end": evals[-1] if evals else None,
+        "tokens": tokens, "rounds": len(records), "workers": W, "stages": 1, "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
+        "bytes_sent_per_worker": int(sum(sum(p["bytes_sent"]) for p in records) / W),
+        "utilisation": round(sum(sum(p["inner_s"]) for p in records) / W / wall, 4) if wall > 0 else 0.0,
+        "final_checkpoint": last.get("checkpoint"), "final_params_hash": last.get("params_hash"),
+        "mode": "diloco", "membership": "elastic", "complete": len(records) == cfg.train.rounds,
+        "rounds_with_absent": sum(1 for p in records if any(v in (ABSENT, LATE) for v in p["verdicts"])),
+        "ledger_head": last.get("entry"), "ledger_root": None,
+    }

@@ -1,0 +1,95 @@
+"""Declarative fault injection: "worker 2 dies at round 3, step 5", "worker 1 is 2 s late in round 4".
+
+A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or `launch(faults=...)`:
+
+    die:W@R.S      worker W kills itself with SIGKILL (kill -9) at inner step S of round R
+    die:W@R        ... in the middle of round R's exchange (after the quorum, before its packet is out)
+    late:W@R+T     worker W holds its round-R packet back T seconds before joining the quorum
+    restart:W+T    the launcher starts worker W again T seconds after it died (it rejoins)
+    join:W@R       worker W (admitted in the manifest) is started only once round R is recorded
+
+Faults are for tests and the chaos benchmark; they need `[run] membership = "elastic"` (with a
+fixed world a dead worker ends the run, which is what static mode promises). They are not part of
+the run's manifest: they describe what happened to the run, not what the run is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+_SPEC = re.compile(
+    r"^(?:(?P<die>die):(?P<dw>\d+)@(?P<dr>\d+)(?:\.(?P<ds>\d+))?"
+    r"|(?P<late>late):(?P<lw>\d+)@(?P<lr>\d+)\+(?P<lt>\d+(?:\.\d+)?)"
+    r"|(?P<restart>restart):(?P<rw>\d+)\+(?P<rt>\d+(?:\.\d+)?)"
+    r"|(?P<join>join):(?P<jw>\d+)@(?P<jr>\d+))$"
+)
+
+
+class FaultError(ValueError):
+    """A fault spec that does not parse or names a worker the run does not have."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # "die" | "late" | "restart" | "join"
+    worker: int
+    round: int = 0
+    step: int | None = None  # die: the inner step; None = during the exchange
+    seconds: float = 0.0  # late: how late; restart: how long after the death
+
+
+def parse_fault(text: str, workers: int) -> Fault:
+    """One spec (see the module docstring) -> Fault; FaultError names what is wrong."""
+    m = _SPEC.match(text.strip())
+    if m is None:
+        raise FaultError(f"fault {text!r} is not one of die:W@R[.S], late:W@R+SECONDS, restart:W+SECONDS, join:W@R")
+    g = m.groupdict()
+    if g["die"]:
+        f = Fault("die", int(g["dw"]), int(g["dr"]), int(g["ds"]) if g["ds"] is not None else None)
+    elif g["late"]:
+        f = Fault("late", int(g["lw"]), int(g["lr"]), seconds=float(g["lt"]))
+    elif g["restart"]:
+        f = Fault("restart", int(g["rw"]), seconds=float(g["rt"]))
+    else:
+        f = Fault("join", int(g["jw"]), int(g["jr"]))
+    if not 0 <= f.worker < workers:
+        raise FaultError(f"fault {text!r} names worker {f.worker}, but the run has workers 0..{workers - 1}")
+    return f
+
+
+def parse_faults(texts: list[str], workers: int) -> list[Fault]:
+    faults = [parse_fault(t, workers) for t in texts]
+    joins = [f.worker for f in faults if f.kind == "join"]
+    if len(joins) >= workers:
+        raise FaultError("every worker has a join fault: nobody would start the run")
+    return faults
+
+
+class Injector:
+    """A worker's own faults, asked at the points where they fire."""
+
+    def __init__(self, faults: list[Fault], worker: int) -> None:
+        self.faults = [f for f in faults if f.worker == worker]
+
+    def at_step(self, round: int, step: int) -> None:
+        if any(f.kind == "die" and f.round == round and f.step == step for f in self.faults):
+            die()
+
+    def in_exchange(self, round: int) -> None:
+        if any(f.kind == "die" and f.round == round and f.step is None for f in self.faults):
+            die()
+
+    def late_s(self, round: int) -> float:
+        return sum(f.seconds for f in self.faults if f.kind == "late" and f.round == round)
+
+    def forget(self, round: int) -> None:
+        """A restarted worker must not die again at the same place (the launcher restarts it past it)."""
+        self.faults = [f for f in self.faults if not (f.kind == "die" and f.round <= round)]
+
+
+def die() -> None:
+    """kill -9 of this process: no cleanup, no flush, no goodbye to the peers."""
+    os.kill(os.getpid(), signal.SIGKILL)

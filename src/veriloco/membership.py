@@ -1,0 +1,191 @@
+"""Membership: who takes part in a round, decided per round by torchft's Lighthouse.
+
+`[run] membership = "elastic"` replaces the fixed torch.distributed world with a quorum per round
+(torchft, Meta's fault-tolerance library: its Lighthouse is the quorum server; we use its low-level
+coordination API, `torchft.coordination`). The launcher (run.py) starts one `Coordinator`: a
+LighthouseServer and a TCPStore (the rendezvous for each round's process group), outside every
+worker, so no worker's death takes them down. Each worker process holds a `Membership`:
+
+    heartbeat thread        every 0.2 s "I am alive" to the Lighthouse (a killed worker stops)
+    quorum(round)           blocks until the Lighthouse forms a quorum: at least `min_workers`
+                            joined, and every worker that is alive (heartbeating) joined or
+                            `round_deadline` passed since the first one did (a straggler is left
+                            out; a dead worker is out as soon as its heartbeat is stale)
+    group(view)             a fresh gloo process group over the quorum's *active* members,
+                            rendezvoused under a key unique to that quorum
+
+A member joins with the round whose packet it holds (its `step` in torchft's terms). Members at
+the highest round are active; a member at a lower round is behind (it was late, dead, partitioned
+away, or is new) and heals: it loads the last committed round's params and outer state from the
+store, hash-checked against the round record (`round.py: heal`), and joins the next round.
+A quorum with fewer than `min_workers` active members commits nothing: its members ask again.
+
+Everything a round needs from the others after the quorum (the exchange, replay verdicts, the
+agreement check, eval, stats) runs on `group(view)`; if any of it fails (a member died mid-round),
+the round is discarded whole and retried with a new quorum from the same packets.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+# torchft's Rust side logs every quorum at INFO to stderr; keep a user's own RUST_LOG if set
+os.environ.setdefault("RUST_LOG", "warn")
+
+
+class MembershipError(RuntimeError):
+    """No quorum could be formed in time (too few workers alive, or the coordinator is gone)."""
+
+
+def replica_id(worker: int) -> str:
+    return f"worker-{worker:04d}"  # zero-padded: torchft sorts participants by id
+
+
+def worker_of(rid: str) -> int:
+    if not rid.startswith("worker-") or not rid[7:].isdigit():
+        raise MembershipError(f"quorum lists an unknown participant {rid!r}")
+    return int(rid[7:])
+
+
+class Coordinator:
+    """The launcher's Lighthouse (quorum server) and TCPStore (per-round rendezvous)."""
+
+    def __init__(self, min_workers: int, round_deadline_s: float, heartbeat_timeout_s: float) -> None:
+        from torchft.coordination import LighthouseServer
+
+        self.lighthouse = LighthouseServer(
+            bind="[::]:0", min_replicas=min_workers, join_timeout_ms=max(int(round_deadline_s * 1000), 1),
+            quorum_tick_ms=20, heartbeat_timeout_ms=max(int(heartbeat_timeout_s * 1000), 100),
+        )
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    @property
+    def lighthouse_addr(self) -> str:
+        return self.lighthouse.address()
+
+    @property
+    def store_port(self) -> int:
+        return self.store.port
+
+    def shutdown(self) -> None:
+        self.lighthouse.shutdown()
+
+
+@dataclass
+class QuorumView:
+    """One quorum as every member sees it: who joined at which round, and who is active."""
+
+    key: str  # unique per formed quorum (torchft's quorum id + creation time)
+    rounds: dict[int, int]  # worker -> the round whose packet it holds
+    round: int  # the highest of those: the round this quorum can commit
+    active: list[int]  # workers at that round, ascending: the round's participants
+
+    def index(self, worker: int) -> int:
+        return self.active.index(worker)
+
+
+class Membership:
+    """A worker's side: heartbeats, quorums, and the process group of each quorum."""
+
+    def __init__(self, worker: int, lighthouse_addr: str, store_port: int, timeout_s: float,
+                 heartbeat_timeout_s: float = 2.0, host: str = "127.0.0.1") -> None:
+        from torchft.coordination import LighthouseClient
+
+        self.worker, self.timeout_s, self.heartbeat_timeout_s = worker, timeout_s, heartbeat_timeout_s
+        self._host, self._port = host, store_port
+        self.rid = replica_id(worker)
+        self._addr = lighthouse_addr
+        self.client = LighthouseClient(addr=lighthouse_addr, connect_timeout=timedelta(seconds=timeout_s))
+        self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        from torchft.coordination import LighthouseClient
+
+        client = LighthouseClient(addr=self._addr, connect_timeout=timedelta(seconds=self.timeout_s))
+        # its own store connection: "alive at t" for the others to tell a late worker from a dead one
+        store = dist.TCPStore(self._host, self._port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        while not self._stop.is_set():
+            try:
+                client.heartbeat(self.rid, timedelta(seconds=2))
+                store.set(f"alive/{self.worker}", repr(time.time()))
+            except Exception:  # the coordinator unreachable (partition): keep trying, quorum() decides
+                pass
+            self._stop.wait(0.2)
+
+    def announce(self, workers: list[int], wait: bool) -> None:
+        """Start of a run: say "I am here"; with `wait`, wait (up to the timeout) until every
+        worker in `workers` said so, so that round 0's quorum does not form without a slow starter."""
+        self.store.set(f"hello/{self.worker}", "1")
+        if wait:
+            try:
+                self.store.wait([f"hello/{w}" for w in workers], timedelta(seconds=self.timeout_s))
+            except Exception as e:
+                raise MembershipError(f"not every worker started within {self.timeout_s:g} s: {e}") from None
+        time.sleep(0.5)  # two heartbeats: the Lighthouse now counts everyone as alive
+
+    def quorum(self, round: int) -> QuorumView:
+        """Join the quorum for `round` (blocks); raises MembershipError after the timeout."""
+        try:
+            q = self.client.quorum(replica_id=self.rid, timeout=timedelta(seconds=self.timeout_s),
+                                   address="", store_address="", step=round, world_size=1, shrink_only=False)
+        except Exception as e:
+            raise MembershipError(f"no quorum for round {round} within {self.timeout_s:g} s: "
+                                  f"{str(e).splitlines()[0][:160]}") from None
+        rounds = {worker_of(p.replica_id): int(p.step) for p in q.participants}
+        top = max(rounds.values())
+        created = f"{q.created.seconds}.{q.created.nanos}" if q.created is not None else ""
+        return QuorumView(f"{q.quorum_id}/{created}/{top}", rounds, top, sorted(w for w, s in rounds.items() if s == top))
+
+    def group(self, view: QuorumView) -> PgComm:
+        """A gloo group over `view.active`, this worker's index = its position in the list."""
+        prefix = dist.PrefixStore(f"pg/{view.key}", self.store)
+        pg = dist.ProcessGroupGloo(prefix, view.index(self.worker), len(view.active), timedelta(seconds=self.timeout_s))
+        return PgComm(pg, view.index(self.worker), len(view.active))
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class GroupComm:
+    """Collectives over a torch.distributed group of the fixed world (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        dist.all_reduce(t, op=op, group=self.group)
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        dist.all_gather(out, t, group=self.group)
+
+
+class PgComm:
+    """The same collectives over a bare process group (a quorum's; not part of any world)."""
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.pg, self.rank, self.size = pg, rank, size
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.pg.allreduce([t], opts).wait()
+
+    def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        self.pg.allgather([out], [t]).wait()
+
+    def broadcast(self, t: torch.Tensor, root: int):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return self.pg.broadcast([t], opts)
