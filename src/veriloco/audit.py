@@ -65,10 +65,10 @@ from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .topology import build_stage_model
-from .verify import REPLAY_MISMATCH
+from .verify import ABSENT, LATE, REPLAY_MISMATCH
 from .verify.check import check_round
 from .verify.commitment import EquivocationDetector
-from .verify.replay import check_replay, replay_trace, sample_audits
+from .verify.replay import check_replay, replay_trace, sample_round_audits
 
 if TYPE_CHECKING:
     from .ledger.evm import EvmLedger
@@ -534,14 +534,18 @@ def _redo_slice(
     = (aggregate hash, checkpoint digest, params hash or None); `where` starts every failure
     message ("round r: " or "round r: stage s: "). Returns what it recomputed."""
     claimed_aggregate, claimed_checkpoint, claimed_params = claims
-    bundles = []
+    bundles: dict[int, bytes] = {}  # worker -> its bundle; a worker absent or late (elastic) has none
     for j, digest in enumerate(part.get("bundles") or []):
+        if digest is None and part.get("verdicts", [None] * (j + 1))[j] in (ABSENT, LATE):
+            continue
         try:
-            bundles.append(store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20)))
+            bundles[j] = store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20))
         except StoreError as e:
             _fail(f"{where}bundle of worker {j}: {e}")
-    if len(bundles) != len(recorded):
-        _fail(f"{where}{len(bundles)} bundles stored, the entry lists {len(recorded)} commitments")
+    present = [c for c in recorded if c["verdict"] not in (ABSENT, LATE)]
+    if sorted(bundles) != sorted(c["worker"] for c in present):
+        _fail(f"{where}bundles are stored for workers {sorted(bundles)}, the entry has commitments of "
+              f"{sorted(c['worker'] for c in present)}")
     counts["bundles"] += len(bundles)
     back = r - 1 - cfg.outer.delay
     base = sl.params_after[back] if back >= 0 else tensors_hash(sl.init)
@@ -564,6 +568,11 @@ def _redo_slice(
         sl.history[j] = (sl.history.get(j, []) + [d])[-2:]
     for c in recorded:
         j, verdict = c["worker"], c["verdict"]
+        if j not in bundles:  # absent or late: nothing of it may be in the round
+            sl.history.pop(j, None)
+            if c.get("signed") is not None or c.get("bundle_sha256") is not None:
+                _fail(f"{where}worker {j} is recorded as {verdict} but the entry holds its commitment")
+            continue
         if check.verdicts.get(j) != verdict:
             _fail(f"{where}worker {j}'s verdict recomputes to {check.verdicts.get(j)!r}, the entry says {verdict!r}")
         signed = check.commitments.get(j)
@@ -597,7 +606,9 @@ def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left
     k = cfg.verify.trace_every or cfg.train.inner_steps
     segments = max(cfg.train.inner_steps // k, 1)
     seed = base + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
-    audits = sample_audits(seed, sorted(check.accepted), cfg.topology.workers, segments, cfg.verify.replay_probability)
+    # the round's members: the workers whose bundles it had (all of them, unless elastic)
+    audits = sample_round_audits(seed, sorted(check.accepted), sorted(check.verdicts), segments,
+                                 cfg.verify.replay_probability)
     sampled = {a.worker for a in audits}
     for j, v in recorded.items():
         if v == REPLAY_MISMATCH and j not in sampled:

@@ -36,7 +36,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
 # torchft's Rust side logs every quorum at INFO to stderr; keep a user's own RUST_LOG if set
 os.environ.setdefault("RUST_LOG", "warn")
 

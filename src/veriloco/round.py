@@ -86,7 +86,7 @@ from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
-from .verify.replay import check_replay, replay_trace, sample_audits
+from .verify.replay import check_replay, replay_trace, sample_round_audits
 from .verify.screen import LossGain
 
 
@@ -425,13 +425,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     segments = max(cfg.train.inner_steps // k, 1)
     # the seed mixes every worker's commitment: nobody knows its sample before all have committed
     seed = base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
-    # auditors are drawn among the round's members (positions in part.members), so none is absent
-    pos = {j: i for i, j in enumerate(part.members)}
-    audits = [
-        a.__class__(part.members[a.worker], a.segment, part.members[a.auditor])
-        for a in sample_audits(seed, sorted(pos[j] for j in check.accepted), len(part.members), segments,
-                               cfg.verify.replay_probability)
-    ]
+    audits = sample_round_audits(seed, sorted(check.accepted), part.members, segments, cfg.verify.replay_probability)
     mismatch = torch.full((w.workers,), -1, dtype=torch.int64)
     G_r = w.bases.get(r)
     for a in audits:

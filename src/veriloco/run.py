@@ -142,10 +142,12 @@ def train(
 ) -> tuple[RunDir, dict]:
     """Train the built-in GPT task with `cfg`; returns the run directory and the summary.
     `faults`: declarative fault specs (faults.py), elastic membership only."""
-    if faults:
+    if faults:  # a bad spec fails before anything is written
         from .faults import parse_faults
 
-        parse_faults(faults, cfg.topology.workers)  # a bad spec fails before anything is written
+        if cfg.run.membership != "elastic":
+            raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
+        parse_faults(faults, cfg.topology.workers)
     run, task = prepare_run(cfg, out)
     return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults)
 
@@ -275,7 +277,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
     if done >= cfg.train.rounds:
         raise RunDirError(f"{run.root} is already complete ({done}/{cfg.train.rounds} rounds)")
     for rank in range(cfg.topology.workers * cfg.topology.stages):  # private state is per process
-        if done and not (run.worker_dir(rank) / f"state-{done - 1}.safetensors").exists():
+        if cfg.run.membership == "static" and done and not (run.worker_dir(rank) / f"state-{done - 1}.safetensors").exists():
             raise RunDirError(f"process {rank} has no saved state for round {done - 1} in {run.root}")
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])

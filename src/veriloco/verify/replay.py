@@ -52,6 +52,16 @@ def sample_audits(seed_material: str, workers: list[int], world: int, segments: 
     return out
 
 
+def sample_round_audits(seed_material: str, accepted: list[int], members: list[int], segments: int,
+                        probability: float) -> list[Audit]:
+    """`sample_audits` over the round's members (the workers whose packets it has: all of them,
+    unless elastic membership left some out), so that no auditor is a worker that is not there.
+    With every worker a member this is `sample_audits` itself."""
+    pos = {j: i for i, j in enumerate(members)}
+    drawn = sample_audits(seed_material, sorted(pos[j] for j in accepted), len(members), segments, probability)
+    return [Audit(members[a.worker], a.segment, members[a.auditor]) for a in drawn]
+
+
 def replay_trace(
     make_model: Callable[[], nn.Module],
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],

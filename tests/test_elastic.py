@@ -1,0 +1,96 @@
+"""Elastic membership: workers die, lag, come back and join, and the run goes on (issue: faults).
+
+Every fault is declarative (faults.py): "worker 2 dies at round 1, step 2", "worker 1 is 4 s late
+in round 3"; each test asserts what the survivors recorded, and that the audit (which redoes every
+outer step from the accepted packets) holds: nothing was half-applied.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, rounds_of, tiny
+
+from veriloco.audit import audit_run
+from veriloco.faults import FaultError, parse_fault
+from veriloco.run import train
+
+ELASTIC = ("--run.membership=elastic", "--run.timeout_s=30", "--run.heartbeat_timeout_s=1.5")
+
+
+def events_of(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_elastic_without_faults_is_the_static_run(tmp_path):
+    common = ("--topology.workers=3", "--train.rounds=3")
+    _, static = train(tiny(*common), str(tmp_path / "static"), quiet=True)
+    _, elastic = train(tiny(*common, *ELASTIC), str(tmp_path / "elastic"), quiet=True)
+    a, b = rounds_of(tmp_path / "static"), rounds_of(tmp_path / "elastic")
+    assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    assert elastic["eval_loss_end"] == pytest.approx(static["eval_loss_end"], rel=1e-6)
+    assert audit_run(tmp_path / "elastic").ok
+
+
+def test_dead_worker_survivors_go_on_it_rejoins_and_a_death_mid_exchange_is_retried(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny("--topology.workers=3", "--train.rounds=8", *ELASTIC)
+    _, summary = train(cfg, str(run_dir), quiet=True,
+                       faults=["die:2@1.2", "restart:2+0.5", "die:1@4"])  # 1 dies inside round 4's exchange
+    recs = rounds_of(run_dir)
+    assert summary["complete"] and [r["round"] for r in recs] == list(range(8))
+    assert recs[0]["verdicts"] == ["accept"] * 3
+    assert recs[1]["verdicts"][2] == "absent" and recs[1]["members"] == [0, 1]
+    assert recs[1]["train_loss"][2] is None and recs[1]["bytes_sent"][2] == 0
+    rejoined = [r["round"] for r in recs[2:] if r["verdicts"][2] == "accept"]
+    assert rejoined, "worker 2 never took part again after its restart"
+    assert recs[4]["verdicts"][1] == "absent" and 1 not in recs[4]["members"]  # round 4 committed without 1
+    assert all(r["verdicts"][1] == "absent" for r in recs[4:])  # 1 was not restarted
+    kinds = [(e["event"], e["worker"]) for e in events_of(run_dir)]
+    assert kinds.count(("started", 2)) == 2 and ("died", 2) in kinds and ("died", 1) in kinds
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure
+
+
+def test_straggler_is_left_out_as_late_and_a_new_worker_joins(tmp_path):
+    run_dir = tmp_path / "run"
+    # a 0.4 s link latency makes a round last long enough (without using CPU) for a process to
+    # start (~5 s here) and join while the run is still going
+    cfg = tiny("--topology.workers=4", "--train.rounds=24", "--run.min_workers=2", "--run.round_deadline=1",
+               "--link.latency=400ms", *ELASTIC)
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["join:3@2", "late:1@3+4"])
+    recs = rounds_of(run_dir)
+    assert summary["complete"]
+    assert recs[0]["verdicts"][3] == "absent" and recs[1]["verdicts"][3] == "absent"  # not started yet
+    assert any(r["verdicts"][3] == "accept" for r in recs[2:]), "the new worker never took part"
+    assert recs[3]["verdicts"][1] == "late" and 1 not in recs[3]["members"]
+    assert recs[3]["round_s"] < 4.0  # the others did not wait out the straggler's 4 s
+    assert recs[-1]["verdicts"][1] == "accept"  # it healed and came back
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("die:9@1", "names worker 9"), ("explode:1@2", "is not one of"), ("late:1@2", "is not one of")],
+)
+def test_bad_fault_specs_are_rejected(spec, message):
+    with pytest.raises(FaultError, match=message):
+        parse_fault(spec, workers=3)
+
+
+def test_cli_fault_errors_exit_2_with_one_line(tmp_path):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "veriloco.cli", "train", str(ROOT / "configs" / "tiny.toml"),
+                               "--out", str(tmp_path / "r"), *args], capture_output=True, text=True, cwd=ROOT)
+
+    bad = run("--fault", "die:7@1", "--run.membership=elastic")
+    assert bad.returncode == 2 and "names worker 7" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    static = run("--fault", "die:1@1")
+    assert static.returncode == 2 and "needs run.membership = 'elastic'" in static.stderr
+    assert not (tmp_path / "r" / "rounds.jsonl").exists()
