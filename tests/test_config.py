@@ -80,3 +80,10 @@ def test_describe_lists_every_key():
     text = describe()
     for key in ("inner_steps", "[outer]", "nesterov", "max_packet_bytes", "eval_fraction"):
         assert key in text
+
+
+def test_text_settings_stay_text_on_the_command_line():
+    cfg = load_config(None, ["--ledger.contract=0x5FbDB2315678afecb367f032d93F642f64180aa3", "--run.seed=7"])
+    assert cfg.ledger.contract == "0x5FbDB2315678afecb367f032d93F642f64180aa3" and cfg.run.seed == 7
+    with pytest.raises(ConfigError, match="run.seed: expected int"):
+        load_config(None, ["--run.seed=seven"])

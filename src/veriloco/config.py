@@ -306,6 +306,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             _apply(cfg, section, values, str(p))
     for text in overrides or []:
         section, key, value = _parse_override(text)
+        hints = typing.get_type_hints(_sections()[section]) if section in _sections() and section != "adversary" else {}
+        if hints.get(key) is str and not isinstance(value, str):  # --ledger.contract=0x5FbD... stays text
+            value = text.split("=", 1)[1]
         _apply(cfg, section, {key: value}, "the command line")
     validate(cfg)
     return cfg
