@@ -94,3 +94,25 @@ def test_cli_fault_errors_exit_2_with_one_line(tmp_path):
     static = run("--fault", "die:1@1")
     assert static.returncode == 2 and "needs run.membership = 'elastic'" in static.stderr
     assert not (tmp_path / "r" / "rounds.jsonl").exists()
+
+
+def test_partition_minority_commits_nothing_then_rejoins_with_the_same_params(tmp_path):
+    from veriloco import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(why)
+    run_dir = tmp_path / "run"
+    cfg = tiny("--topology.workers=3", "--train.rounds=14", "--link.latency=400ms", *ELASTIC)
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["partition:2@3+3"])  # cut worker 2's veth for 3 s
+    recs = rounds_of(run_dir)
+    assert summary["complete"] and [r["round"] for r in recs] == list(range(14))  # one record per round
+    events = events_of(run_dir)
+    cut = next(e for e in events if e["event"] == "cut")
+    back = next(e for e in events if e["event"] == "reconnected")
+    during = recs[cut["round"]:back["round"]]
+    assert during and all(r["members"] == [0, 1] and r["verdicts"][2] == "absent" for r in during)
+    assert recs[-1]["verdicts"] == ["accept"] * 3  # back in, from the same params (hashes agree each round)
+    assert not any(e["event"] == "died" for e in events)  # it waited out the cut, it did not crash
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure

@@ -68,13 +68,16 @@ class HoldingExchange:
 
 def train_worker_elastic(
     cfg: Config, worker: int, task: Task, run_dir: str, lighthouse_addr: str, store_port: int,
-    faults: list[Fault], first: list[int], quiet: bool = False,
+    faults: list[Fault], first: list[int], quiet: bool = False, eval_start: float | None = None,
+    store_host: str = "127.0.0.1",
 ) -> None:
     """The whole run of one worker process under elastic membership (see the module docstring).
 
-    `first`: the workers the launcher starts together at round 0 (they wait for each other once)."""
+    `first`: the workers the launcher starts together at round 0 (they wait for each other once);
+    `eval_start`: the initial model's eval loss (the launcher's); `store_host`: the coordinator's."""
     injector = Injector(faults, worker)
-    members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s)
+    members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s,
+                         host=store_host)
     w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True)
     w.exchange = HoldingExchange()
     w.defer_entry = True  # commit() appends the ledger entry, once, under the commit lock
@@ -111,14 +114,14 @@ def train_worker_elastic(
             if len(view.active) < min_active:
                 time.sleep(0.05)  # e.g. a member is healing into this round: it will join
                 continue
-            if _try_round(w, sent, held, view, members, injector, quiet):
+            if _try_round(w, sent, held, view, members, injector, eval_start, quiet):
                 r += 1
                 break
     members.close()
 
 
 def _try_round(w: Worker, sent: Sent, held: bytes, view: QuorumView, members: Membership,
-               injector: Injector, quiet: bool) -> bool:
+               injector: Injector, eval_start: float | None, quiet: bool) -> bool:
     """Steps 3-6 and the commit of sent.round among view.active; False (nothing applied) on failure."""
     r = sent.round
     saved = _snapshot(w)
@@ -135,7 +138,7 @@ def _try_round(w: Worker, sent: Sent, held: bytes, view: QuorumView, members: Me
         _say(quiet, f"worker {w.worker}: round {r} failed among workers {view.active} "
              f"({str(e).splitlines()[0][:160]}); retrying with a new quorum")
         return False
-    rec["eval_loss_start"] = float(members.store.get("eval_start").decode())  # the launcher's, over the whole eval set
+    rec["eval_loss_start"] = eval_start  # the launcher's, over the whole eval set
     commit(w, rec, quiet)
     return True
 
@@ -268,3 +271,241 @@ def summarize(cfg: Config, records: list[dict], eval_start: float, wall: float) 
         "rounds_with_absent": sum(1 for p in records if any(v in (ABSENT, LATE) for v in p["verdicts"])),
         "ledger_head": last.get("entry"), "ledger_root": None,
     }
+
+
+# --- the launcher: a coordinator, one process per worker, and the faults that happen to them ---
+
+
+def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: bool = False) -> dict:
+    """Start the coordinator (torchft Lighthouse + TCPStore), one process per worker, and
+    supervise them: a worker that dies is left out by the others (and started again if a
+    `restart` fault says so), `join` faults start a worker late, `partition` faults cut a
+    worker's network link (then everything runs in network namespaces). Every start, death and
+    cut goes to RUN/events.jsonl. Returns the summary once the run is complete."""
+    from .faults import parse_faults
+    from .run import _finish
+
+    faults = parse_faults(fault_specs, cfg.topology.workers)
+    W, R = cfg.topology.workers, cfg.train.rounds
+    eval_start = _eval_loss(task)  # once, over the whole eval set, before any process starts
+    cuts = sorted((f.round, f.worker, f.seconds) for f in faults if f.kind == "partition")
+    host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run)
+    joins = {f.worker: f.round for f in faults if f.kind == "join"}
+    restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
+    left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "late")] for j in range(W)}
+    first = [j for j in range(W) if j not in joins]
+    procs: dict = {}
+    pending: dict[int, float] = {}  # worker -> when to start it again
+    healing: dict[int, float] = {}  # worker -> when its cut link comes back
+    t0 = time.perf_counter()
+
+    def event(kind: str, j: int, **extra: object) -> None:
+        run.append_jsonl(run.root / "events.jsonl", {"t": round(time.perf_counter() - t0, 3), "event": kind,
+                                                     "worker": j, "round": len(run.rounds()), **extra})
+
+    def start(j: int) -> None:
+        procs[j] = host.start(j, dict(worker=j, faults=left[j], first=first, quiet=quiet, eval_start=eval_start))
+        event("started", j)
+
+    try:
+        for j in first:
+            start(j)
+        complete_at = None
+        while True:
+            done = len(run.rounds())
+            for j, r in list(joins.items()):
+                if done >= r:
+                    del joins[j]
+                    start(j)
+            while cuts and done >= cuts[0][0]:
+                _, j, seconds = cuts.pop(0)
+                host.cut(j, True)
+                healing[j] = time.perf_counter() + seconds
+                event("cut", j, seconds=seconds)
+            for j, t in list(healing.items()):
+                if time.perf_counter() >= t:
+                    del healing[j]
+                    host.cut(j, False)
+                    event("reconnected", j)
+            for j, p in list(procs.items()):
+                code = p.poll()
+                if code is None:
+                    continue
+                del procs[j]
+                if code != 0:
+                    event("died", j, exitcode=code)
+                    dies = [f for f in left[j] if f.kind == "die"]
+                    if dies:
+                        left[j].remove(dies[0])  # it fired: the restarted worker must not die there again
+                    if j in restarts and done < R:
+                        pending[j] = time.perf_counter() + restarts[j]
+            for j, t in list(pending.items()):
+                if time.perf_counter() >= t:
+                    del pending[j]
+                    start(j)
+            if done >= R:
+                complete_at = complete_at or time.perf_counter()
+                if not procs or time.perf_counter() - complete_at > 5.0:  # a worker still healing: done
+                    break
+            elif not procs and not pending and not joins:
+                raise RuntimeError(f"elastic run stopped at round {done} of {R}: every worker is gone")
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            p.kill()
+        host.close()
+    summary = summarize(cfg, run.rounds(), eval_start, time.perf_counter() - t0)
+    if cfg.ledger.backend == "sqlite":
+        from .ledger import SqliteLedger
+
+        with SqliteLedger(run.root / "ledger.sqlite") as ledger:
+            summary["ledger_root"] = ledger.root()
+            summary["ledger_head"] = ledger.head_hash()
+    _finish(run, cfg, summary)
+    return summary
+
+
+def _eval_loss(task: Task) -> float:
+    """Loss of the initial model over the whole eval set, on a copy of the task: a task holding
+    its loaded corpus would be slow to hand to the processes started later."""
+    import copy
+
+    import torch
+
+    mine = copy.deepcopy(task)
+    model = mine.make_model()
+    with torch.no_grad():
+        pairs = [(float(mine.loss(model, x, y)), y.numel()) for x, y in mine.eval_batches()]
+    return sum(a * n for a, n in pairs) / sum(n for _, n in pairs)
+
+
+class _Spawned:
+    """A worker started with torch.multiprocessing, seen like a Popen."""
+
+    def __init__(self, process) -> None:
+        self.process = process
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+
+class _LocalHost:
+    """Workers as local processes (spawned), the coordinator in the launcher's process."""
+
+    def __init__(self, cfg: Config, task: Task, run) -> None:
+        import torch.multiprocessing as tmp
+
+        from .membership import Coordinator
+
+        self.cfg, self.task, self.run_dir = cfg, task, str(run.root)
+        W = cfg.topology.workers
+        self.coord = Coordinator(cfg.run.min_workers or W // 2 + 1, cfg.run.round_deadline or cfg.run.timeout_s,
+                                 cfg.run.heartbeat_timeout_s)
+        self.ctx = tmp.get_context("spawn")
+
+    def start(self, j: int, args: dict) -> _Spawned:
+        p = self.ctx.Process(target=_worker_main, args=(
+            self.cfg, self.task, self.run_dir, self.coord.lighthouse_addr, "127.0.0.1", self.coord.store_port, args))
+        p.start()
+        return _Spawned(p)
+
+    def cut(self, j: int, down: bool) -> None:  # pragma: no cover - partition faults use _NetnsHost
+        raise RuntimeError("a local run has no network link to cut")
+
+    def close(self) -> None:
+        self.coord.shutdown()
+
+
+class _NetnsHost:
+    """Workers in network namespaces 0..W-1 and the coordinator in namespace W, joined by veth
+    pairs to one bridge (netns.shaped_link, unshaped); a partition downs a worker's bridge port.
+    Worker processes are programs of their own (`_main(ARGS.json)`): they rebuild the task from
+    the run's manifest and store, so only the built-in GPT task runs here."""
+
+    def __init__(self, cfg: Config, task: Task, run) -> None:
+        import json
+        import math
+        import subprocess
+        import sys
+
+        from . import netns
+        from .config import ConfigError
+        from .task import CorpusTask
+
+        ok, why = netns.available()
+        if not ok:
+            raise ConfigError(f"partition faults need network namespaces: {why}")
+        if not isinstance(getattr(task.make_model, "__self__", None), CorpusTask):
+            raise ConfigError("partition faults run workers as separate programs: only the built-in GPT task can")
+        self.cfg, self.run, W = cfg, run, cfg.topology.workers
+        self._cm = netns.shaped_link(math.inf, n=W + 1)
+        self.link = self._cm.__enter__()
+        self.coord_host = self.link.addresses[W]
+        serve = "import sys; from veriloco.membership import serve; serve(sys.argv[1:])"
+        self.coord = self.link.popen(W, [sys.executable, "-c", serve, self.coord_host,
+                                         str(cfg.run.min_workers or W // 2 + 1),
+                                         str(cfg.run.round_deadline or cfg.run.timeout_s),
+                                         str(cfg.run.heartbeat_timeout_s)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = netns._read_line(self.coord, timeout=60.0)
+        if not line.strip():
+            self.close()
+            raise RuntimeError("the coordinator in its namespace did not start")
+        info = json.loads(line)
+        self.lighthouse, self.store_port = info["lighthouse"], int(info["store_port"])
+
+    def start(self, j: int, args: dict):
+        import json
+        import os
+        import sys
+
+        spec = self.run.root / f".elastic-worker-{j}.json"
+        spec.write_text(json.dumps({
+            "run_dir": str(self.run.root), "lighthouse": self.lighthouse, "store_host": self.coord_host,
+            "store_port": self.store_port, **args, "faults": [f.__dict__ for f in args["faults"]],
+        }))
+        # gloo binds the namespace's veth, not lo; c10d would warn that peers have no DNS names
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", TORCH_CPP_LOG_LEVEL="ERROR")
+        main = "import sys; from veriloco.elastic import _main; _main(sys.argv[1])"
+        return self.link.popen(j, [sys.executable, "-c", main, str(spec)], env=env)
+
+    def cut(self, j: int, down: bool) -> None:
+        from .netns import _cmd
+
+        _cmd(["ip", "-n", self.link.hub, "link", "set", f"p{j}", "down" if down else "up"])
+
+    def close(self) -> None:
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            self.coord.stdin.close()
+            self.coord.wait(timeout=5)
+        self._cm.__exit__(None, None, None)
+
+
+def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,
+                 args: dict) -> None:
+    train_worker_elastic(cfg, args["worker"], task, run_dir, lighthouse, store_port, args["faults"],
+                         args["first"], args["quiet"], args["eval_start"], store_host)
+
+
+def _main(spec_path: str) -> None:
+    """One worker of a partition run, a program of its own in its namespace (see _NetnsHost)."""
+    import json
+
+    from .config import config_from_dict
+    from .records import RunDir
+    from .task import CorpusTask
+
+    spec = json.loads(open(spec_path).read())
+    run = RunDir(spec["run_dir"])
+    manifest = run.read_manifest()
+    cfg = config_from_dict(manifest["config"])
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"]).as_task()
+    spec["faults"] = [Fault(**f) for f in spec["faults"]]
+    _worker_main(cfg, task, spec["run_dir"], spec["lighthouse"], spec["store_host"], spec["store_port"], spec)
+

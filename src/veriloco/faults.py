@@ -7,6 +7,9 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
     late:W@R+T     worker W holds its round-R packet back T seconds before joining the quorum
     restart:W+T    the launcher starts worker W again T seconds after it died (it rejoins)
     join:W@R       worker W (admitted in the manifest) is started only once round R is recorded
+    partition:W@R+T   once round R is recorded, worker W's network link is cut for T seconds: the
+                   run moves to network namespaces (one per worker, veth pairs to a bridge, the
+                   coordinator in its own; netns.py; needs root) and the launcher downs W's veth
 
 Faults are for tests and the chaos benchmark; they need `[run] membership = "elastic"` (with a
 fixed world a dead worker ends the run, which is what static mode promises). They are not part of
@@ -24,7 +27,8 @@ _SPEC = re.compile(
     r"^(?:(?P<die>die):(?P<dw>\d+)@(?P<dr>\d+)(?:\.(?P<ds>\d+))?"
     r"|(?P<late>late):(?P<lw>\d+)@(?P<lr>\d+)\+(?P<lt>\d+(?:\.\d+)?)"
     r"|(?P<restart>restart):(?P<rw>\d+)\+(?P<rt>\d+(?:\.\d+)?)"
-    r"|(?P<join>join):(?P<jw>\d+)@(?P<jr>\d+))$"
+    r"|(?P<join>join):(?P<jw>\d+)@(?P<jr>\d+)"
+    r"|(?P<partition>partition):(?P<pw>\d+)@(?P<pr>\d+)\+(?P<pt>\d+(?:\.\d+)?))$"
 )
 
 
@@ -34,18 +38,19 @@ class FaultError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "die" | "late" | "restart" | "join"
+    kind: str  # "die" | "late" | "restart" | "join" | "partition"
     worker: int
     round: int = 0
     step: int | None = None  # die: the inner step; None = during the exchange
-    seconds: float = 0.0  # late: how late; restart: how long after the death
+    seconds: float = 0.0  # late: how late; restart: how long after the death; partition: how long cut
 
 
 def parse_fault(text: str, workers: int) -> Fault:
     """One spec (see the module docstring) -> Fault; FaultError names what is wrong."""
     m = _SPEC.match(text.strip())
     if m is None:
-        raise FaultError(f"fault {text!r} is not one of die:W@R[.S], late:W@R+SECONDS, restart:W+SECONDS, join:W@R")
+        raise FaultError(f"fault {text!r} is not one of die:W@R[.S], late:W@R+SECONDS, restart:W+SECONDS, "
+                         "join:W@R, partition:W@R+SECONDS")
     g = m.groupdict()
     if g["die"]:
         f = Fault("die", int(g["dw"]), int(g["dr"]), int(g["ds"]) if g["ds"] is not None else None)
@@ -53,8 +58,10 @@ def parse_fault(text: str, workers: int) -> Fault:
         f = Fault("late", int(g["lw"]), int(g["lr"]), seconds=float(g["lt"]))
     elif g["restart"]:
         f = Fault("restart", int(g["rw"]), seconds=float(g["rt"]))
-    else:
+    elif g["join"]:
         f = Fault("join", int(g["jw"]), int(g["jr"]))
+    else:
+        f = Fault("partition", int(g["pw"]), int(g["pr"]), seconds=float(g["pt"]))
     if not 0 <= f.worker < workers:
         raise FaultError(f"fault {text!r} names worker {f.worker}, but the run has workers 0..{workers - 1}")
     return f

@@ -57,18 +57,21 @@ def worker_of(rid: str) -> int:
 class Coordinator:
     """The launcher's Lighthouse (quorum server) and TCPStore (per-round rendezvous)."""
 
-    def __init__(self, min_workers: int, round_deadline_s: float, heartbeat_timeout_s: float) -> None:
+    def __init__(self, min_workers: int, round_deadline_s: float, heartbeat_timeout_s: float,
+                 host: str = "127.0.0.1") -> None:
         from torchft.coordination import LighthouseServer
 
+        self.host = host
         self.lighthouse = LighthouseServer(
-            bind="[::]:0", min_replicas=min_workers, join_timeout_ms=max(int(round_deadline_s * 1000), 1),
+            bind=f"{host}:0", min_replicas=min_workers, join_timeout_ms=max(int(round_deadline_s * 1000), 1),
             quorum_tick_ms=20, heartbeat_timeout_ms=max(int(heartbeat_timeout_s * 1000), 100),
         )
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
 
     @property
     def lighthouse_addr(self) -> str:
-        return self.lighthouse.address()
+        # the Lighthouse names itself by hostname, which may not resolve where the workers are
+        return f"http://{self.host}:{self.lighthouse.address().rsplit(':', 1)[1]}"
 
     @property
     def store_port(self) -> int:
@@ -188,3 +191,17 @@ class PgComm:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return self.pg.broadcast([t], opts)
+
+
+def serve(argv: list[str]) -> None:
+    """A coordinator (args: HOST MIN_WORKERS ROUND_DEADLINE_S HEARTBEAT_TIMEOUT_S) in a process of its own (in its own network namespace for partition runs);
+    prints one JSON line {"lighthouse": ..., "store_port": ...}, serves until stdin closes."""
+    import json
+    import sys
+
+    host, min_workers, deadline, heartbeat = argv[0], int(argv[1]), float(argv[2]), float(argv[3])
+    coord = Coordinator(min_workers, deadline, heartbeat, host)
+    print(json.dumps({"lighthouse": coord.lighthouse_addr, "store_port": coord.store_port}), flush=True)
+    sys.stdin.read()
+    coord.shutdown()
+

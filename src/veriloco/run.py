@@ -125,6 +125,8 @@ def launch(
     if cfg.run.membership == "elastic":
         if stop_after is not None:
             raise RunDirError("--stop-after is not supported with run.membership = 'elastic'")
+        from .elastic import launch_elastic
+
         return launch_elastic(cfg, task, run, faults or [], quiet)
     if faults:
         raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
@@ -150,109 +152,6 @@ def train(
         parse_faults(faults, cfg.topology.workers)
     run, task = prepare_run(cfg, out)
     return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults)
-
-
-def _elastic_spawned(worker: int, cfg: Config, task: Task, run_dir: str, addr: str, port: int,
-                     faults: list, first: list[int], quiet: bool) -> None:
-    from .elastic import train_worker_elastic
-
-    train_worker_elastic(cfg, worker, task, run_dir, addr, port, faults, first, quiet)
-
-
-def launch_elastic(cfg: Config, task: Task, run: RunDir, fault_specs: list[str], quiet: bool = False) -> dict:
-    """Elastic membership (membership.py): start the coordinator (torchft Lighthouse + TCPStore),
-    one process per worker, and supervise them: a worker that dies is left out by the others
-    (and started again if a `restart` fault says so); `join` faults start a worker late.
-    Every start and death goes to RUN/events.jsonl. Returns the summary once the run is complete."""
-    import copy
-    import time
-
-    import torch
-    import torch.multiprocessing as tmp
-
-    from .elastic import summarize
-    from .faults import parse_faults
-    from .membership import Coordinator
-
-    faults = parse_faults(fault_specs, cfg.topology.workers)
-    W, R = cfg.topology.workers, cfg.train.rounds
-    min_workers = cfg.run.min_workers or W // 2 + 1
-    coord = Coordinator(min_workers, cfg.run.round_deadline or cfg.run.timeout_s, cfg.run.heartbeat_timeout_s)
-    joins = {f.worker: f.round for f in faults if f.kind == "join"}
-    restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
-    left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "late")] for j in range(W)}
-    first = [j for j in range(W) if j not in joins]
-    ctx = tmp.get_context("spawn")
-    procs: dict = {}
-    pending: dict[int, float] = {}  # worker -> when to start it again
-    t0 = time.perf_counter()
-
-    def event(kind: str, j: int, **extra: object) -> None:
-        run.append_jsonl(run.root / "events.jsonl", {"t": round(time.perf_counter() - t0, 3), "event": kind,
-                                                     "worker": j, "round": len(run.rounds()), **extra})
-
-    def start(j: int) -> None:
-        p = ctx.Process(target=_elastic_spawned, args=(j, cfg, task, str(run.root), coord.lighthouse_addr,
-                                                       coord.store_port, left[j], first, quiet))
-        p.start()
-        procs[j] = p
-        event("started", j)
-
-    try:
-        for j in first:
-            start(j)
-        # the starting eval loss, once, over the whole eval set, on a copy: a task holding its
-        # loaded corpus would be slow to hand to the processes started later (rejoins)
-        mine = copy.deepcopy(task)
-        model = mine.make_model()
-        with torch.no_grad():
-            pairs = [(float(mine.loss(model, x, y)), y.numel()) for x, y in mine.eval_batches()]
-        del mine, model
-        eval_start = sum(a * n for a, n in pairs) / sum(n for _, n in pairs)
-        coord.store.set("eval_start", repr(eval_start))
-        complete_at = None
-        while True:
-            done = len(run.rounds())
-            for j, r in list(joins.items()):
-                if done >= r:
-                    del joins[j]
-                    start(j)
-            for j, p in list(procs.items()):
-                if p.exitcode is None:
-                    continue
-                del procs[j]
-                if p.exitcode != 0:
-                    event("died", j, exitcode=p.exitcode)
-                    dies = [f for f in left[j] if f.kind == "die"]
-                    if dies:
-                        left[j].remove(dies[0])  # it fired: the restarted worker must not die there again
-                    if j in restarts and done < R:
-                        pending[j] = time.perf_counter() + restarts[j]
-            for j, t in list(pending.items()):
-                if time.perf_counter() >= t:
-                    del pending[j]
-                    start(j)
-            if done >= R:
-                complete_at = complete_at or time.perf_counter()
-                if not procs or time.perf_counter() - complete_at > 5.0:  # a worker still healing: done
-                    break
-            elif not procs and not pending and not joins:
-                raise RuntimeError(f"elastic run stopped at round {done} of {R}: every worker is gone")
-            time.sleep(0.05)
-    finally:
-        for p in procs.values():
-            p.kill()
-            p.join()
-        coord.shutdown()
-    summary = summarize(cfg, run.rounds(), eval_start, time.perf_counter() - t0)
-    if cfg.ledger.backend == "sqlite":
-        from .ledger import SqliteLedger
-
-        with SqliteLedger(run.root / "ledger.sqlite") as ledger:
-            summary["ledger_root"] = ledger.root()
-            summary["ledger_head"] = ledger.head_hash()
-    _finish(run, cfg, summary)
-    return summary
 
 
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
