@@ -299,7 +299,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     healing: dict[int, float] = {}  # worker -> when its cut link comes back
     t0 = time.perf_counter()
 
-    def event(kind: str, j: int, **extra: object) -> None:
+    def event(kind: str, j: int | None, **extra: object) -> None:
         run.append_jsonl(run.root / "events.jsonl", {"t": round(time.perf_counter() - t0, 3), "event": kind,
                                                      "worker": j, "round": len(run.rounds()), **extra})
 
@@ -310,9 +310,14 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     try:
         for j in first:
             start(j)
-        complete_at = None
+        complete_at, seen = None, 0
         while True:
-            done = len(run.rounds())
+            records = run.rounds()
+            done = len(records)
+            for rec in records[seen:]:  # when each round was committed, and by whom (recovery times)
+                event("committed", None, committed=rec["round"],
+                      members=rec.get("members", list(range(W))))
+            seen = done
             for j, r in list(joins.items()):
                 if done >= r:
                     del joins[j]
@@ -429,6 +434,7 @@ class _NetnsHost:
     def __init__(self, cfg: Config, task: Task, run) -> None:
         import json
         import math
+        import os
         import subprocess
         import sys
 
@@ -450,7 +456,8 @@ class _NetnsHost:
                                          str(cfg.run.min_workers or W // 2 + 1),
                                          str(cfg.run.round_deadline or cfg.run.timeout_s),
                                          str(cfg.run.heartbeat_timeout_s)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR"))
         line = netns._read_line(self.coord, timeout=60.0)
         if not line.strip():
             self.close()
