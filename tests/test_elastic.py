@@ -36,16 +36,18 @@ def test_elastic_without_faults_is_the_static_run(tmp_path):
     assert audit_run(tmp_path / "elastic").ok
 
 
-def test_dead_worker_survivors_go_on_it_rejoins_and_a_death_mid_exchange_is_retried(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1])
+def test_dead_worker_survivors_go_on_it_rejoins_and_a_death_mid_exchange_is_retried(tmp_path, delay):
     run_dir = tmp_path / "run"
-    cfg = tiny("--topology.workers=3", "--train.rounds=8", *ELASTIC)
+    cfg = tiny("--topology.workers=3", "--train.rounds=8", f"--outer.delay={delay}", *ELASTIC)
     _, summary = train(cfg, str(run_dir), quiet=True,
                        faults=["die:2@1.2", "restart:2+0.5", "die:1@4"])  # 1 dies inside round 4's exchange
     recs = rounds_of(run_dir)
     assert summary["complete"] and [r["round"] for r in recs] == list(range(8))
-    assert recs[0]["verdicts"] == ["accept"] * 3
-    assert recs[1]["verdicts"][2] == "absent" and recs[1]["members"] == [0, 1]
-    assert recs[1]["train_loss"][2] is None and recs[1]["bytes_sent"][2] == 0
+    gone = 1 - delay  # with delay 1, round 0 is finished during round 1: its death costs round 0 too
+    assert all(r["verdicts"] == ["accept"] * 3 for r in recs[:gone])
+    assert recs[gone]["verdicts"][2] == "absent" and recs[gone]["members"] == [0, 1]
+    assert recs[gone]["train_loss"][2] is None and recs[gone]["bytes_sent"][2] == 0
     rejoined = [r["round"] for r in recs[2:] if r["verdicts"][2] == "accept"]
     assert rejoined, "worker 2 never took part again after its restart"
     assert recs[4]["verdicts"][1] == "absent" and 1 not in recs[4]["members"]  # round 4 committed without 1
@@ -116,3 +118,20 @@ def test_partition_minority_commits_nothing_then_rejoins_with_the_same_params(tm
     assert not any(e["event"] == "died" for e in events)  # it waited out the cut, it did not crash
     report = audit_run(run_dir)
     assert report.ok, report.first_failure
+
+
+def test_with_delay_1_a_straggler_has_a_round_of_slack(tmp_path):
+    """The same late packet (worker 1's, 0.7 s late in round 1) side by side: with delay 0 the others
+    wait for it; with delay 1 the wait runs under their next round's inner steps (~0.7 s here)."""
+    common = ("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=80", "--run.round_deadline=3", *ELASTIC)
+    waits = {}
+    for delay in (0, 1):
+        run_dir = tmp_path / f"d{delay}"
+        train(tiny(*common, f"--outer.delay={delay}"), str(run_dir), quiet=True, faults=["late:1@1+0.7"])
+        recs = rounds_of(run_dir)
+        assert recs[1]["verdicts"] == ["accept"] * 3  # within the deadline: not late
+        waits[delay] = recs[1]["wait_s"][0]  # worker 0's idle time waiting for round 1's packets
+        report = audit_run(run_dir)
+        assert report.ok, report.first_failure
+    assert waits[0] > 0.5, waits
+    assert waits[1] < 0.35, waits

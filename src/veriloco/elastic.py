@@ -25,6 +25,7 @@ counter to where the schedule is, drop per-round memories (error feedback, last 
 from __future__ import annotations
 
 import fcntl
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def train_worker_elastic(
     `eval_start`: the initial model's eval loss (the launcher's); `store_host`: the coordinator's."""
     injector = Injector(faults, worker)
     members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s,
-                         host=store_host)
+                         host=store_host, round_deadline_s=cfg.run.round_deadline)
     w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True)
     w.exchange = HoldingExchange()
     w.defer_entry = True  # commit() appends the ledger entry, once, under the commit lock
@@ -91,55 +92,148 @@ def train_worker_elastic(
     w.task = _with_batch(w.task, batch)
     done = len(w.run.rounds())
     members.announce(first, wait=done == 0 and worker in first)
+    ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1)
     r = heal(w, done) if done else 0
-    min_active = cfg.run.min_workers or cfg.topology.workers // 2 + 1
-    while r < cfg.train.rounds:
-        sent = run_inner_and_send(w, r)
-        held: bytes = sent.handle.bundle
-        if injector.late_s(r):
-            time.sleep(injector.late_s(r))
-        while True:
-            try:
-                view = members.quorum(r)
-            except MembershipError as e:  # partitioned from the coordinator, or too few alive
-                _say(quiet, f"worker {worker}: round {r}: {e}; asking again")
-                time.sleep(0.5)
-                continue
-            if view.round > r:  # behind: the others moved on without this packet
-                target = view.round + 1 if len(view.active) >= min_active else view.round
-                _say(quiet, f"worker {worker}: round {r} was committed without it (quorum at round "
-                     f"{view.round}); healing to round {target}")
-                r = heal(w, target)
-                break
-            if len(view.active) < min_active:
-                time.sleep(0.05)  # e.g. a member is healing into this round: it will join
-                continue
-            if _try_round(w, sent, held, view, members, injector, eval_start, quiet):
-                r += 1
-                break
+    pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
+    while r < cfg.train.rounds or pending is not None:
+        sent = None
+        if r < cfg.train.rounds:
+            catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
+            sent = run_inner_and_send(w, r)
+            if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
+                time.sleep(injector.late_s(r))
+        if cfg.outer.delay == 0:
+            behind = settle(ctx, _Flight(sent, sent.handle.bundle))
+        elif pending is not None:  # finish the previous round, whose exchange overlapped this one's steps
+            behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
+            pending = None
+        else:
+            behind = None
+        if behind is not None:  # the others committed without this worker's packet: drop its work, heal
+            target = behind.round + 1 + cfg.outer.delay if len(behind.active) >= ctx.min_active else behind.round
+            _say(quiet, f"worker {worker}: a round was committed without it (quorum at round {behind.round}); "
+                 f"healing to round {target}")
+            if target > behind.round + 1:  # delay 1: round behind.round+1 forms without it; do not
+                members.pause()  # make the others wait for it (quorum() resumes the heartbeats)
+            r, pending = heal(w, target), None
+            continue
+        if cfg.outer.delay and sent is not None:
+            pending = _Flight(sent, sent.handle.bundle)
+            pending.start(ctx)  # the quorum and the exchange, in the background
+        r += 1
     members.close()
 
 
-def _try_round(w: Worker, sent: Sent, held: bytes, view: QuorumView, members: Membership,
-               injector: Injector, eval_start: float | None, quiet: bool) -> bool:
-    """Steps 3-6 and the commit of sent.round among view.active; False (nothing applied) on failure."""
-    r = sent.round
+@dataclass
+class _Ctx:
+    """What settling a round needs besides the round."""
+
+    w: Worker
+    members: Membership
+    injector: Injector
+    eval_start: float | None
+    quiet: bool
+    min_active: int
+
+
+class _Flight:
+    """A round's bundle on its way: with delay 1, the quorum and the exchange run in a thread
+    (started after the round's inner steps, joined after the next round's)."""
+
+    def __init__(self, sent: Sent, bundle: bytes) -> None:
+        self.sent, self.bundle = sent, bundle
+        self._thread: threading.Thread | None = None
+        self.first: tuple | None = None  # (view, comm, handle, error) of the background try
+
+    def start(self, ctx: _Ctx) -> None:
+        def run() -> None:
+            view = comm = handle = None
+            try:
+                time.sleep(ctx.injector.late_s(self.sent.round))  # a packet late on the wire
+                _await_record(ctx.w, self.sent.round - 1)
+                view = ctx.members.quorum(self.sent.round)
+                if view.round == self.sent.round and len(view.active) >= ctx.min_active:
+                    comm = ctx.members.group(view)
+                    ctx.injector.in_exchange(self.sent.round)
+                    handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.w.encoder.link,
+                                      comm=comm).start(self.bundle)
+                    handle.wait()  # the bytes move now, under the next round's inner steps
+                self.first = (view, comm, handle, None)
+            except Exception as e:  # settle() decides: retry, or behind
+                self.first = (view, comm, handle, e)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def take_first(self) -> tuple | None:
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread, first, self.first = None, self.first, None
+        return first
+
+
+def settle(ctx: _Ctx, flight: _Flight, overlapped_s: float = 0.0) -> QuorumView | None:
+    """Steps 3-6 of flight's round and its commit, retried with new quorums until it commits;
+    returns the quorum's view instead when the others are past this round (this worker is behind)."""
+    w, r = ctx.w, flight.sent.round
+    t0 = time.perf_counter()
+    first = flight.take_first()
+    flight.sent.waited_s += time.perf_counter() - t0  # idle: the background try was not done yet
+    while True:
+        if first is not None:
+            view, comm, handle, error = first
+            first = None
+        else:
+            comm = handle = error = None
+            t0 = time.perf_counter()
+            try:
+                _await_record(w, r - 1)
+                view = ctx.members.quorum(r)
+            except MembershipError as e:  # partitioned from the coordinator, or too few alive
+                _say(ctx.quiet, f"worker {w.worker}: round {r}: {e}; asking again")
+                time.sleep(0.5)
+                continue
+            finally:
+                flight.sent.waited_s += time.perf_counter() - t0
+        if view is None:  # the background try failed before a quorum formed
+            _say(ctx.quiet, f"worker {w.worker}: round {r}: {error}; asking again")
+            time.sleep(0.5)
+            continue
+        if view.round > r:
+            return view
+        if len(view.active) < ctx.min_active:
+            time.sleep(0.05)  # e.g. a member is healing into this round: it will join
+            continue
+        if _try_round(ctx, flight, view, comm, handle, error, overlapped_s):
+            return None
+
+
+def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error, overlapped_s: float) -> bool:
+    """Steps 3-6 and the commit of the round among view.active; False (nothing applied) on failure."""
+    w, sent, r = ctx.w, flight.sent, flight.sent.round
+    catch_up(w, r - 1)  # a healed worker (delay 1) has not applied the last round: the record has it
     saved = _snapshot(w)
     try:
-        comm = members.group(view)
-        injector.in_exchange(r)
-        sent.handle = Exchange(None, w.cfg.run.max_packet_bytes, link=w.encoder.link, comm=comm).start(held)
-        absent = {j: _absence(members, view, j) for j in range(w.workers) if j not in view.active}
-        rec = finish_round(w, sent, 0.0, Participants(view.active, comm, comm, absent))
+        if error is not None:
+            raise error
+        if handle is None:
+            comm = ctx.members.group(view)
+            ctx.injector.in_exchange(r)
+            handle = Exchange(None, w.cfg.run.max_packet_bytes, link=w.encoder.link, comm=comm).start(flight.bundle)
+        sent.handle = handle
+        absent = {j: _absence(ctx.members, view, j) for j in range(w.workers) if j not in view.active}
+        rec = finish_round(w, sent, overlapped_s, Participants(view.active, comm, comm, absent))
     except (ExchangeError, MembershipError, RuntimeError) as e:
         if "disagree on the global params" in str(e):
             raise
         _restore(w, saved)
-        _say(quiet, f"worker {w.worker}: round {r} failed among workers {view.active} "
+        _say(ctx.quiet, f"worker {w.worker}: round {r} failed among workers {view.active} "
              f"({str(e).splitlines()[0][:160]}); retrying with a new quorum")
         return False
-    rec["eval_loss_start"] = eval_start  # the launcher's, over the whole eval set
-    commit(w, rec, quiet)
+    rec["eval_loss_start"] = ctx.eval_start  # the launcher's, over the whole eval set
+    commit(w, rec, ctx.quiet)
+    w.applied = r
     return True
 
 
@@ -185,34 +279,52 @@ def commit(w: Worker, rec: dict, quiet: bool) -> None:
 
 
 def heal(w: Worker, to_round: int) -> int:
-    """Catch up to the start of round `to_round`: G and outer state of round to_round-1 from the
-    store, checked against its record. Waits (up to run.timeout_s) for that record. Returns to_round."""
-    deadline = time.monotonic() + w.cfg.run.timeout_s
-    while len(w.run.rounds()) < to_round:
-        if time.monotonic() > deadline:
-            raise MembershipError(f"worker {w.worker}: round {to_round - 1} was not recorded within "
-                                  f"{w.cfg.run.timeout_s:g} s; cannot rejoin")
-        time.sleep(0.05)
-    if to_round == 0:
-        return 0
-    record = w.run.rounds()[to_round - 1]
-    ckpt = st_load(w.store.get(record["checkpoint"]))  # the store checks the blob's hash
-    params = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
-    if tensors_hash(params) != record["params_hash"]:
-        raise RuntimeError(f"checkpoint of round {to_round - 1} does not match its record")
-    w.outer = OuterOptimizer(params, w.cfg.outer)
-    w.outer.load_state_tensors(ckpt)
+    """Catch up to the start of round `to_round`: the params and outer state its inner steps start
+    from (round to_round-1's with delay 0, to_round-2's with delay 1), from the store, checked
+    against the round record (waiting up to run.timeout_s for it). Returns to_round."""
+    catch_up(w, to_round - 1 - w.cfg.outer.delay)
     w.inner.step_count = to_round * w.cfg.train.inner_steps  # the LR schedule is the run's, not the worker's
     if w.encoder.feedback is not None:
         w.encoder.feedback = ErrorFeedback()  # what it dropped belongs to rounds it was not in
     own = w.run.worker_dir(w.rank) / f"state-{to_round - 1}.safetensors"
-    if own.exists():  # it took part in that round (a resume after a crash): its private state goes on
+    if w.cfg.outer.delay == 0 and own.exists():  # it took part in that round (a resume): its state goes on
         state = st_load(own.read_bytes())
         w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
         w.encoder.load_state_tensors(state)
     w.own_decoded, w.own_packet = [], None
     w.history, w.previous, w.bases, w.base_hashes = {}, ({}, {}), {}, {}
     return to_round
+
+
+def catch_up(w: Worker, round: int) -> None:
+    """Make G the params after `round` (and its outer state) from the store, unless it already is."""
+    if round < 0 or w.applied >= round:
+        return
+    record = _await_record(w, round)
+    ckpt = st_load(w.store.get(record["checkpoint"]))  # the store checks the blob's hash
+    params = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
+    if tensors_hash(params) != record["params_hash"]:
+        raise RuntimeError(f"checkpoint of round {round} does not match its record")
+    w.outer = OuterOptimizer(params, w.cfg.outer)
+    w.outer.load_state_tensors(ckpt)
+    w.applied = round
+
+
+def _await_record(w: Worker, round: int) -> dict | None:
+    """The record of `round` once it is written (None for round < 0). A worker joins the quorum of
+    round r only after r-1 is recorded: a worker that healed ahead of the others (its first round
+    computed while they still finish the one before) must not make them look behind."""
+    if round < 0:
+        return None
+    deadline = time.monotonic() + w.cfg.run.timeout_s
+    while True:
+        records = w.run.rounds()
+        if len(records) > round:
+            return records[round]
+        if time.monotonic() > deadline:
+            raise MembershipError(f"worker {w.worker}: round {round} was not recorded within "
+                                  f"{w.cfg.run.timeout_s:g} s")
+        time.sleep(0.02)
 
 
 def _snapshot(w: Worker) -> dict:
@@ -310,10 +422,16 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     try:
         for j in first:
             start(j)
-        complete_at, seen = None, 0
+        complete_at, seen, progress_at = None, 0, time.perf_counter()
+        stall_s = max(3 * cfg.run.timeout_s, 60.0)
         while True:
             records = run.rounds()
             done = len(records)
+            if done > seen:
+                progress_at = time.perf_counter()
+            elif time.perf_counter() - progress_at > stall_s:
+                raise RuntimeError(f"elastic run stalled at round {done} of {R}: no round committed for "
+                                   f"{stall_s:g} s (fewer than run.min_workers alive?)")
             for rec in records[seen:]:  # when each round was committed, and by whom (recovery times)
                 event("committed", None, committed=rec["round"],
                       members=rec.get("members", list(range(W))))

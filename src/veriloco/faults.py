@@ -4,7 +4,9 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
 
     die:W@R.S      worker W kills itself with SIGKILL (kill -9) at inner step S of round R
     die:W@R        ... in the middle of round R's exchange (after the quorum, before its packet is out)
-    late:W@R+T     worker W holds its round-R packet back T seconds before joining the quorum
+    late:W@R+T     worker W's round-R packet is T seconds late: it joins the round's quorum T seconds
+                   after its inner steps end (with delay 1 that wait overlaps its next round's steps,
+                   as a packet late on the wire would)
     restart:W+T    the launcher starts worker W again T seconds after it died (it rejoins)
     join:W@R       worker W (admitted in the manifest) is started only once round R is recorded
     partition:W@R+T   once round R is recorded, worker W's network link is cut for T seconds: the

@@ -98,10 +98,13 @@ class Membership:
     """A worker's side: heartbeats, quorums, and the process group of each quorum."""
 
     def __init__(self, worker: int, lighthouse_addr: str, store_port: int, timeout_s: float,
-                 heartbeat_timeout_s: float = 2.0, host: str = "127.0.0.1") -> None:
+                 heartbeat_timeout_s: float = 2.0, host: str = "127.0.0.1", round_deadline_s: float = 0.0) -> None:
         from torchft.coordination import LighthouseClient
 
         self.worker, self.timeout_s, self.heartbeat_timeout_s = worker, timeout_s, heartbeat_timeout_s
+        # a quorum may wait round_deadline for a straggler before it forms: ask for longer than that
+        self.quorum_timeout_s = max(round_deadline_s or timeout_s, 0.0) + timeout_s
+        self._paused = threading.Event()
         self._host, self._port = host, store_port
         self.rid = replica_id(worker)
         self._addr = lighthouse_addr
@@ -118,12 +121,29 @@ class Membership:
         # its own store connection: "alive at t" for the others to tell a late worker from a dead one
         store = dist.TCPStore(self._host, self._port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
         while not self._stop.is_set():
+            if self._paused.is_set():
+                self._stop.wait(0.2)
+                continue
             try:
                 client.heartbeat(self.rid, timedelta(seconds=2))
                 store.set(f"alive/{self.worker}", repr(time.time()))
             except Exception:  # the coordinator unreachable (partition): keep trying, quorum() decides
                 pass
             self._stop.wait(0.2)
+
+    def pause(self) -> None:
+        """Stop heartbeating: while a worker heals toward a round the others are not forming yet,
+        they must not wait for it (the Lighthouse waits for every live worker, up to the deadline);
+        after heartbeat_timeout_s it counts as absent."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        if self._paused.is_set():
+            self._paused.clear()
+            try:
+                self.client.heartbeat(self.rid, timedelta(seconds=2))
+            except Exception:
+                pass
 
     def announce(self, workers: list[int], wait: bool) -> None:
         """Start of a run: say "I am here"; with `wait`, wait (up to the timeout) until every
@@ -139,10 +159,11 @@ class Membership:
     def quorum(self, round: int) -> QuorumView:
         """Join the quorum for `round` (blocks); raises MembershipError after the timeout."""
         try:
-            q = self.client.quorum(replica_id=self.rid, timeout=timedelta(seconds=self.timeout_s),
+            self.resume()
+            q = self.client.quorum(replica_id=self.rid, timeout=timedelta(seconds=self.quorum_timeout_s),
                                    address="", store_address="", step=round, world_size=1, shrink_only=False)
         except Exception as e:
-            raise MembershipError(f"no quorum for round {round} within {self.timeout_s:g} s: "
+            raise MembershipError(f"no quorum for round {round} within {self.quorum_timeout_s:g} s: "
                                   f"{str(e).splitlines()[0][:160]}") from None
         rounds = {worker_of(p.replica_id): int(p.step) for p in q.participants}
         top = max(rounds.values())

@@ -119,6 +119,7 @@ class Worker:
     own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
     eval_all: list = field(default_factory=list)  # elastic: the whole eval set, split among a round's members
     defer_entry: bool = False  # elastic: the ledger entry is appended at commit (elastic.py), not here
+    applied: int = -1  # elastic: the last round whose outer step G holds
 
     @property
     def is_recorder(self) -> bool:
@@ -178,6 +179,7 @@ class Sent:
     result: object  # InnerResult
     codec_log: dict
     started: float
+    waited_s: float = 0.0  # elastic: time already spent waiting for this round's quorum and exchange
 
 
 HEADER_BYTES_PER_TENSOR = 200  # measured: 150-190 bytes of safetensors header per tensor and codec
@@ -471,7 +473,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     W, members = w.workers, part.members
     wait0 = time.perf_counter()
     packets = dict(zip(members, sent.handle.wait(), strict=True))
-    wait_s = time.perf_counter() - wait0
+    wait_s = time.perf_counter() - wait0 + sent.waited_s
     stats = sent.handle.stats
 
     # 4. verify every bundle: signature, commitment, packet, data, screen (verify/check.py)
