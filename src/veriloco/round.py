@@ -35,10 +35,12 @@ manifest (the stage checkpoints' digests) as the ledger entry's subject.
 of round r happen at the end of round r+1, so G moves one round late (the canonical G every
 worker agrees on, and the ledger records, is this naive one-step-delayed sequence). With the
 eager correction (Kale et al. 2025, arXiv 2502.12996) a worker does not start round r+1 from G
-alone: its own fresh delta stands in for its stale share of the average,
-    S_{r+1} = G - c / W * (own_delta_r - own_delta_{r-1}),  c = outer lr * (1 + momentum) (Nesterov)
-which is the outer step it would take with that estimate of the average. S is derived from G
-and the worker's own (public) packets, so anyone can recompute it.
+alone. Eager updates apply, at the end of each round, the average in which the worker's own
+fresh delta replaces its own stale one; summed over the rounds that swap telescopes, so the
+eager trajectory is the canonical G plus the worker's newest delta, not yet in any average:
+    S_{r+1} = G - c / W * own_delta_r,  c = outer lr * (1 + momentum) (Nesterov), else outer lr
+(exact for outer SGD, tests/test_eager.py; with momentum c is the delta's immediate effect).
+S is derived from G and the worker's own (public) packet, so anyone can recompute it.
 """
 
 from __future__ import annotations
@@ -344,14 +346,14 @@ def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None
 def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int) -> dict[str, torch.Tensor]:
     """S_r: the canonical G, plus the eager correction when the exchange runs one round late.
 
-    `own`: the worker's own last two decoded deltas (public: its packets), oldest first."""
+    `own`: the worker's own last decoded deltas (public: its packets), oldest first; the newest
+    (round r-1's, in no average G holds yet) is the one that counts (module docstring)."""
     if not (cfg.outer.delay and cfg.outer.correction == "eager" and own):
         return G
     o = cfg.outer
     c = o.lr * (1 + o.momentum) if o.nesterov else o.lr
     fresh = own[-1]
-    stale = own[-2] if len(own) > 1 else None
-    return {k: G[k] - c / workers * (fresh[k] - (stale[k] if stale is not None else 0)) for k in G}
+    return {k: G[k] - c / workers * fresh[k] for k in G}
 
 
 def run_inner_and_send(w: Worker, r: int) -> Sent:
