@@ -68,7 +68,7 @@ from .topology import build_stage_model
 from .verify import ABSENT, LATE, REPLAY_MISMATCH
 from .verify.check import check_round
 from .verify.commitment import EquivocationDetector
-from .verify.replay import check_replay, replay_trace, sample_round_audits
+from .verify.replay import replay_failed, replay_score, sample_round_audits, segments_to_sample
 
 if TYPE_CHECKING:
     from .ledger.evm import EvmLedger
@@ -602,13 +602,12 @@ def _redo_slice(
 
 def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left, counts) -> int:
     """Redo round r's replay sample: re-run up to `replays_left` replays, check the rest's
-    verdicts are ones the sample allowed, and apply replay_mismatch verdicts to `check`."""
-    k = cfg.verify.trace_every or cfg.train.inner_steps
-    segments = max(cfg.train.inner_steps // k, 1)
+    verdicts are ones the sample allowed, and apply replay_mismatch verdicts to `check`.
+    A re-run replay scores and judges exactly as the round did (verify/replay.py: replay_score)."""
     seed = base + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
     # the round's members: the workers whose bundles it had (all of them, unless elastic)
-    audits = sample_round_audits(seed, sorted(check.accepted), sorted(check.verdicts), segments,
-                                 cfg.verify.replay_probability)
+    audits = sample_round_audits(seed, sorted(check.accepted), sorted(check.verdicts),
+                                 segments_to_sample(cfg.verify, cfg.train), cfg.verify.replay_probability)
     sampled = {a.worker for a in audits}
     for j, v in recorded.items():
         if v == REPLAY_MISMATCH and j not in sampled:
@@ -619,12 +618,13 @@ def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left
             replays_left -= 1
             counts["replays"] += 1
             own = history.get(a.worker, []) if cfg.outer.delay else []
-            start = start_point(cfg, start_G, own, cfg.topology.workers)
-            replayed = replay_trace(
-                task.make_model, task.loss, cfg.train, cfg.train.rounds * cfg.train.inner_steps, start,
-                r * cfg.train.inner_steps, lambda step, j=a.worker: task.batch(j, r, step), k, a.segment + 1,
+            signed = check.commitments[a.worker].commitment
+            score = replay_score(
+                cfg.verify, task.make_model, task.loss, cfg.train, start_point(cfg, start_G, own, cfg.topology.workers), r,
+                lambda step, j=a.worker: task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
+                signed.codec if isinstance(signed.codec, dict) else {},
             )
-            mismatch = check_replay(list(check.commitments[a.worker].commitment.trace), replayed) is not None
+            mismatch = replay_failed(cfg.verify, score)
         if mismatch:
             check.verdicts[a.worker] = REPLAY_MISMATCH
             check.accepted.pop(a.worker, None)

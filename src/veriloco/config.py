@@ -165,8 +165,23 @@ class VerifyConfig:
     )
     replay_probability: float = _f(
         0.0,
-        "chance that a worker's round is replayed by another worker (bit-exact on CPU); needs "
+        "chance that a worker's round is replayed by another worker; needs "
         "train.inner_state = 'reset' and topology.stages = 1",
+    )
+    replay_match: str = _f(
+        "exact",
+        "'exact': the replayed trace hashes must equal the committed ones (deterministic kernels: "
+        "CPU, same torch and thread count); 'distance': replay the whole round and accept when "
+        "norm(replayed delta - committed delta) <= replay_tolerance * norm(committed delta), L2 "
+        "(nondeterministic kernels, e.g. GPUs; needs compress.error_feedback = false and no lowrank codec)",
+    )
+    replay_tolerance: float = _f(
+        0.01,
+        "distance mode: the largest accepted norm(replayed - committed) / norm(committed). A security "
+        "parameter: loose thresholds let a worker pass off work it did not do (Fang et al. 2023, "
+        "arXiv 2208.03567). 0.01 is 3x the largest honest distance measured under simulated "
+        "nondeterminism (3.0e-3) and below every cheat measured (skipping 1 of 20 steps: >= 0.026), "
+        "on the tiny GPT; measure yours (README: Verification)",
     )
 
 
@@ -355,9 +370,24 @@ def validate(cfg: Config) -> None:
     need(cfg.train.inner_state in ("keep", "reset"), f"train.inner_state must be 'keep' or 'reset', got {cfg.train.inner_state!r}")
     need(v.loss_gain_batches >= 0, f"verify.loss_gain_batches must be >= 0, got {v.loss_gain_batches}")
     need(0 <= v.replay_probability <= 1, f"verify.replay_probability must be in [0, 1], got {v.replay_probability}")
+    need(v.replay_match in ("exact", "distance"), f"verify.replay_match must be 'exact' or 'distance', got {v.replay_match!r}")
+    # >= 1 would accept any delta scaled up enough: ||r - c|| / ||c|| -> 1 as ||c|| grows
+    need(0 < v.replay_tolerance < 1, f"verify.replay_tolerance must be in (0, 1), got {v.replay_tolerance}")
     if v.replay_probability > 0:
         need(cfg.train.inner_state == "reset", "verify.replay_probability > 0 needs train.inner_state = 'reset' (a round must be replayable from public data)")
         need(cfg.topology.stages == 1, "verify.replay_probability > 0 needs topology.stages = 1 (replay of pipelined rounds is not implemented)")
+    if v.replay_probability > 0 and v.replay_match == "distance":
+        need(not cfg.compress.error_feedback, "verify.replay_match = 'distance' needs compress.error_feedback = false "
+             "(the packet would hold the worker's private residual, which a replay cannot reproduce)")
+        from .compress import DEFAULT_LADDER
+        from .verify.replay import REPLAYABLE_CODECS, replayable_codec
+
+        c = cfg.compress
+        specs = [c.codec] if c.codec != "adaptive" else [x.strip() for x in c.ladder.split(";") if x.strip()] or DEFAULT_LADDER
+        bad = [x for x in specs if not replayable_codec(x)]
+        need(not bad, f"verify.replay_match = 'distance' cannot re-encode with {bad[0] if bad else ''} (its encoder keeps "
+             f"sender state across rounds, as PowerSGD's warm start does); use {', '.join(REPLAYABLE_CODECS)}"
+             + (" or an adaptive ladder of them" if c.codec == "adaptive" else ""))
     for key, spec in cfg.adversary.items():
         need(int(key) < cfg.topology.workers, f"adversary.{key}: there are only {cfg.topology.workers} workers")
         from .verify.adversary import load_adversary

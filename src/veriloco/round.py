@@ -88,7 +88,13 @@ from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
-from .verify.replay import check_replay, replay_trace, sample_round_audits
+from .verify.replay import (
+    replay_evidence,
+    replay_failed,
+    replay_score,
+    sample_round_audits,
+    segments_to_sample,
+)
 from .verify.screen import LossGain
 
 
@@ -421,38 +427,36 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
 
 
 def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> None:
-    """Sampled replays of round r: the assigned auditor redoes a prefix of the worker's round
-    from public data and compares trace hashes; every worker learns the outcome and drops a
-    mismatching worker's delta before aggregating (verify/replay.py)."""
+    """Sampled replays of round r: the assigned auditor redoes the worker's round from public
+    data and compares (trace hashes bit for bit, or the delta within a distance: `[verify]
+    replay_match`); every worker learns the auditor's number and drops a failing worker's delta
+    before aggregating (verify/replay.py)."""
     cfg = w.cfg
-    k = cfg.verify.trace_every or cfg.train.inner_steps
-    segments = max(cfg.train.inner_steps // k, 1)
     # the seed mixes every worker's commitment: nobody knows its sample before all have committed
     seed = base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
-    audits = sample_round_audits(seed, sorted(check.accepted), part.members, segments, cfg.verify.replay_probability)
-    mismatch = torch.full((w.workers,), -1, dtype=torch.int64)
+    audits = sample_round_audits(seed, sorted(check.accepted), part.members,
+                                 segments_to_sample(cfg.verify, cfg.train), cfg.verify.replay_probability)
+    scores = torch.full((w.workers,), -1.0, dtype=torch.float64)  # -1: not replayed here
     G_r = w.bases.get(r)
     for a in audits:
         if a.auditor != w.worker or G_r is None:
             continue
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
-        start = start_point(cfg, G_r, own, w.workers)
-        replayed = replay_trace(
-            w.task.make_model, w.task.loss, cfg.train, cfg.train.rounds * cfg.train.inner_steps, start,
-            r * cfg.train.inner_steps, lambda step, j=a.worker: w.task.batch(j, r, step), k, a.segment + 1,
+        signed = check.commitments[a.worker].commitment
+        scores[a.worker] = replay_score(
+            cfg.verify, w.task.make_model, w.task.loss, cfg.train, start_point(cfg, G_r, own, w.workers), r,
+            lambda step, j=a.worker: w.task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
+            signed.codec if isinstance(signed.codec, dict) else {},
         )
-        bad = check_replay(list(check.commitments[a.worker].commitment.trace), replayed)
-        if bad is not None:
-            mismatch[a.worker] = bad
-    part.comm.all_reduce(mismatch, op=dist.ReduceOp.MAX)
+    part.comm.all_reduce(scores, op=dist.ReduceOp.MAX)  # the auditor's number reaches everyone
     for a in audits:
-        if int(mismatch[a.worker]) >= 0:
+        score = float(scores[a.worker])
+        if replay_failed(cfg.verify, score):
             check.verdicts[a.worker] = REPLAY_MISMATCH
-            check.evidence[a.worker] = {"segment": a.segment, "auditor": a.auditor, "first_mismatch": int(mismatch[a.worker])}
+            check.evidence[a.worker] = replay_evidence(cfg.verify, a, score)
             check.accepted.pop(a.worker, None)
         else:
-            check.evidence.setdefault(a.worker, {})["replayed"] = {"segment": a.segment, "auditor": a.auditor}
-
+            check.evidence.setdefault(a.worker, {})["replayed"] = replay_evidence(cfg.verify, a, score)
 
 
 def trace_entries(cfg: Config) -> int:

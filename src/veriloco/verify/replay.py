@@ -1,30 +1,48 @@
-"""Replay spot checks: redo a sampled segment of a worker's inner steps and compare hashes.
+"""Replay spot checks: redo a sampled worker's inner steps and compare with what it committed.
 
 With `[train] inner_state = "reset"` a worker's round is a function of public data only: its
 start params S_r (the round's G plus, with the eager correction, its own previous packets) and
-its assigned batches; the AdamW moments start empty every round. So an auditor can replay any
-prefix of the round without fetching a byte of private state — verification moves no model-sized
-traffic and does not undo the compression. Segment j (inner steps j*k .. (j+1)*k - 1, k =
-`[verify] trace_every`) is checked by replaying steps 0 .. (j+1)*k - 1 and comparing the state
-hashes at every boundary with the committed trace: bit-exact on CPU with the same torch and
-thread count (the only mode implemented; a GPU-tolerant distance check is not, see the README).
+its assigned batches; the AdamW moments start empty every round. So an auditor can replay the
+round without fetching a byte of private state — verification moves no model-sized traffic and
+does not undo the compression. Two ways to compare (`[verify] replay_match`):
 
-Which (worker, segment) pairs are checked is drawn from a seed that mixes the previous ledger
-entry's hash with this round's commitment digests, so no worker knows its sample before it has
-committed; the auditor of worker w is another worker chosen from the same seed, never w itself.
+- "exact": segment j (inner steps j*k .. (j+1)*k - 1, k = `[verify] trace_every`) is checked by
+  replaying steps 0 .. (j+1)*k - 1 and comparing the state hashes at every boundary with the
+  committed trace, bit for bit. Needs deterministic kernels: CPU, same torch, same thread count.
+- "distance": the auditor replays the whole round (all H inner steps), passes its delta
+  S_r - theta through the codecs the packet names, and compares that with the committed delta
+  (the decoded packet): the round passes when ||replayed - committed|| <= tolerance *
+  ||committed||. For kernels that are not bit-reproducible (GPUs, other thread counts). The
+  tolerance is a security parameter: Fang et al. 2023 ("Proof-of-Learning is Currently More
+  Broken Than You Think", arXiv 2208.03567) spoof PoL exactly where its distance thresholds are
+  loose, so it must sit just above honest nondeterminism (README: "Verification").
+
+Which workers are checked is drawn from a seed that mixes the previous ledger entry's hash with
+this round's commitment digests, so no worker knows its sample before it has committed; the
+auditor of worker w is another worker chosen from the same seed, never w itself. `replay_score`
+is the one function that both the round (`round.py`) and the offline audit (`audit.py`) call,
+so both compute the same number and the same verdict from it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from ..compress import CodecError, codec_from_spec
+from ..config import TrainConfig, VerifyConfig
 from ..inner import InnerLoop
+from ..packet import decode_packet, encode_packet
+
+# Codecs a replay can reproduce: they keep no sender state, so a fresh codec object encodes the
+# replayed delta exactly as the worker's did. PowerSGD (lowrank) warm-starts from
+# the sender's earlier rounds, which a replay of one round cannot know.
+REPLAYABLE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
 
 
 @dataclass(frozen=True)
@@ -89,3 +107,108 @@ def check_replay(committed: list[str], replayed: list[str]) -> int | None:
         if i >= len(committed) or committed[i] != h:
             return i
     return None
+
+
+def segments_to_sample(verify: VerifyConfig, train: TrainConfig) -> int:
+    """How many segments a sampled audit chooses from: H / k in exact mode; one (the whole
+    round) in distance mode, whose replay always runs all H inner steps."""
+    if verify.replay_match == "distance":
+        return 1
+    return max(train.inner_steps // (verify.trace_every or train.inner_steps), 1)
+
+
+def replayable_codec(spec: str) -> bool:
+    """Whether distance mode can re-encode a replayed delta with the codec `spec`."""
+    try:
+        return codec_from_spec(spec).name in REPLAYABLE_CODECS
+    except CodecError:
+        return False
+
+
+def replay_delta(
+    make_model: Callable[[], nn.Module],
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    cfg: TrainConfig,
+    total_steps: int,
+    start: dict[str, torch.Tensor],
+    steps_before: int,
+    batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """start - theta after all `cfg.inner_steps` inner steps of a replayed round (fp32)."""
+    model = make_model()
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(start[k])
+    inner = InnerLoop(model, cfg, total_steps, loss_fn)
+    inner.step_count = steps_before
+    inner.run(batch_of_step, cfg.inner_steps)
+    with torch.no_grad():
+        return {k: start[k] - p.detach() for k, p in model.named_parameters()}
+
+
+def as_committed(delta: dict[str, torch.Tensor], codecs: dict[str, str]) -> dict[str, torch.Tensor]:
+    """What a packet of `delta` under the per-tensor `codecs` decodes to: the same encode ->
+    safetensors -> decode path a worker's own packet takes (DeltaEncoder, decode_packet)."""
+    packet = encode_packet(delta, {k: codec_from_spec(codecs[k]) for k in delta})
+    return decode_packet(packet, {k: tuple(v.shape) for k, v in delta.items()}, len(packet))
+
+
+def relative_distance(replayed: dict[str, torch.Tensor], committed: dict[str, torch.Tensor]) -> float:
+    """||replayed - committed|| / ||committed|| over all tensors (L2, float64, keys in sorted
+    order, so every machine gets the same bits from the same inputs); inf when the committed
+    delta is zero or not finite (nothing honest commits that)."""
+    num = torch.zeros((), dtype=torch.float64)
+    den = torch.zeros((), dtype=torch.float64)
+    for k in sorted(committed):
+        c = committed[k].double()
+        num += ((replayed[k].double() - c) ** 2).sum()
+        den += (c**2).sum()
+    d = math.sqrt(float(num)) / math.sqrt(float(den)) if float(den) > 0 else math.inf
+    return d if math.isfinite(d) else math.inf
+
+
+def replay_score(
+    verify: VerifyConfig,
+    make_model: Callable[[], nn.Module],
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    train: TrainConfig,
+    start: dict[str, torch.Tensor],
+    round: int,
+    batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    audit: Audit,
+    trace: list[str],
+    committed: dict[str, torch.Tensor],
+    codecs: dict[str, str],
+) -> float:
+    """The auditor's number for one sampled audit of round `round` from start point `start`:
+    exact mode: the index of the first trace entry that differs, or -1 when all match;
+    distance mode: the relative distance of the replayed, re-encoded delta to `committed`
+    (the decoded packet; `codecs`: its codec per tensor, as committed). `replay_failed` turns
+    it into the verdict. round.py and audit.py both call this, so both get the same number."""
+    total, before = train.rounds * train.inner_steps, round * train.inner_steps
+    if verify.replay_match == "exact":
+        k = verify.trace_every or train.inner_steps
+        replayed = replay_trace(make_model, loss_fn, train, total, start, before, batch_of_step, k, audit.segment + 1)
+        bad = check_replay(trace, replayed)
+        return -1.0 if bad is None else float(bad)
+    if set(codecs) != set(committed) or not all(replayable_codec(s) for s in codecs.values()):
+        return math.inf  # a packet distance mode cannot reproduce; config keeps honest workers off it
+    replayed = replay_delta(make_model, loss_fn, train, total, start, before, batch_of_step)
+    return relative_distance(as_committed(replayed, codecs), committed)
+
+
+def replay_failed(verify: VerifyConfig, score: float) -> bool:
+    """Verdict of one audit from `replay_score`'s number (NaN fails)."""
+    if verify.replay_match == "exact":
+        return score >= 0
+    return not score <= verify.replay_tolerance
+
+
+def replay_evidence(verify: VerifyConfig, audit: Audit, score: float) -> dict:
+    """What the round record keeps about one audit (rejected or not)."""
+    if verify.replay_match == "exact":
+        out = {"segment": audit.segment, "auditor": audit.auditor}
+        return out | {"first_mismatch": int(score)} if score >= 0 else out
+    # JSON has no inf: a packet that cannot be replayed records its distance as null
+    return {"auditor": audit.auditor, "distance": score if math.isfinite(score) else None,
+            "tolerance": verify.replay_tolerance}
