@@ -1,6 +1,8 @@
 """Verification benchmark: every attack, several seeds, detection and damage.
 
-    python bench/verify.py [--quick] [--seeds N] [--rounds R] [--out bench/results/verify.json]
+    python bench/verify.py [--quick] [--seeds N] [--rounds R] [--replay-match exact|distance]
+                           [--out bench/results/verify.json]
+    python bench/verify.py --calibrate-only      # only the replay-distance measurements
 
 Each run: 4 workers train the tiny GPT (configs/tiny.toml, widened to 4 workers) with worker 1
 attacking (`--adversary.1=KIND`), inner state reset per round so replay needs no private state,
@@ -12,19 +14,39 @@ sampled replay redoes the whole round, which catches a lazy worker wherever it s
 finer trace lets a replay stop early, but a lazy worker skips the last steps, so only a
 full replay is sure to see them). Verification compute is the time every worker spent in
 the per-round checks and replays, as a share of inner-step time. Writes
-`{"attacks": [...], "honest": {...}, "overhead": x}`.
+`{"attacks": [...], "honest": {...}, "overhead": x, "replay_distance": {...}}`.
+
+`replay_distance` calibrates `[verify] replay_match = "distance"`: on the clean seed-0 run, for
+sampled (round, worker) pairs, it replays the round the way an auditor on other hardware would
+and measures ||replay - committed|| / ||committed|| against the packet the worker really sent:
+with the same kernels (must be 0 on CPU), with 2 threads instead of 1 (another matmul
+reduction order), with each batch's loss taken as the mean of its two halves (another
+summation order), and with every gradient element multiplied by (1 + u * 2^-23), u uniform in
+[-1, 1] (one float32 ulp, the size of an atomic-add reordering on a GPU); then the same
+distances after int8 and top-k re-encoding. Against those: what a cheating worker would score
+— the lazy adversary (skip 25% / 50%, rescaled to the honest norm exactly, its best case),
+skipping only 1, 2 or 3 of the 20 steps, and training in bfloat16 autocast instead of fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from veriloco.config import load_config
+import torch
+from safetensors.torch import load as st_load
+
+from veriloco.config import config_from_dict, load_config
+from veriloco.model import build_model
+from veriloco.packet import decode_bundle, decode_packet
 from veriloco.run import train
+from veriloco.store import LocalStore
+from veriloco.task import CorpusTask
+from veriloco.verify.replay import as_committed, relative_distance, replay_delta
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKS = ["noop", "noise", "scaled", "sign_flip", "stale", "replay", "copy", "lazy:skip=0.25", "lazy:skip=0.5",
@@ -38,6 +60,103 @@ def run_one(base: list[str], extra: list[str], out: Path) -> list[dict]:
     return [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
 
 
+def _norm(d: dict) -> float:
+    return float(torch.sqrt(sum((v.double() ** 2).sum() for v in d.values())))
+
+
+def _summary(xs: list[float]) -> dict:
+    return {"n": len(xs), "max": max(xs), "median": statistics.median(xs), "min": min(xs)}
+
+
+def calibrate(run_dir: Path, rounds: list[int]) -> dict:
+    """Replay distances of honest and cheating rounds of a finished delay-0 fp32 run (see the
+    module docstring): {"honest": {variant: summary}, "cheating": {variant: summary}}."""
+    man = json.loads((run_dir / "manifest.json").read_text())
+    cfg = config_from_dict(man["config"])
+    task = CorpusTask(cfg, run_dir / "store", man["corpus_manifest"]).as_task()
+    store = LocalStore(run_dir / "store")
+    recs = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
+    H, total = cfg.train.inner_steps, cfg.train.rounds * cfg.train.inner_steps
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.train.threads)
+
+    def ulp_noise(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+
+        def make() -> torch.nn.Module:
+            model = task.make_model()
+            for p in model.parameters():  # every gradient element off by up to one float32 ulp
+                p.register_hook(lambda g: g * (1 + 2.0**-23 * (2 * torch.rand(g.shape, generator=gen) - 1)))
+            return model
+        return make
+
+    def halves(model, x, y):  # the same loss, summed in another order
+        h = x.shape[0] // 2
+        return 0.5 * (task.loss(model, x[:h], y[:h]) + task.loss(model, x[h:], y[h:]))
+
+    def bf16(model, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return task.loss(model, x, y)
+
+    honest: dict[str, list[float]] = {}
+    cheating: dict[str, list[float]] = {}
+    for r in rounds:
+        if r == 0:
+            G = {k: v.detach().clone() for k, v in build_model(cfg.model, cfg.run.seed).named_parameters()}
+        else:
+            G = {k[6:]: v for k, v in st_load(store.get(recs[r - 1]["checkpoint"])).items() if k.startswith("param/")}
+        for j in range(cfg.topology.workers):
+            batch = lambda step, j=j, r=r: task.batch(j, r, step)  # noqa: E731
+            _, packet, _ = decode_bundle(store.get(recs[r]["bundles"][j]))
+            committed = decode_packet(packet, {k: tuple(v.shape) for k, v in G.items()}, len(packet))
+            codecs = {k: "fp32" for k in G}
+
+            def replay(make=task.make_model, loss=task.loss, train_cfg=cfg.train, batch=batch, G=G, before=r * H):
+                return replay_delta(make, loss, train_cfg, total, G, before, batch)
+            same = replay()
+            torch.set_num_threads(2)
+            variants = {"same kernels": same, "2 threads": replay()}
+            torch.set_num_threads(cfg.train.threads)
+            variants["half-batch sums"] = replay(loss=halves)
+            variants["1-ulp gradient noise"] = replay(make=ulp_noise(1000 * r + j))
+            for name, d in variants.items():
+                honest.setdefault(name, []).append(relative_distance(as_committed(d, codecs), committed))
+            for spec in ("int8:block=64", "topk:bits=8,density=0.01"):
+                ref = as_committed(same, {k: spec for k in G})
+                for name in ("2 threads", "half-batch sums", "1-ulp gradient noise"):
+                    d = as_committed(variants[name], {k: spec for k in G})
+                    honest.setdefault(f"{name}, {spec.split(':')[0]} re-encoded", []).append(relative_distance(d, ref))
+            for label, steps in (("lazy skip=0.25", round(H * 0.75)), ("lazy skip=0.5", round(H * 0.5)),
+                                 ("skip 1 step", H - 1), ("skip 2 steps", H - 2), ("skip 3 steps", H - 3)):
+                d = replay(train_cfg=dataclasses.replace(cfg.train, inner_steps=steps))
+                d = {k: v * (_norm(committed) / _norm(d)) for k, v in d.items()}  # the exact honest norm
+                cheating.setdefault(label, []).append(relative_distance(d, committed))
+            cheating.setdefault("bf16 autocast", []).append(relative_distance(replay(loss=bf16), committed))
+        print(f"calibrate: round {r} done", flush=True)
+    # does honest drift grow with H? one (round, worker), 2 threads vs 1, rounds of 1..4H steps
+    r, growth = rounds[len(rounds) // 2], {}
+    G = {k[6:]: v for k, v in st_load(store.get(recs[r - 1]["checkpoint"])).items() if k.startswith("param/")} if r else \
+        {k: v.detach().clone() for k, v in build_model(cfg.model, cfg.run.seed).named_parameters()}
+    for steps in (1, 2, 5, 10, 20, 40, 80):
+        tc = dataclasses.replace(cfg.train, inner_steps=steps)
+        one = replay_delta(task.make_model, task.loss, tc, total, G, r * H, lambda step: task.batch(0, r, step))
+        torch.set_num_threads(2)
+        two = replay_delta(task.make_model, task.loss, tc, total, G, r * H, lambda step: task.batch(0, r, step))
+        torch.set_num_threads(cfg.train.threads)
+        growth[steps] = relative_distance(two, one)
+    torch.set_num_threads(threads)
+    out = {"rounds": rounds, "workers": cfg.topology.workers, "inner_steps": H,
+           "honest": {k: _summary(v) for k, v in honest.items()},
+           "cheating": {k: _summary(v) for k, v in cheating.items()},
+           "two_threads_by_inner_steps": {"round": r, "worker": 0, "distance": growth}}
+    print("\n| replay | n | max distance | median | min |\n|---|---|---|---|---|")
+    for group in ("honest", "cheating"):
+        for k, v in out[group].items():
+            print(f"| {group}: {k} | {v['n']} | {v['max']:.3g} | {v['median']:.3g} | {v['min']:.3g} |")
+    print("2 threads vs 1 by inner steps:", {k: float(f"{v:.3g}") for k, v in growth.items()})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fewer attacks")
@@ -45,14 +164,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--replay", type=float, default=0.1, help="replay probability per worker per round")
     ap.add_argument("--aggregator", default="trimmed_mean")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verify.json"))
+    ap.add_argument("--replay-match", default="exact", choices=["exact", "distance"],
+                    help="[verify] replay_match for every run")
+    ap.add_argument("--calibrate-only", action="store_true",
+                    help="one clean run, then only the replay-distance measurements")
+    ap.add_argument("--calibrate-rounds", default="0,5,10,15,19",
+                    help="rounds of the clean seed-0 run whose replays are measured (clipped to --rounds)")
+    ap.add_argument("--out", default=None, help="default bench/results/verify.json (--calibrate-only: print only)")
     args = ap.parse_args()
     attacks = ATTACKS
     if args.quick:
         args.seeds, args.rounds = 1, 8
     base = ["--topology.workers=4", f"--train.rounds={args.rounds}", "--train.inner_steps=20",
             "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
-            f"--verify.aggregator={args.aggregator}", "--train.eval_every=1000"]
+            f"--verify.aggregator={args.aggregator}", f"--verify.replay_match={args.replay_match}",
+            "--train.eval_every=1000"]
+    calib_rounds = sorted({min(int(x), args.rounds - 1) for x in args.calibrate_rounds.split(",")})
+    if args.calibrate_only:
+        args.seeds, attacks = 1, []
+    false_rejections: dict[str, dict[str, list]] = {}  # run -> honest workers' reason -> rounds it fell in
+    honest_distances: list[float] = []  # distances recorded for honest workers' replays (distance mode)
     rows, honest_subs, honest_rej, verify_s, inner_s = [], 0, 0, 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         clean = {}
@@ -62,11 +193,14 @@ def main() -> None:
             for rec in recs:
                 honest_subs += len(rec["verdicts"])
                 honest_rej += sum(v != "accept" for v in rec["verdicts"])
+                _count_false(false_rejections, "clean", rec, skip=None)
                 verify_s += sum(rec.get("verify_s", [0.0]))
                 inner_s += sum(rec["inner_s"])
+                honest_distances += _recorded_distances(rec, skip=None)
+        calib = calibrate(Path(tmp) / "clean-0", calib_rounds)
         for attack in attacks:
             kind = attack.split(":")[0]
-            rates, firsts, losses, reasons = [], [], [], set()
+            rates, firsts, losses, reasons, distances = [], [], [], set(), []
             for seed in range(args.seeds):
                 name = attack.replace(":", "-").replace("=", "")
                 recs = run_one(base, [f"--run.seed={seed}", f"--adversary.1={attack}"], Path(tmp) / f"{name}-{seed}")
@@ -79,6 +213,9 @@ def main() -> None:
                 for rec in recs:
                     honest_subs += len(rec["verdicts"]) - 1
                     honest_rej += sum(v != "accept" for j, v in enumerate(rec["verdicts"]) if j != 1)
+                    _count_false(false_rejections, attack, rec, skip=1)
+                    honest_distances += _recorded_distances(rec, skip=1)
+                    distances += _recorded_distances(rec, only=1)
             found = [f for f in firsts if f is not None]
             row = {
                 "attack": attack, "detected_rate": round(statistics.mean(rates), 4),
@@ -88,20 +225,49 @@ def main() -> None:
                 "clean_eval_loss": round(statistics.mean(clean.values()), 4),
             }
             row["loss_vs_clean_pct"] = round(100 * (row["final_eval_loss"] / row["clean_eval_loss"] - 1), 2)
+            if args.replay_match == "distance":  # the attacker's replay distances, where it was sampled
+                row["replay_distances"] = sorted(distances)
             rows.append(row)
             print(f"{attack:18s} detected {row['detected_rate']:6.1%}  first round {row['rounds_to_detect']}  "
                   f"loss {row['final_eval_loss']:.4f} vs clean {row['clean_eval_loss']:.4f} ({row['loss_vs_clean_pct']:+.2f}%)  {row['reasons']}", flush=True)
-    result = {"attacks": rows, "honest": {"submissions": honest_subs, "rejections": honest_rej},
+    result = {"attacks": rows, "honest": {"submissions": honest_subs, "rejections": honest_rej,
+                                          "rejections_by_run": false_rejections},
               "overhead": round(verify_s / inner_s, 4) if inner_s else None,
+              "replay_distance": calib,
               "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay,
-                         "aggregator": args.aggregator, "workers": 4}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+                         "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4}}
+    if args.replay_match == "distance":
+        result["honest"]["replay_distances"] = _summary(honest_distances) if honest_distances else None
+    if args.out is None and not args.calibrate_only:
+        args.out = str(ROOT / "bench" / "results" / "verify.json")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("\n| attack | detected | rounds to detect | final eval loss | clean | vs clean |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['attack']} | {r['detected_rate']:.0%} | {r['rounds_to_detect']} | {r['final_eval_loss']:.4f} | {r['clean_eval_loss']:.4f} | {r['loss_vs_clean_pct']:+.2f}% |")
+    print(f"\nhonest rejections by run and reason: {false_rejections}")
     print(f"\nhonest: {honest_rej} rejections in {honest_subs} submissions; verification overhead "
           f"{result['overhead']} of inner-step time  -> {args.out}")
+
+
+def _count_false(into: dict, run: str, rec: dict, skip: int | None) -> None:
+    """Tally the honest workers' rejections of one round by reason (and the rounds they fell in)."""
+    for j, v in enumerate(rec["verdicts"]):
+        if j != skip and v != "accept":
+            into.setdefault(run, {}).setdefault(v, []).append(rec["round"])
+
+
+def _recorded_distances(rec: dict, skip: int | None = None, only: int | None = None) -> list[float]:
+    """Replay distances a distance-mode round recorded (evidence of rejections and of passes)."""
+    out = []
+    for j, ev in (rec.get("evidence") or {}).items():
+        if (skip is not None and int(j) == skip) or (only is not None and int(j) != only) or not isinstance(ev, dict):
+            continue
+        ev = ev.get("replayed", ev)
+        if isinstance(ev, dict) and isinstance(ev.get("distance"), float | int):
+            out.append(float(ev["distance"]))
+    return out
 
 
 if __name__ == "__main__":
