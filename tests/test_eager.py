@@ -42,3 +42,10 @@ def test_no_correction_without_delay_or_when_naive():
     own = [{"w": torch.ones(2)}]
     assert start_point(tiny("--outer.delay=0"), G, own, 2) is G
     assert start_point(tiny("--outer.delay=1", "--outer.correction=naive"), G, own, 2) is G
+
+
+def test_local_correction_takes_an_outer_step_with_the_own_delta():
+    cfg = tiny("--outer.delay=1", "--outer.correction=local", "--outer.momentum=0.5", "--outer.lr=0.7")
+    G, own = {"w": torch.ones(3)}, [{"w": torch.full((3,), 9.0)}, {"w": torch.full((3,), 2.0)}]
+    # Nesterov: the newest delta moves the params by lr * (1 + momentum) at once; not divided by W
+    assert torch.allclose(start_point(cfg, G, own, 4)["w"], torch.full((3,), 1 - 0.7 * 1.5 * 2.0))

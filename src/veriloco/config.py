@@ -91,8 +91,9 @@ class OuterConfig:
     )
     correction: str = _f(
         "eager",
-        "with delay 1: 'eager' (Kale et al. 2025: a worker's own fresh delta stands in for its "
-        "stale share of the average when it picks its next start point) or 'naive'",
+        "delay 1: 'eager' (Kale et al. 2025: a worker starts from G plus its own newest delta's share, "
+        "c/W), 'local' (its own newest delta stands in for the whole missing average, c; measured "
+        "closer to delay 0 here, README), or 'naive' (start from G)",
     )
 
 
@@ -357,7 +358,8 @@ def validate(cfg: Config) -> None:
     _check_topology(cfg)
     need(cfg.run.backend in ("auto", "gloo", "nccl"), f"run.backend must be auto, gloo or nccl, got {cfg.run.backend!r}")
     need(cfg.outer.delay in (0, 1), f"outer.delay must be 0 or 1, got {cfg.outer.delay}")
-    need(cfg.outer.correction in ("eager", "naive"), f"outer.correction must be 'eager' or 'naive', got {cfg.outer.correction!r}")
+    need(cfg.outer.correction in ("eager", "local", "naive"),
+         f"outer.correction must be 'eager', 'local' or 'naive', got {cfg.outer.correction!r}")
     need(0 < cfg.compress.safety <= 1, f"compress.safety must be in (0, 1], got {cfg.compress.safety}")
     need(cfg.compress.budget_bytes >= 0, f"compress.budget_bytes must be >= 0, got {cfg.compress.budget_bytes}")
     _check_link_and_codec(cfg)
