@@ -16,6 +16,7 @@ the same emulated link (`[link] bandwidth = 1gbit, latency = 50ms`, veriloco.lin
     eager          DiLoCoX: delay 1, eager correction, adaptive codec (budget from the link and
                    the measured compute), error feedback
     naive          the same codec settings with delay 1 and the naive correction
+    local          the same with the 'local' correction (own delta for the whole average)
     adaptive-1000x delay 1 eager, adaptive codec with a byte budget sized for 1000x less
                    traffic than DDP (compress.budget_bytes), error feedback; the controller
                    budgets codec payload only, so the measured ratio lands below 1000x
@@ -90,6 +91,8 @@ def row_specs() -> list[RowSpec]:
         RowSpec("eager", "veriloco", (*eager, "--compress.codec=adaptive"), "eager"),
         RowSpec("naive", "veriloco", ("--outer.delay=1", "--outer.correction=naive",
                                       "--compress.error_feedback=true", "--compress.codec=adaptive"), "naive"),
+        RowSpec("local", "veriloco", ("--outer.delay=1", "--outer.correction=local",
+                                      "--compress.error_feedback=true", "--compress.codec=adaptive")),
         RowSpec("adaptive-1000x", "veriloco", (*eager, "--compress.codec=adaptive"), "frontier", TARGET_RATIO),
         RowSpec("lowrank-r4", "veriloco", (*eager, "--compress.codec=lowrank:rank=4")),
         RowSpec("lowrank-r1", "veriloco", (*eager, "--compress.codec=lowrank:rank=1")),
