@@ -92,13 +92,20 @@ def replay_trace(
     segments: int,
 ) -> list[str]:
     """State hashes at the first `segments` + 1 boundaries of a replayed round."""
+    _, inner = _replayer(make_model, loss_fn, cfg, total_steps, start, steps_before)
+    return inner.run(batch_of_step, segments * trace_every, trace_every=trace_every).trace
+
+
+def _replayer(make_model, loss_fn, cfg: TrainConfig, total_steps: int, start: dict[str, torch.Tensor],
+              steps_before: int) -> tuple[nn.Module, InnerLoop]:
+    """A fresh model at `start` and an inner loop at step `steps_before` of the run's schedule."""
     model = make_model()
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(start[k])
     inner = InnerLoop(model, cfg, total_steps, loss_fn)
     inner.step_count = steps_before
-    return inner.run(batch_of_step, segments * trace_every, trace_every=trace_every).trace
+    return model, inner
 
 
 def check_replay(committed: list[str], replayed: list[str]) -> int | None:
@@ -135,12 +142,7 @@ def replay_delta(
     batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
     """start - theta after all `cfg.inner_steps` inner steps of a replayed round (fp32)."""
-    model = make_model()
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(start[k])
-    inner = InnerLoop(model, cfg, total_steps, loss_fn)
-    inner.step_count = steps_before
+    model, inner = _replayer(make_model, loss_fn, cfg, total_steps, start, steps_before)
     inner.run(batch_of_step, cfg.inner_steps)
     with torch.no_grad():
         return {k: start[k] - p.detach() for k, p in model.named_parameters()}
