@@ -17,9 +17,18 @@ worker w:
     any failure in 3-6 (a member died mid-round): the outer step is undone and the round retried
          with a new quorum from the same packets: nothing is half-applied
 
-Healing (a worker that rejoins, or joins for the first time): load the checkpoint of the last
-recorded round from the store, check it against the record's params hash, set the inner step
-counter to where the schedule is, drop per-round memories (error feedback, last deltas).
+With `[outer] delay = 1`, step 3 and the exchange of round r run in a thread (`_Flight`) while
+round r+1's inner steps run; steps 4-6 and the commit of round r follow those steps (`settle`).
+
+Healing (a worker that rejoins, or joins for the first time): load the checkpoint its next
+round starts from (the last recorded round's; with delay 1 the one before) from the store,
+check it against the record's params hash, set the inner step counter to where the schedule is,
+drop per-round memories (error feedback, last deltas). A worker joins round r's quorum only
+once round r-1 is recorded, and stops heartbeating while it heals toward a round the others are
+not forming yet, so that nobody waits for it.
+
+The launcher (`launch_elastic`) starts the coordinator and one process per worker (in network
+namespaces when a partition fault asks for it), applies the faults, and writes RUN/events.jsonl.
 """
 
 from __future__ import annotations
