@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -120,7 +121,7 @@ class Loaded:
     complete: bool
 
 
-class Sources:
+class Sources(ABC):
     """A run as the audit reads it. The constructor checks only that the input names a run (else
     AuditInputError / RunDirError: exit 2); `load` and `open_ledger` run inside the audit, so
     what they find wrong is a failure of the run (exit 1), except a chain that cannot be reached
@@ -129,15 +130,17 @@ class Sources:
     description: str
     store: Any  # LocalStore or FsspecStore: get(digest, max_bytes) checks every blob's hash
 
+    @abstractmethod
     def load(self) -> Loaded:
-        raise NotImplementedError
+        """Manifest, records, signed checkpoint manifest, completeness."""
 
+    @abstractmethod
     def open_ledger(self, manifest: dict) -> Ledger:
-        raise NotImplementedError
+        """The run's ledger, as its manifest names it."""
 
+    @abstractmethod
     def read(self, name: str, digest: str) -> bytes | None:
         """A file the signed checkpoint manifest lists, or None."""
-        raise NotImplementedError
 
 
 class DirSources(Sources):

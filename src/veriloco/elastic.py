@@ -416,13 +416,14 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "late")] for j in range(W)}
     first = [j for j in range(W) if j not in joins]
     procs: dict = {}
+    seen = 0  # rounds recorded as of the last look at rounds.jsonl (read once per loop)
     pending: dict[int, float] = {}  # worker -> when to start it again
     healing: dict[int, float] = {}  # worker -> when its cut link comes back
     t0 = time.perf_counter()
 
     def event(kind: str, j: int | None, **extra: object) -> None:
         run.append_jsonl(run.root / "events.jsonl", {"t": round(time.perf_counter() - t0, 3), "event": kind,
-                                                     "worker": j, "round": len(run.rounds()), **extra})
+                                                     "worker": j, "round": seen, **extra})
 
     def start(j: int) -> None:
         procs[j] = host.start(j, dict(worker=j, faults=left[j], first=first, quiet=quiet, eval_start=eval_start))
@@ -431,7 +432,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     try:
         for j in first:
             start(j)
-        complete_at, seen, progress_at = None, 0, time.perf_counter()
+        complete_at, progress_at = None, time.perf_counter()
         stall_s = max(3 * cfg.run.timeout_s, 60.0)
         while True:
             records = run.rounds()
@@ -442,9 +443,9 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                 raise RuntimeError(f"elastic run stalled at round {done} of {R}: no round committed for "
                                    f"{stall_s:g} s (fewer than run.min_workers alive?)")
             for rec in records[seen:]:  # when each round was committed, and by whom (recovery times)
+                seen = rec["round"] + 1
                 event("committed", None, committed=rec["round"],
                       members=rec.get("members", list(range(W))))
-            seen = done
             for j, r in list(joins.items()):
                 if done >= r:
                     del joins[j]
