@@ -24,3 +24,13 @@ class Dies(Adversary):
 
             os._exit(9)
         return steps
+
+
+class Whitewash(Adversary):
+    """Trains honestly, but as an auditor reports every replay it is given as passing: covers
+    for a cheating partner. The run cannot see it; the offline audit's replays name it."""
+
+    kind = "whitewash"
+
+    def audit_report(self, r, worker, score):
+        return -1.0

@@ -25,7 +25,9 @@ def test_lazy_forged_malformed_rejected_every_round(tmp_path):
     run, summary = train(tiny(*BASE, "--verify.trace_every=6", "--adversary.1=lazy:skip=0.25",
                               "--adversary.2=forged_signature", "--adversary.3=malformed"),
                          str(tmp_path / "a"), quiet=True)
-    assert verdicts_of(run.root, 1) == ["replay_mismatch"] * 3  # caught by replay, every round
+    # caught by replay in round 0, then banned: a replay mismatch proves it cheated
+    assert verdicts_of(run.root, 1) == ["replay_mismatch", "banned", "banned"]
+    assert rounds_of(run.root)[0].get("banned") == [1]
     assert verdicts_of(run.root, 2) == ["bad_signature"] * 3
     assert verdicts_of(run.root, 3) == ["malformed"] * 3
     assert verdicts_of(run.root, 0) == verdicts_of(run.root, 4) == ["accept"] * 3  # no honest rejection
@@ -42,7 +44,7 @@ def test_equivocate_replay_noise_and_user_class(tmp_path, monkeypatch):
     run, _ = train(tiny(*BASE, "--adversary.1=equivocate", "--adversary.2=replay", "--adversary.3=noise",
                         "--adversary.4=red_team:Halve:factor=0.01"), str(tmp_path / "b"), quiet=True)
     recs = rounds_of(run.root)
-    assert verdicts_of(run.root, 1) == ["equivocation"] * 3
+    assert verdicts_of(run.root, 1) == ["equivocation", "banned", "banned"]
     assert recs[0]["evidence"]["1"]["commitments"][0]["signature"] != recs[0]["evidence"]["1"]["commitments"][1]["signature"]
     replayed = verdicts_of(run.root, 2)  # resends its round-0 packet from round 1 on
     assert replayed[1] == "duplicate" and replayed[2] != "accept"  # (round 2: replay catches it)

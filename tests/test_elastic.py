@@ -50,8 +50,12 @@ def test_dead_worker_survivors_go_on_it_rejoins_and_a_death_mid_exchange_is_retr
     assert recs[gone]["train_loss"][2] is None and recs[gone]["bytes_sent"][2] == 0
     rejoined = [r["round"] for r in recs[2:] if r["verdicts"][2] == "accept"]
     assert rejoined, "worker 2 never took part again after its restart"
-    assert recs[4]["verdicts"][1] == "absent" and 1 not in recs[4]["members"]  # round 4 committed without 1
-    assert all(r["verdicts"][1] == "absent" for r in recs[4:])  # 1 was not restarted
+    # 1 dies in round 4's exchange; with delay 1 that exchange runs in a thread under round 5's
+    # inner steps, and whether round 4 still counts its packet depends on that thread's timing
+    gone1 = next(r["round"] for r in recs if r["verdicts"][1] == "absent")
+    assert gone1 in ((4,) if delay == 0 else (4, 5)), gone1
+    assert 1 not in recs[gone1]["members"]  # committed without 1
+    assert all(r["verdicts"][1] == "absent" for r in recs[gone1:])  # 1 was not restarted
     kinds = [(e["event"], e["worker"]) for e in events_of(run_dir)]
     assert kinds.count(("started", 2)) == 2 and ("died", 2) in kinds and ("died", 1) in kinds
     assert summary["eval_loss_end"] < summary["eval_loss_start"]

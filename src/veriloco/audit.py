@@ -43,6 +43,7 @@ an EVM RPC that cannot be reached).
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from abc import ABC, abstractmethod
@@ -60,16 +61,30 @@ from .ledger.entry import parse_entry, verdict_reason
 from .model import build_model
 from .outer import OuterOptimizer
 from .records import RunDir, RunDirError
-from .round import aggregate_deltas, batch_root, make_loss_gain, start_point, trace_entries
+from .round import (
+    aggregate_deltas,
+    batch_root,
+    loss_gain_action,
+    make_loss_gain,
+    replay_codecs,
+    start_point,
+    trace_entries,
+)
 from .signing import FILE as SIGNED_FILE
 from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .topology import build_stage_model
-from .verify import ABSENT, LATE, REPLAY_MISMATCH
+from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, REPLAY_MISMATCH
 from .verify.check import check_round
 from .verify.commitment import EquivocationDetector
-from .verify.replay import replay_failed, replay_score, sample_round_audits, segments_to_sample
+from .verify.replay import (
+    judge_reported,
+    plan_audits,
+    replay_failed,
+    replay_score,
+    segments_to_sample,
+)
 
 if TYPE_CHECKING:
     from .ledger.evm import EvmLedger
@@ -357,6 +372,7 @@ class _Slice:
     previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (screen)
     bases: list = field(default_factory=list)  # params after each round (replay start points)
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
+    banned: set = field(default_factory=set)  # workers convicted so far (verify.OFFENCES)
 
     def start_of(self, back: int) -> dict:  # G when round (back + 1 + delay)'s inner steps began
         return self.bases[back] if back >= 0 else self.init
@@ -562,11 +578,16 @@ def _redo_slice(
         trace_entries=trace_entries(cfg),
         loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, min(cfg.verify.loss_gain_batches, cfg.train.inner_steps))
         if cfg.verify.loss_gain_batches else None,
+        loss_gain_action=loss_gain_action(cfg.verify), banned=sl.banned,
     )
     if cfg.verify.replay_probability > 0:
         verdicts = {c["worker"]: c["verdict"] for c in recorded}
-        replays_left = _replays(cfg, task.as_task(), r, base, check, sl.start_of(back), sl.history, verdicts,
-                                replays_left, counts)
+        replays_left = _replays(cfg, task.as_task(), r, base, check, sl, verdicts, part.get("evidence") or {},
+                                replays_left, counts, where)
+    if cfg.verify.ban:
+        sl.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
+    if sorted(sl.banned) != part.get("banned", []):
+        _fail(f"{where}the record bans workers {part.get('banned', [])}, the verdicts so far ban {sorted(sl.banned)}")
     for j, d in check.decoded.items():
         sl.history[j] = (sl.history.get(j, []) + [d])[-2:]
     for c in recorded:
@@ -603,34 +624,49 @@ def _redo_slice(
     return _Redone(digest, params_hash, aggregate_hash, replays_left)
 
 
-def _replays(cfg, task, r, base, check, start_G, history, recorded, replays_left, counts) -> int:
-    """Redo round r's replay sample: re-run up to `replays_left` replays, check the rest's
-    verdicts are ones the sample allowed, and apply replay_mismatch verdicts to `check`.
-    A re-run replay scores and judges exactly as the round did (verify/replay.py: replay_score)."""
+def _replays(cfg, task, r, base, check, sl: _Slice, recorded: dict, evidence: dict, replays_left: int,
+             counts: dict, where: str) -> int:
+    """Redo round r's replays (the random sample and the screen's suspects): re-run up to
+    `replays_left` of them, check that the recorded verdicts are ones the plan allowed, and apply
+    replay_mismatch / false_report verdicts to `check`. A re-run replay scores and judges exactly
+    as the round did (verify/replay.py: replay_score, judge_reported); an audit whose replay fails
+    although the round accepted the worker names the auditor who reported it as passing."""
     seed = base + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
     # the round's members: the workers whose bundles it had (all of them, unless elastic)
-    audits = sample_round_audits(seed, sorted(check.accepted), sorted(check.verdicts),
-                                 segments_to_sample(cfg.verify, cfg.train), cfg.verify.replay_probability)
+    audits = plan_audits(seed, sorted(check.accepted), sorted(check.verdicts), segments_to_sample(cfg.verify, cfg.train),
+                         cfg.verify.replay_probability, check.suspects, sl.banned)
     sampled = {a.worker for a in audits}
+    auditors = {a.auditor for a in audits}
     for j, v in recorded.items():
         if v == REPLAY_MISMATCH and j not in sampled:
-            _fail(f"round {r}: worker {j} is recorded as replay_mismatch but was not in the replay sample")
+            _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
+        if v == FALSE_REPORT and j not in auditors:
+            _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
     for a in audits:
-        mismatch = recorded.get(a.worker) == REPLAY_MISMATCH
+        ev = evidence.get(str(a.worker)) if isinstance(evidence.get(str(a.worker)), dict) else {}
+        disputed = isinstance(ev.get("replayed"), dict) and ev["replayed"].get("disputed") is True
         if replays_left > 0:
             replays_left -= 1
             counts["replays"] += 1
-            own = history.get(a.worker, []) if cfg.outer.delay else []
+            own = sl.history.get(a.worker, []) if cfg.outer.delay else []
             signed = check.commitments[a.worker].commitment
             score = replay_score(
-                cfg.verify, task.make_model, task.loss, cfg.train, start_point(cfg, start_G, own, cfg.topology.workers), r,
+                cfg.verify, task.make_model, task.loss, cfg.train,
+                start_point(cfg, sl.start_of(r - 1 - cfg.outer.delay), own, cfg.topology.workers), r,
                 lambda step, j=a.worker: task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
-                signed.codec if isinstance(signed.codec, dict) else {},
+                replay_codecs(cfg, signed),
             )
-            mismatch = replay_failed(cfg.verify, score)
-        if mismatch:
-            check.verdicts[a.worker] = REPLAY_MISMATCH
-            check.accepted.pop(a.worker, None)
+            if replay_failed(cfg.verify, score) and recorded.get(a.worker) == ACCEPT:
+                _fail(f"{where}worker {a.worker}'s replay fails, but the round accepted it: its auditor, "
+                      f"worker {a.auditor}, reported it as passing")
+            if replay_failed(cfg.verify, score) or disputed:
+                judge_reported(cfg.verify, check, a, 0.0, score)
+            continue
+        # not re-run: the record's verdicts stand, as far as the plan allows them
+        if recorded.get(a.worker) == REPLAY_MISMATCH:
+            judge_reported(cfg.verify, check, a, 0.0, 0.0 if cfg.verify.replay_match == "exact" else math.inf)
+        elif disputed and recorded.get(a.auditor) == FALSE_REPORT:
+            judge_reported(cfg.verify, check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0)
     return replays_left
 
 

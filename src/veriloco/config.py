@@ -161,8 +161,18 @@ class VerifyConfig:
     clip_tau: float = _f(0.0, "centered_clip: radius; 0 = the median distance to the centre")
     loss_gain_batches: int = _f(
         0,
-        "screen: reject a delta that does not lower the loss of G on this many of the worker's own "
-        "batches (Templar's Gauntlet); costs 2 forward passes per batch per worker; 0 = off",
+        "screen: test that a delta lowers the loss of G on this many of the worker's own batches "
+        "(Templar's Gauntlet; see loss_gain_action); costs 2 forward passes per batch per worker; 0 = off",
+    )
+    loss_gain_action: str = _f(
+        "audit",
+        "what a delta failing the loss-gain screen gets: 'audit' = replayed this round, and the replay "
+        "decides (the screen alone false-rejects honest workers now and then); 'reject' = rejected. "
+        "With replay_probability = 0 there is no replay to decide, so it is rejected either way",
+    )
+    ban: bool = _f(
+        True,
+        "refuse every later packet of a worker convicted of replay_mismatch, equivocation or false_report",
     )
     replay_probability: float = _f(
         0.0,
@@ -372,6 +382,8 @@ def validate(cfg: Config) -> None:
     need(cfg.train.inner_state in ("keep", "reset"), f"train.inner_state must be 'keep' or 'reset', got {cfg.train.inner_state!r}")
     need(v.loss_gain_batches >= 0, f"verify.loss_gain_batches must be >= 0, got {v.loss_gain_batches}")
     need(0 <= v.replay_probability <= 1, f"verify.replay_probability must be in [0, 1], got {v.replay_probability}")
+    need(v.loss_gain_action in ("audit", "reject"),
+         f"verify.loss_gain_action must be 'audit' or 'reject', got {v.loss_gain_action!r}")
     need(v.replay_match in ("exact", "distance"), f"verify.replay_match must be 'exact' or 'distance', got {v.replay_match!r}")
     # >= 1 would accept any delta scaled up enough: ||r - c|| / ||c|| -> 1 as ||c|| grows
     need(0 < v.replay_tolerance < 1, f"verify.replay_tolerance must be in (0, 1), got {v.replay_tolerance}")

@@ -85,17 +85,19 @@ from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import CorpusTask, Task
 from .topology import Topology, build_stage_model
-from .verify import ABSENT, REPLAY_MISMATCH
+from .verify import ABSENT, OFFENCES
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 from .verify.replay import (
+    Audit,
+    judge_reported,
+    plan_audits,
     replay_evidence,
     replay_failed,
     replay_score,
-    sample_round_audits,
     segments_to_sample,
 )
 from .verify.screen import LossGain
@@ -131,6 +133,7 @@ class Worker:
     eval_all: list = field(default_factory=list)  # elastic: the whole eval set, split among a round's members
     defer_entry: bool = False  # elastic: the ledger entry is appended at commit (elastic.py), not here
     applied: int = -1  # elastic: the last round whose outer step G holds
+    banned: set = field(default_factory=set)  # workers convicted of an offence (verify.OFFENCES)
 
     @property
     def is_recorder(self) -> bool:
@@ -320,6 +323,7 @@ def restore(w: Worker, next_round: int) -> None:
         raise RuntimeError(f"checkpoint of round {next_round - 1} does not match its record")
     w.outer = OuterOptimizer(params, w.cfg.outer)
     w.outer.load_state_tensors(ckpt)
+    w.banned = set(mine.get("banned", []))
     state = st_load((w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors").read_bytes())
     w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
     w.encoder.load_state_tensors(state)
@@ -431,37 +435,60 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
     return gain
 
 
-def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> None:
-    """Sampled replays of round r: the assigned auditor redoes the worker's round from public
-    data and compares (trace hashes bit for bit, or the delta within a distance: `[verify]
-    replay_match`); every worker learns the auditor's number and drops a failing worker's delta
-    before aggregating (verify/replay.py)."""
+def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> float:
+    """Sampled replays of round r (and of the screen's suspects): the assigned auditor redoes the
+    worker's round from public data and compares (trace hashes bit for bit, or the delta within a
+    distance: `[verify] replay_match`); every worker learns the auditor's number. A reported
+    failure convicts no one on one auditor's word: every member replays that round itself and
+    judges by its own number, so an honest majority's verdicts agree; if the replay passes, the
+    auditor lied and is convicted (FALSE_REPORT). Returns the seconds this worker spent replaying."""
     cfg = w.cfg
     # the seed mixes every worker's commitment: nobody knows its sample before all have committed
     seed = base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
-    audits = sample_round_audits(seed, sorted(check.accepted), part.members,
-                                 segments_to_sample(cfg.verify, cfg.train), cfg.verify.replay_probability)
-    scores = torch.full((w.workers,), -1.0, dtype=torch.float64)  # -1: not replayed here
-    G_r = w.bases.get(r)
-    for a in audits:
-        if a.auditor != w.worker or G_r is None:
-            continue
+    audits = plan_audits(seed, sorted(check.accepted), part.members, segments_to_sample(cfg.verify, cfg.train),
+                         cfg.verify.replay_probability, check.suspects, w.banned)
+    G_r, spent, mine = w.bases.get(r), 0.0, {}
+
+    def replay(a: Audit) -> float:  # this worker's own replay of audit a
+        nonlocal spent
+        t0 = time.perf_counter()
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
         signed = check.commitments[a.worker].commitment
-        scores[a.worker] = replay_score(
+        score = replay_score(
             cfg.verify, w.task.make_model, w.task.loss, cfg.train, start_point(cfg, G_r, own, w.workers), r,
             lambda step, j=a.worker: w.task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
-            signed.codec if isinstance(signed.codec, dict) else {},
+            replay_codecs(cfg, signed),
         )
+        spent += time.perf_counter() - t0
+        return score
+
+    scores = torch.full((w.workers,), -1.0, dtype=torch.float64)  # -1: not replayed here
+    for a in audits:
+        if a.auditor == w.worker and G_r is not None:
+            mine[a.worker] = replay(a)
+            scores[a.worker] = w.adversary.audit_report(r, a.worker, mine[a.worker]) if w.adversary else mine[a.worker]
     part.comm.all_reduce(scores, op=dist.ReduceOp.MAX)  # the auditor's number reaches everyone
     for a in audits:
-        score = float(scores[a.worker])
-        if replay_failed(cfg.verify, score):
-            check.verdicts[a.worker] = REPLAY_MISMATCH
-            check.evidence[a.worker] = replay_evidence(cfg.verify, a, score)
-            check.accepted.pop(a.worker, None)
-        else:
-            check.evidence.setdefault(a.worker, {})["replayed"] = replay_evidence(cfg.verify, a, score)
+        reported = float(scores[a.worker])
+        if not replay_failed(cfg.verify, reported):
+            check.evidence.setdefault(a.worker, {})["replayed"] = replay_evidence(cfg.verify, a, reported)
+            if a.worker in check.suspects:
+                check.evidence[a.worker]["suspect"] = check.suspects[a.worker]
+            continue
+        score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
+        judge_reported(cfg.verify, check, a, reported, score)
+    return spent
+
+
+def replay_codecs(cfg: Config, signed: Commitment) -> dict[str, str]:
+    """The codecs a replay re-encodes with: the committed ones; none when error feedback made
+    the packet from state the replay cannot know."""
+    return {} if cfg.compress.error_feedback or not isinstance(signed.codec, dict) else dict(signed.codec)
+
+
+def loss_gain_action(v: VerifyConfig) -> str:
+    """What a failed loss-gain test gets this run: "audit" needs replays to decide."""
+    return v.loss_gain_action if v.replay_probability > 0 else "reject"
 
 
 def trace_entries(cfg: Config) -> int:
@@ -500,12 +527,15 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
         trace_entries=trace_entries(cfg),
         loss_gain_of=loss_gain_fn(w, r) if cfg.verify.loss_gain_batches else None,
+        loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
     )
+    check_s = time.perf_counter() - verify0
     hashes = [check.packet_hashes.get(j) for j in range(W)]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
-    if cfg.verify.replay_probability > 0:
-        replay_audits(w, r, check, base_hash, part)
+    replay_s = replay_audits(w, r, check, base_hash, part) if cfg.verify.replay_probability > 0 else 0.0
+    if cfg.verify.ban:
+        w.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     for j, d in check.decoded.items():
         w.history[j] = (w.history.get(j, []) + [d])[-2:]
     for r_old in [x for x in w.bases if x <= r]:
@@ -549,6 +579,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "params_hash": params_hash,
         "checkpoint": ckpt_digest,
     }
+    if w.banned:
+        stage_record["banned"] = sorted(w.banned)  # after this round's verdicts
     entry_commitments = [
         {"worker": j, "signed": c.to_dict() if c else None, "bundle_sha256": None if c else hashes[j],
          "verdict": verdicts[j]}
@@ -556,7 +588,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     ]
     res = sent.result
     mine = torch.tensor(
-        [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s],
+        [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
+         check_s + replay_s],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
@@ -583,6 +616,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "exchange_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 4].amax(1), here, strict=True)],
         "wait_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 5].amax(1), here, strict=True)],
         "verify_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 7].amax(1), here, strict=True)],  # checks + replays
+        # of which computing (its own checks and replays), not waiting for another's replay
+        "verify_compute_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 8].amax(1), here, strict=True)],
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }

@@ -25,6 +25,13 @@ REPLAY_MISMATCH = "replay_mismatch"  # a replay misses the committed trace (exac
 WITHHELD = "withheld"  # committed but the packet (or a requested segment) never arrived
 LATE = "late"  # arrived after the round's deadline
 ABSENT = "absent"  # no packet this round: dead, partitioned away, or not yet (re)joined
+FALSE_REPORT = "false_report"  # as auditor, reported a failed replay that every other replay passes
+BANNED = "banned"  # an earlier round proved it cheated (see OFFENCES): its packets are refused
+
+# Verdicts that prove, from the worker's own signed bytes or a replay every member redid, that it
+# cheated; with `[verify] ban = true` the worker is refused from the next round on. A bad
+# signature is not among them: anyone can send bytes that fail under someone else's key.
+OFFENCES: tuple[str, ...] = (REPLAY_MISMATCH, EQUIVOCATION, FALSE_REPORT)
 
 REASONS: tuple[str, ...] = (
     ACCEPT,
@@ -44,6 +51,8 @@ REASONS: tuple[str, ...] = (
     WITHHELD,
     LATE,
     ABSENT,
+    FALSE_REPORT,
+    BANNED,
 )
 
 # The submodules import the codes above, so they come after them.

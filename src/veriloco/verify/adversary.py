@@ -9,6 +9,7 @@ of every hook is honest. `round.py` calls the hooks of the worker's adversary (i
     packet(r, packet, view) -> bytes                         the packet it commits to and sends
     commitment(r, commitment) -> commitment                  the commitment it signs (dict)
     bundle(r, bundle, view) -> bytes                         the bytes it puts on the wire
+    audit_report(r, worker, score) -> score                  what it reports as another's auditor
 
 `view` (a `View`) holds what any worker legitimately knows at that point: the previous round's
 accepted deltas of everyone, its own previous packet and delta, the global params.
@@ -92,6 +93,11 @@ class Adversary:
     def second_commitment(self, r: int, commitment: dict) -> dict | None:
         """A second commitment to sign for the same round (equivocation); None when honest."""
         return None
+
+    def audit_report(self, r: int, worker: int, score: float) -> float:
+        """The replay score it reports for `worker`, whose round it was drawn to audit (`score`:
+        what its replay really gave; verify/replay.py: replay_score)."""
+        return score
 
 
 class _SkipsWork(Adversary):
@@ -292,10 +298,21 @@ class Equivocate(Adversary):
         return c
 
 
+class FalseAccuser(Adversary):
+    """Trains honestly, but as an auditor reports every replay it is given as failed, to get
+    honest workers rejected (and banned): exact mode, a mismatch at the first trace entry;
+    distance mode, a distance of 1 (the whole delta)."""
+
+    kind = "false_accuser"
+
+    def audit_report(self, r: int, worker: int, score: float) -> float:
+        return 0.0 if score < 0 else 1.0
+
+
 BUILTIN: dict[str, type[Adversary]] = {
     cls.kind: cls
     for cls in (Noop, Noise, Scaled, SignFlip, Stale, Replay, Copy, Lazy, WrongData, Alie, Ipm,
-                Malformed, ForgedSignature, Equivocate)
+                Malformed, ForgedSignature, Equivocate, FalseAccuser)
 }
 
 

@@ -12,6 +12,12 @@ For each worker's bundle, in order (the first failure is its verdict):
   6. the packet decodes to the model's shapes (MALFORMED)
 then the screen over the decodable deltas (verify/screen.py: norms, cosine to a robust centre,
 copies, replays). A rejected packet never reaches the aggregate.
+
+A worker banned in an earlier round (`banned`: it was proven to cheat, see verify.OFFENCES) gets
+BANNED before any check. The loss-gain test is noisy over the few batches it can afford (honest
+deltas fail it now and then), so with `loss_gain_action = "audit"` a delta that fails only that
+test is not rejected here but made a *suspect*: round.py replays it this round, and the replay,
+which is exact, decides. With "reject" (and whenever replays are off) it is rejected outright.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from ..hashing import sha256_hex
 from ..ledger.merkle import root as merkle_root
 from ..packet import PacketError, decode_bundle, decode_packet
-from . import ACCEPT, EQUIVOCATION, KEY_MISMATCH, MALFORMED, WRONG_DATA
+from . import ACCEPT, BANNED, EQUIVOCATION, KEY_MISMATCH, MALFORMED, NO_LOSS_GAIN, WRONG_DATA
 from .commitment import (
     CommitmentError,
     EquivocationDetector,
@@ -52,6 +58,7 @@ class RoundCheck:
     packet_hashes: dict[int, str]
     evidence: dict[int, Any] = field(default_factory=dict)
     decoded: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # every decodable delta
+    suspects: dict[int, dict] = field(default_factory=dict)  # accepted for now, to be replayed: why
 
 
 def check_round(
@@ -69,14 +76,18 @@ def check_round(
     previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
     trace_entries: int | None = None,
     loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
+    loss_gain_action: str = "reject",
+    banned: set[int] | frozenset[int] = frozenset(),
 ) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id; a dict when only some
-    workers took part, as under elastic membership)."""
+    workers took part, as under elastic membership). `loss_gain_action`: "reject" a delta that
+    fails the loss-gain test, or "audit" it (RoundCheck.suspects); `banned`: workers refused."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
     decoded: dict[int, dict[str, torch.Tensor]] = {}
     evidence: dict[int, Any] = {}
+    suspects: dict[int, dict] = {}
     for w, data in (bundles.items() if isinstance(bundles, dict) else enumerate(bundles)):
         commitments[w] = None
         packet_hashes[w] = sha256_hex(data)
@@ -86,9 +97,15 @@ def check_round(
             signed = parse_signed_commitment(raw_commitment)
             gossip = [parse_signed_commitment(x) for x in extras]
         except (PacketError, CommitmentError) as e:
-            verdicts[w], evidence[w] = MALFORMED, {"error": str(e)[:200]}
+            if w in banned:
+                verdicts[w] = BANNED
+            else:
+                verdicts[w], evidence[w] = MALFORMED, {"error": str(e)[:200]}
             continue
         commitments[w] = signed
+        if w in banned:  # proven to cheat before: nothing it sends is looked at again
+            verdicts[w] = BANNED
+            continue
         c = signed.commitment
         reason = check_commitment(signed, admitted_keys, run_id=run_id, round=round, base_hash=base_hash)
         if reason is None and c.worker != w:
@@ -131,7 +148,12 @@ def check_round(
             config=ScreenConfig(min_own_gain=floor, min_own_advantage=-1e9),
         )
         for w, v in screened.items():
-            if not v.accepted:
+            if v.accepted:
+                continue
+            if loss_gain_action == "audit" and set(v.evidence["flags"]) <= {NO_LOSS_GAIN, WRONG_DATA}:
+                suspects[w] = {"flags": v.evidence["flags"], "loss_gain": v.evidence.get("loss_gain")}
+            else:
                 verdicts[w], evidence[w] = v.reason, v.evidence
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
-    return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded)
+    return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded,
+                      suspects)

@@ -8,7 +8,11 @@ does not undo the compression. Two ways to compare (`[verify] replay_match`):
 
 - "exact": segment j (inner steps j*k .. (j+1)*k - 1, k = `[verify] trace_every`) is checked by
   replaying steps 0 .. (j+1)*k - 1 and comparing the state hashes at every boundary with the
-  committed trace, bit for bit. Needs deterministic kernels: CPU, same torch, same thread count.
+  committed trace, bit for bit. When that covers the whole round, the replayed delta is also
+  encoded with the packet's codecs and must decode to the packet bit for bit (the score is then
+  len(trace)): a clean trace does not vouch for a packet the worker made some other way. Not
+  for stateful encoders (error feedback, PowerSGD's warm start), which a replay cannot redo.
+  Needs deterministic kernels: CPU, same torch, same thread count.
 - "distance": the auditor replays the whole round (all H inner steps), passes its delta
   S_r - theta through the codecs the packet names, and compares that with the committed delta
   (the decoded packet): the round passes when ||replayed - committed|| <= tolerance *
@@ -19,7 +23,11 @@ does not undo the compression. Two ways to compare (`[verify] replay_match`):
 
 Which workers are checked is drawn from a seed that mixes the previous ledger entry's hash with
 this round's commitment digests, so no worker knows its sample before it has committed; the
-auditor of worker w is another worker chosen from the same seed, never w itself. `replay_score`
+auditor of worker w is another worker chosen from the same seed, never w itself. Workers whose
+delta failed the loss-gain screen (suspects) are replayed too, whether drawn or not
+(`plan_audits`). One auditor's word never convicts: a reported failure is replayed by every
+member before it counts, and an auditor whose failure does not reproduce is itself convicted
+(FALSE_REPORT; round.py). `replay_score`
 is the one function that both the round (`round.py`) and the offline audit (`audit.py`) call,
 so both compute the same number and the same verdict from it.
 """
@@ -38,6 +46,8 @@ from ..compress import CodecError, codec_from_spec
 from ..config import TrainConfig, VerifyConfig
 from ..inner import InnerLoop
 from ..packet import decode_packet, encode_packet
+from . import FALSE_REPORT, REPLAY_MISMATCH
+from .check import RoundCheck
 
 # Codecs a replay can reproduce: they keep no sender state, so a fresh codec object encodes the
 # replayed delta exactly as the worker's did. PowerSGD (lowrank) warm-starts from
@@ -80,20 +90,24 @@ def sample_round_audits(seed_material: str, accepted: list[int], members: list[i
     return [Audit(members[a.worker], a.segment, members[a.auditor]) for a in drawn]
 
 
-def replay_trace(
-    make_model: Callable[[], nn.Module],
-    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
-    cfg: TrainConfig,
-    total_steps: int,
-    start: dict[str, torch.Tensor],
-    steps_before: int,
-    batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    trace_every: int,
-    segments: int,
-) -> list[str]:
-    """State hashes at the first `segments` + 1 boundaries of a replayed round."""
-    _, inner = _replayer(make_model, loss_fn, cfg, total_steps, start, steps_before)
-    return inner.run(batch_of_step, segments * trace_every, trace_every=trace_every).trace
+def plan_audits(seed_material: str, accepted: list[int], members: list[int], segments: int, probability: float,
+                suspects: list[int] | set[int] = (), banned: set[int] | frozenset[int] = frozenset()) -> list[Audit]:
+    """The round's replays, in worker order: the random sample over the accepted workers, plus
+    every suspect (check.py: failed the loss-gain test) whether drawn or not, replayed to its
+    last segment. Auditors are members that are not banned, never the audited worker."""
+    eligible = [m for m in members if m not in banned]
+    audits = {a.worker: a for a in sample_round_audits(
+        seed_material, [j for j in accepted if j in eligible], eligible, segments, probability)}
+    for w in sorted(set(suspects) & set(eligible)):
+        others = [m for m in eligible if m != w]
+        if not others:
+            continue
+        if w in audits:
+            audits[w] = Audit(w, segments - 1, audits[w].auditor)
+            continue
+        h = hashlib.sha256(f"veriloco/suspect/{seed_material}/{w}".encode()).digest()
+        audits[w] = Audit(w, segments - 1, others[int.from_bytes(h[:8], "little") % len(others)])
+    return [audits[w] for w in sorted(audits)]
 
 
 def _replayer(make_model, loss_fn, cfg: TrainConfig, total_steps: int, start: dict[str, torch.Tensor],
@@ -130,6 +144,12 @@ def replayable_codec(spec: str) -> bool:
         return codec_from_spec(spec).name in REPLAYABLE_CODECS
     except CodecError:
         return False
+
+
+def packet_replayable(codecs: dict[str, str], committed: dict[str, torch.Tensor]) -> bool:
+    """Whether a replay can re-encode the delta as the packet was (`codecs`: per tensor, as
+    committed; {} when the sender's encoder keeps state, i.e. error feedback)."""
+    return bool(codecs) and set(codecs) == set(committed) and all(replayable_codec(s) for s in codecs.values())
 
 
 def replay_delta(
@@ -190,10 +210,20 @@ def replay_score(
     total, before = train.rounds * train.inner_steps, round * train.inner_steps
     if verify.replay_match == "exact":
         k = verify.trace_every or train.inner_steps
-        replayed = replay_trace(make_model, loss_fn, train, total, start, before, batch_of_step, k, audit.segment + 1)
-        bad = check_replay(trace, replayed)
-        return -1.0 if bad is None else float(bad)
-    if set(codecs) != set(committed) or not all(replayable_codec(s) for s in codecs.values()):
+        model, inner = _replayer(make_model, loss_fn, train, total, start, before)
+        bad = check_replay(trace, inner.run(batch_of_step, (audit.segment + 1) * k, trace_every=k).trace)
+        if bad is not None:
+            return float(bad)
+        if (audit.segment + 1) * k == train.inner_steps and packet_replayable(codecs, committed):
+            # the whole round was replayed: the packet must be what its end state encodes to, or
+            # a worker could train honestly (a clean trace) and send another delta
+            with torch.no_grad():
+                delta = {name: start[name] - p.detach() for name, p in model.named_parameters()}
+            mine = as_committed(delta, codecs)
+            if any(not torch.equal(mine[name], committed[name]) for name in committed):
+                return float(len(trace))
+        return -1.0
+    if not packet_replayable(codecs, committed):
         return math.inf  # a packet distance mode cannot reproduce; config keeps honest workers off it
     replayed = replay_delta(make_model, loss_fn, train, total, start, before, batch_of_step)
     return relative_distance(as_committed(replayed, codecs), committed)
@@ -210,7 +240,30 @@ def replay_evidence(verify: VerifyConfig, audit: Audit, score: float) -> dict:
     """What the round record keeps about one audit (rejected or not)."""
     if verify.replay_match == "exact":
         out = {"segment": audit.segment, "auditor": audit.auditor}
-        return out | {"first_mismatch": int(score)} if score >= 0 else out
+        if score < 0:
+            return out
+        # one past the last trace entry: the trace replays, but the packet is not its end state
+        return out | {"first_mismatch": int(score)}
     # JSON has no inf: a packet that cannot be replayed records its distance as null
     return {"auditor": audit.auditor, "distance": score if math.isfinite(score) else None,
             "tolerance": verify.replay_tolerance}
+
+
+def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, reported: float, score: float) -> None:
+    """Judge an audit whose auditor reported `reported`, a failure, by `score`: the judge's own
+    replay of it. Failed: the worker is convicted (REPLAY_MISMATCH). Passed: the auditor reported a
+    failure that does not reproduce, so the auditor is convicted (FALSE_REPORT) and the worker
+    keeps its verdict. round.py (every member) and audit.py both judge with this."""
+    if replay_failed(verify, score):
+        check.verdicts[audit.worker] = REPLAY_MISMATCH
+        check.evidence[audit.worker] = replay_evidence(verify, audit, score)
+        if audit.worker in check.suspects:
+            check.evidence[audit.worker]["suspect"] = check.suspects[audit.worker]
+        check.accepted.pop(audit.worker, None)
+        return
+    check.verdicts[audit.auditor] = FALSE_REPORT
+    check.evidence[audit.auditor] = {"accused": audit.worker,
+                                     "reported": reported if math.isfinite(reported) else None}
+    check.accepted.pop(audit.auditor, None)
+    check.evidence.setdefault(audit.worker, {})["replayed"] = replay_evidence(verify, audit, score) | {"disputed": True}
+

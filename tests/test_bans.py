@@ -1,0 +1,101 @@
+"""Convictions and bans: one auditor's word convicts no one, a liar is convicted instead, a
+convicted worker is refused from then on, loss-gain suspects are replayed rather than rejected,
+and the offline audit names an auditor who covered for a cheater."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from conftest import rounds_of, tiny
+
+from veriloco.audit import audit_run
+from veriloco.run import train
+from veriloco.verify import ACCEPT, NO_LOSS_GAIN
+from veriloco.verify.check import RoundCheck
+from veriloco.verify.replay import Audit, judge_reported, plan_audits
+
+BASE = ("--topology.workers=4", "--train.rounds=3", "--train.inner_steps=6", "--verify.trace_every=6",
+        "--train.inner_state=reset", "--verify.replay_probability=1.0")
+
+
+def verdicts_of(run_dir: Path, worker: int) -> list[str]:
+    return [r["verdicts"][worker] for r in rounds_of(run_dir)]
+
+
+def test_a_false_accuser_is_convicted_and_banned_and_its_victims_are_not(tmp_path):
+    run, summary = train(tiny(*BASE, "--adversary.2=false_accuser"), str(tmp_path / "a"), quiet=True)
+    recs = rounds_of(run.root)
+    # it audits someone in round 0 (every worker is audited, by one of the three others)
+    assert verdicts_of(run.root, 2)[0] == "false_report", recs[0]["verdicts"]
+    assert verdicts_of(run.root, 2)[1:] == ["banned", "banned"]
+    victim = recs[0]["evidence"]["2"]["accused"]
+    assert recs[0]["evidence"][str(victim)]["replayed"]["disputed"] is True
+    for j in (0, 1, 3):  # every honest worker accepted in every round
+        assert verdicts_of(run.root, j) == ["accept"] * 3
+    assert [r.get("banned") for r in recs] == [[2], [2], [2]]
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
+def test_without_bans_a_convicted_worker_is_judged_again_each_round(tmp_path):
+    run, _ = train(tiny(*BASE, "--verify.ban=false", "--adversary.1=lazy:skip=0.5"), str(tmp_path / "b"), quiet=True)
+    assert verdicts_of(run.root, 1) == ["replay_mismatch"] * 3
+    assert all("banned" not in r for r in rounds_of(run.root))
+    assert audit_run(run.root, replay=100).ok
+
+
+def test_the_audit_names_an_auditor_that_covered_for_a_cheater(tmp_path, monkeypatch):
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)  # spawned workers import the user's class
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny(*BASE, "--adversary.1=lazy:skip=0.5", "--adversary.0=red_team:Whitewash",
+                        "--adversary.2=red_team:Whitewash", "--adversary.3=red_team:Whitewash"),
+                   str(tmp_path / "c"), quiet=True)
+    assert verdicts_of(run.root, 1)[0] == "accept"  # every auditor covers for it
+    report = audit_run(run.root, replay=100)
+    assert not report.ok
+    assert "worker 1's replay fails, but the round accepted it: its auditor, worker" in report.first_failure
+
+
+def test_a_forged_ban_fails_the_audit(tmp_path):
+    run, _ = train(tiny(*BASE, "--train.rounds=2"), str(tmp_path / "d"), quiet=True)
+    lines = (run.root / "rounds.jsonl").read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["banned"] = [3]
+    (run.root / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(rec)]) + "\n")
+    report = audit_run(run.root)
+    assert not report.ok and "bans workers [3]" in report.first_failure
+
+
+def _check(suspects: dict[int, dict]) -> RoundCheck:
+    deltas = {j: {"w": torch.full((3,), float(j + 1))} for j in range(4)}
+    return RoundCheck({j: ACCEPT for j in range(4)}, dict(deltas), {j: None for j in range(4)},
+                      {j: str(j) for j in range(4)}, {}, deltas, suspects)
+
+
+def test_suspects_are_always_replayed_to_their_last_segment_by_another_member():
+    for seed in ("a", "b", "c", "d"):
+        plan = plan_audits(seed, [0, 1, 2, 3], [0, 1, 2, 3], segments=4, probability=0.0, suspects={2})
+        assert [(a.worker, a.segment) for a in plan] == [(2, 3)] and plan[0].auditor != 2
+        drawn = plan_audits(seed, [0, 1, 2, 3], [0, 1, 2, 3], segments=4, probability=1.0, suspects={2})
+        assert {a.worker for a in drawn} == {0, 1, 2, 3} and [a.segment for a in drawn if a.worker == 2] == [3]
+    # a banned worker neither is audited nor audits
+    plan = plan_audits("x", [0, 1, 2], [0, 1, 2, 3], segments=1, probability=1.0, banned={3})
+    assert {a.worker for a in plan} == {0, 1, 2} and all(a.auditor != 3 for a in plan)
+
+
+def test_judge_reported_convicts_the_worker_or_the_auditor():
+    from veriloco.config import VerifyConfig
+
+    v = VerifyConfig()
+    c = _check({1: {"flags": [NO_LOSS_GAIN]}})
+    judge_reported(v, c, Audit(1, 0, 2), reported=0.0, score=3.0)  # the judge's replay fails too
+    assert c.verdicts[1] == "replay_mismatch" and 1 not in c.accepted and c.evidence[1]["suspect"]
+    c = _check({})
+    judge_reported(v, c, Audit(1, 0, 2), reported=0.0, score=-1.0)  # the judge's replay passes
+    assert c.verdicts[2] == "false_report" and c.verdicts[1] == ACCEPT and 2 not in c.accepted
+    assert c.evidence[2] == {"accused": 1, "reported": 0.0} and c.evidence[1]["replayed"]["disputed"]
