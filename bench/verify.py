@@ -6,14 +6,21 @@
 
 Each run: 4 workers train the tiny GPT (configs/tiny.toml, widened to 4 workers) with worker 1
 attacking (`--adversary.1=KIND`), inner state reset per round so replay needs no private state,
-replay probability `--replay`. For each attack and seed: the rounds in which worker 1's update
-was rejected (detection rate = rejected rounds / rounds where it attacked; rounds-to-detection =
-first rejected round + 1), the honest workers' false rejections, and the final eval loss next
-to the clean run's with the same seed. One trace segment per round (trace_every = inner_steps): a
-sampled replay redoes the whole round, which catches a lazy worker wherever it skipped (a
-finer trace lets a replay stop early, but a lazy worker skips the last steps, so only a
-full replay is sure to see them). Verification compute is the time every worker spent in
-the per-round checks and replays, as a share of inner-step time. Writes
+replay probability `--replay`, loss-gain screen on 1 batch (a failure is replayed, not rejected),
+bans on (a convicted worker is refused from then on). For each attack and seed: the rounds in
+which worker 1's update was refused (rejected or banned; refused rounds = those / rounds where it
+attacked), the first one (rounds to detect = its index + 1), the honest workers' false
+rejections, and the final eval loss next to the clean run's with the same seed and next to a
+run of the 3 honest workers alone (what refusing the attacker leaves). Lazy and wrong_data run
+`--detect-seeds` seeds: from the rounds each seed was at risk before its first catch comes a
+per-round catch probability q (geometric MLE) and the implied chance to be caught within N
+rounds, 1 - (1 - q)^N (N = 30 and 20, the targets), next to the share measured in the run's
+rounds. One trace segment per round (trace_every = inner_steps): a sampled replay redoes the
+whole round, which catches a lazy worker wherever it skipped (a finer trace lets a replay stop
+early, but a lazy worker skips the last steps, so only a full replay is sure to see them).
+Verification compute (`overhead`) is the time every worker of the clean runs spent computing
+its checks and replays, as a share of its inner-step time; `overhead_wall` also counts the
+time it waited for another worker's replay. Writes
 `{"attacks": [...], "honest": {...}, "overhead": x, "replay_distance": {...}}`.
 
 `replay_distance` calibrates `[verify] replay_match = "distance"`: on the clean seed-0 run, for
@@ -50,8 +57,10 @@ from veriloco.verify.replay import as_committed, relative_distance, replay_delta
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKS = ["noop", "noise", "scaled", "sign_flip", "stale", "replay", "copy", "lazy:skip=0.25", "lazy:skip=0.5",
-           "wrong_data", "alie", "ipm", "malformed", "forged_signature", "equivocate"]
+           "wrong_data", "alie", "ipm", "malformed", "forged_signature", "equivocate", "false_accuser"]
 ROBUST = {"sign_flip", "alie", "ipm"}  # judged by damage (final loss), not only by detection
+# caught "within N rounds" targets: these run --detect-seeds seeds (a probability needs more than 3)
+WITHIN = {"lazy": 30, "wrong_data": 20}
 
 
 def run_one(base: list[str], extra: list[str], out: Path) -> list[dict]:
@@ -161,6 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1 seed, 8 rounds, fewer attacks")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--detect-seeds", type=int, default=6, help="seeds for lazy and wrong_data (caught within N rounds)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--replay", type=float, default=0.1, help="replay probability per worker per round")
     ap.add_argument("--aggregator", default="trimmed_mean")
@@ -174,7 +184,7 @@ def main() -> None:
     args = ap.parse_args()
     attacks = ATTACKS
     if args.quick:
-        args.seeds, args.rounds = 1, 8
+        args.seeds, args.detect_seeds, args.rounds = 1, 1, 8
     base = ["--topology.workers=4", f"--train.rounds={args.rounds}", "--train.inner_steps=20",
             "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", f"--verify.replay_match={args.replay_match}",
@@ -184,10 +194,11 @@ def main() -> None:
         args.seeds, attacks = 1, []
     false_rejections: dict[str, dict[str, list]] = {}  # run -> honest workers' reason -> rounds it fell in
     honest_distances: list[float] = []  # distances recorded for honest workers' replays (distance mode)
-    rows, honest_subs, honest_rej, verify_s, inner_s = [], 0, 0, 0.0, 0.0
+    rows, honest_subs, honest_rej, verify_s, compute_s, inner_s = [], 0, 0, 0.0, 0.0, 0.0
+    seeds_of = {a: args.detect_seeds if a.split(":")[0] in WITHIN else args.seeds for a in attacks}
     with tempfile.TemporaryDirectory() as tmp:
-        clean = {}
-        for seed in range(args.seeds):
+        clean, clean3 = {}, {}
+        for seed in range(max([args.seeds, *seeds_of.values()])):
             recs = run_one(base, [f"--run.seed={seed}"], Path(tmp) / f"clean-{seed}")
             clean[seed] = recs[-1]["eval_loss"]
             for rec in recs:
@@ -195,13 +206,17 @@ def main() -> None:
                 honest_rej += sum(v != "accept" for v in rec["verdicts"])
                 _count_false(false_rejections, "clean", rec, skip=None)
                 verify_s += sum(rec.get("verify_s", [0.0]))
+                compute_s += sum(rec.get("verify_compute_s", [0.0]))
                 inner_s += sum(rec["inner_s"])
                 honest_distances += _recorded_distances(rec, skip=None)
+            if seed < args.seeds:  # the honest workers alone: what a refused attacker leaves
+                clean3[seed] = run_one(base, [f"--run.seed={seed}", "--topology.workers=3"],
+                                       Path(tmp) / f"clean3-{seed}")[-1]["eval_loss"]
         calib = calibrate(Path(tmp) / "clean-0", calib_rounds)
         for attack in attacks:
             kind = attack.split(":")[0]
-            rates, firsts, losses, reasons, distances = [], [], [], set(), []
-            for seed in range(args.seeds):
+            rates, firsts, losses, reasons, distances, exposure = [], [], [], set(), [], 0
+            for seed in range(seeds_of[attack]):
                 name = attack.replace(":", "-").replace("=", "")
                 recs = run_one(base, [f"--run.seed={seed}", f"--adversary.1={attack}"], Path(tmp) / f"{name}-{seed}")
                 rejected = [r["round"] for r in recs if r["verdicts"][1] != "accept"]
@@ -209,6 +224,7 @@ def main() -> None:
                 attacked = [r["round"] for r in recs if kind not in ("replay", "copy", "stale") or r["round"] > 0]
                 rates.append(len([x for x in rejected if x in attacked]) / max(len(attacked), 1))
                 firsts.append(min(rejected) + 1 if rejected else None)
+                exposure += firsts[-1] if rejected else len(recs)  # rounds at risk of a first catch
                 losses.append(recs[-1]["eval_loss"])
                 for rec in recs:
                     honest_subs += len(rec["verdicts"]) - 1
@@ -217,14 +233,26 @@ def main() -> None:
                     honest_distances += _recorded_distances(rec, skip=1)
                     distances += _recorded_distances(rec, only=1)
             found = [f for f in firsts if f is not None]
+            n = seeds_of[attack]
             row = {
                 "attack": attack, "detected_rate": round(statistics.mean(rates), 4),
                 "rounds_to_detect": statistics.median(found) if found else None,
-                "seeds_detected": len(found), "seeds": args.seeds, "reasons": sorted(reasons),
+                "first_detected_rounds": firsts,
+                "seeds_detected": len(found), "seeds": n, "reasons": sorted(reasons),
                 "final_eval_loss": round(statistics.mean(losses), 4),
-                "clean_eval_loss": round(statistics.mean(clean.values()), 4),
+                "clean_eval_loss": round(statistics.mean(clean[s] for s in range(n)), 4),
+                "clean3_eval_loss": round(statistics.mean(clean3.values()), 4),
             }
             row["loss_vs_clean_pct"] = round(100 * (row["final_eval_loss"] / row["clean_eval_loss"] - 1), 2)
+            row["loss_vs_clean3_pct"] = round(100 * (row["final_eval_loss"] / row["clean3_eval_loss"] - 1), 2)
+            # a first catch per round at risk (geometric MLE over the seeds), and what it implies
+            q = len(found) / exposure if exposure else 0.0
+            row["catch_per_round"] = round(q, 4)
+            if kind in WITHIN:
+                N = WITHIN[kind]
+                row["within_rounds"] = N
+                row["caught_within_measured"] = round(sum(f <= min(N, args.rounds) for f in found) / n, 4)
+                row["caught_within_estimated"] = round(1 - (1 - q) ** N, 4)
             if args.replay_match == "distance":  # the attacker's replay distances, where it was sampled
                 row["replay_distances"] = sorted(distances)
             rows.append(row)
@@ -232,10 +260,14 @@ def main() -> None:
                   f"loss {row['final_eval_loss']:.4f} vs clean {row['clean_eval_loss']:.4f} ({row['loss_vs_clean_pct']:+.2f}%)  {row['reasons']}", flush=True)
     result = {"attacks": rows, "honest": {"submissions": honest_subs, "rejections": honest_rej,
                                           "rejections_by_run": false_rejections},
-              "overhead": round(verify_s / inner_s, 4) if inner_s else None,
+              # verification compute (own checks and replays) / inner-step compute, clean runs;
+              # "overhead_wall" also counts waiting for another worker's replay
+              "overhead": round(compute_s / inner_s, 4) if inner_s else None,
+              "overhead_wall": round(verify_s / inner_s, 4) if inner_s else None,
               "replay_distance": calib,
               "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay,
-                         "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4}}
+                         "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4,
+                         "detect_seeds": args.detect_seeds}}
     if args.replay_match == "distance":
         result["honest"]["replay_distances"] = _summary(honest_distances) if honest_distances else None
     if args.out is None and not args.calibrate_only:
@@ -243,12 +275,17 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("\n| attack | detected | rounds to detect | final eval loss | clean | vs clean |\n|---|---|---|---|---|---|")
+    print("\n| attack | seeds | refused rounds | first caught (median round) | caught within N | final eval loss "
+          "| vs clean (4 workers) | vs honest 3 |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['attack']} | {r['detected_rate']:.0%} | {r['rounds_to_detect']} | {r['final_eval_loss']:.4f} | {r['clean_eval_loss']:.4f} | {r['loss_vs_clean_pct']:+.2f}% |")
+        within = (f"{r['within_rounds']}: {r['caught_within_measured']:.0%} measured in {args.rounds}, "
+                  f"{r['caught_within_estimated']:.1%} est." if "within_rounds" in r else "")
+        print(f"| {r['attack']} | {r['seeds']} | {r['detected_rate']:.0%} | {r['rounds_to_detect']} | {within} | "
+              f"{r['final_eval_loss']:.4f} | {r['loss_vs_clean_pct']:+.2f}% | {r['loss_vs_clean3_pct']:+.2f}% |")
     print(f"\nhonest rejections by run and reason: {false_rejections}")
-    print(f"\nhonest: {honest_rej} rejections in {honest_subs} submissions; verification overhead "
-          f"{result['overhead']} of inner-step time  -> {args.out}")
+    print(f"\nhonest: {honest_rej} rejections in {honest_subs} submissions; verification compute "
+          f"{result['overhead']} of inner-step compute ({result['overhead_wall']} counting the wait for "
+          f"others' replays)  -> {args.out}")
 
 
 def _count_false(into: dict, run: str, rec: dict, skip: int | None) -> None:
