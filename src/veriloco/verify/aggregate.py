@@ -5,7 +5,8 @@ must not depend on the machine: not on the thread count, not on the SIMD width. 
 reductions (`sum`, `norm`, `mean`) split work by thread and vector lane, so their rounding can
 differ between machines. Here every reduction is built from elementwise IEEE operations in a
 fixed order (`det_sum`: fixed-size blocks folded pairwise; worker sums in ascending worker
-order), and sorting is exact, so equal inputs in equal order give equal bits everywhere.
+order), and order statistics are exact (a sort, or for up to 16 workers a min/max network that
+selects the same values), so equal inputs in equal order give equal bits everywhere.
 Arithmetic is float64; the result is cast back to the dtype of the inputs.
 
 Methods (`aggregate(deltas, method, **params)`):
@@ -32,8 +33,9 @@ how far they can move one round; screening, replay and the ledger handle the res
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,33 +43,130 @@ import torch
 Delta = torch.Tensor | dict[str, torch.Tensor]
 METHODS: tuple[str, ...] = ("mean", "median", "trimmed_mean", "centered_clip", "geometric_median")
 _BLOCK = 1024  # det_sum block length; a power of two so the last fold halves evenly
+# float64 elements per RowSums fold (8 MB): a larger buffer costs more in page faults and cache
+# misses than the Python calls it saves
+_WORK = 1 << 20
+
+
+def _fold_(x: torch.Tensor) -> torch.Tensor:
+    """Row sums of `x` ([rows, blocks * 1024], zero-padded), in the order `det_sum` defines,
+    computed in place: adding row i + half onto row i writes only where nothing is read later,
+    so every add has the operands it has in `det_sum`. Destroys `x`."""
+    x = x.view(x.shape[0], -1, _BLOCK)
+    rows = x.shape[1]
+    while rows > 1:
+        half = rows // 2
+        x[:, :half] += x[:, half : 2 * half]
+        if rows % 2:
+            x[:, 0] += x[:, 2 * half]
+        rows = half
+    v = x[:, 0]
+    width = _BLOCK
+    while width > 1:
+        half = width // 2
+        v[:, :half] += v[:, half:width]
+        width = half
+    return v[:, 0].clone()
+
+
+def _padded_width(n: int) -> int:
+    return -(-n // _BLOCK) * _BLOCK
 
 
 def det_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum of all elements of `x` (0-d tensor, same dtype), in an order fixed by its length
     alone: pad to blocks of 1024, add the second half of the blocks onto the first until one
-    block is left, then halve that block the same way. Only elementwise adds, so the bits do
-    not depend on threads or vector width."""
+    block is left (an odd block out goes onto block 0), then halve that block the same way.
+    Only elementwise adds, so the bits do not depend on threads or vector width."""
     x = x.reshape(-1)
     n = x.numel()
     if n == 0:
         return x.new_zeros(())
-    pad = (-n) % _BLOCK
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad)])
-    x = x.view(-1, _BLOCK)
-    while x.shape[0] > 1:
-        rows = x.shape[0]
-        half = rows // 2
-        folded = x[:half] + x[half : 2 * half]
-        if rows % 2:
-            folded[0] += x[2 * half]
-        x = folded
-    v = x[0]
-    while v.numel() > 1:
-        half = v.numel() // 2
-        v = v[:half] + v[half:]
-    return v[0]
+    buf = x.new_zeros(1, _padded_width(n))
+    buf[0, :n] = x
+    return _fold_(buf)[0]
+
+
+Rows = torch.Tensor | Sequence[torch.Tensor]  # a [rows, n] tensor, or a list of n-vectors
+
+
+class RowSums:
+    """`det_dot` and `det_norm` over many pairs of rows, bit for bit, a few pairs per fold.
+
+    Rows (1-D tensors, or the rows of a 2-D tensor) may have any real dtype and stand for their
+    float64 values: each is converted exactly, as `det_dot`'s `.double()`, and products and
+    differences are taken in float64. They are written into one scratch buffer that every call
+    reuses, and the rows of the buffer are summed together by one in-place fold. That is the
+    point: a fresh tensor per pair costs more in page faults than its arithmetic, and one
+    Python call per pair more than the fold.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None  # [rows per fold, n padded]: products, then sums
+        self._converted: torch.Tensor | None = None  # one row converted to float64
+        self._n = -1
+
+    def dots(self, a: Rows, b: Rows, pairs: Sequence[tuple[int, int]]) -> list[float]:
+        """[det_dot(a[i], b[j]) for i, j in pairs]."""
+        return self._sums(a, b, pairs, difference=False)
+
+    def norms(self, a: Rows, rows: Sequence[int] | None = None) -> list[float]:
+        """[det_norm(a[i]) for i in rows] (default: every row)."""
+        pairs = [(i, i) for i in (range(len(a)) if rows is None else rows)]
+        return [math.sqrt(s) for s in self._sums(a, a, pairs, difference=False)]
+
+    def distances(self, a: Rows, b: Rows, pairs: Sequence[tuple[int, int]]) -> list[float]:
+        """[det_norm(a[i].double() - b[j].double()) for i, j in pairs]."""
+        return [math.sqrt(s) for s in self._sums(a, b, pairs, difference=True)]
+
+    def _buffer(self, n: int, rows: int, device: torch.device) -> torch.Tensor:
+        if n != self._n and self._n >= 0:
+            raise ValueError(f"rows of {n} elements after rows of {self._n}")
+        self._n = n
+        buf = self._buf
+        if buf is None or buf.shape[0] < rows or buf.device != device:
+            buf = self._buf = torch.empty(
+                rows, _padded_width(n), dtype=torch.float64, device=device
+            )
+        return buf
+
+    def _as_float64(self, y: torch.Tensor) -> torch.Tensor:
+        """`y` converted (exactly) into a reused buffer; an op with operands of two dtypes
+        would convert into a fresh tensor every time."""
+        if y.dtype == torch.float64:
+            return y
+        if self._converted is None or self._converted.device != y.device:
+            self._converted = torch.empty(self._n, dtype=torch.float64, device=y.device)
+        return self._converted.copy_(y)
+
+    def _sums(
+        self, a: Rows, b: Rows, pairs: Sequence[tuple[int, int]], difference: bool
+    ) -> list[float]:
+        if not pairs:
+            return []
+        first = a[pairs[0][0]]
+        n = first.numel()
+        sizes = {x.numel() for i, j in pairs for x in (a[i], b[j])}
+        if sizes != {n}:
+            raise ValueError(f"rows of different sizes {sorted(sizes)[:6]}")
+        if n == 0:
+            return [0.0] * len(pairs)
+        per_fold = min(len(pairs), max(1, _WORK // _padded_width(n)))
+        buf = self._buffer(n, per_fold, first.device)
+        sums: list[float] = []
+        for start in range(0, len(pairs), per_fold):
+            chunk = pairs[start : start + per_fold]
+            buf[: len(chunk), n:].zero_()  # det_sum's padding
+            for k, (i, j) in enumerate(chunk):
+                x, out = a[i].detach().reshape(-1), buf[k, :n]
+                y = self._as_float64(b[j].detach().reshape(-1))
+                if x.dtype != torch.float64:
+                    x = out.copy_(x)  # exact, as .double()
+                (torch.sub if difference else torch.mul)(x, y, out=out)
+                if difference:
+                    out.mul_(out)
+            sums += _fold_(buf[: len(chunk)]).tolist()
+        return sums
 
 
 def det_dot(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -146,13 +245,134 @@ def _mean_rows(rows: torch.Tensor) -> torch.Tensor:
     return acc / rows.shape[0]
 
 
-def coordinate_median(matrix: torch.Tensor) -> torch.Tensor:
-    """Per-coordinate median of the rows; for an even count, the mean of the two middle values."""
-    n = matrix.shape[0]
-    s = torch.sort(matrix, dim=0).values
+def _sorting_network(count: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort for `count` inputs as comparators (i, j), i < j: min to i,
+    max to j. Built for the next power of two; comparators that reach past `count` are dropped,
+    which is exact: padding with +inf, those positions only ever hold the padding."""
+    size = 1 << max(0, (count - 1).bit_length())
+    pairs = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple((i, j) for i, j in pairs if j < count)
+
+
+@functools.lru_cache(maxsize=256)
+def _selection_plan(count: int, wanted: tuple[int, ...]) -> tuple[tuple[int, int, bool, bool], ...]:
+    """The comparators of the sorting network that the sorted positions `wanted` depend on,
+    each with which of its outputs (min, max) is needed later."""
+    needed = set(wanted)
+    steps = []
+    for i, j in reversed(_sorting_network(count)):
+        lo, hi = i in needed, j in needed
+        if lo or hi:
+            steps.append((i, j, lo, hi))
+            needed |= {i, j}
+    return tuple(reversed(steps))
+
+
+def _sorted_positions(rows: Sequence[torch.Tensor], wanted: Sequence[int]) -> list[torch.Tensor]:
+    """Rows `wanted` of torch.sort(torch.stack(rows), dim=0).values, by elementwise min/max.
+
+    The values equal sort's; the bits too, except that sort keeps equal keys in row order, so
+    which of -0.0 and +0.0 lands where can differ, and a NaN spreads through min/max where
+    sort moves it to the end. Callers patch those columns (`_patch_with_sort`). Outputs are
+    written over inputs that are no longer needed: few fresh tensors, few page faults."""
+    wires: list[torch.Tensor | None] = list(rows)
+    owned = [False] * len(wires)  # wires holding a tensor of ours, not an input row
+    spare: list[torch.Tensor] = []
+
+    def scratch(*candidates: int) -> torch.Tensor | None:
+        for pos in candidates:  # an input of this comparator that is ours and read in place
+            if owned[pos]:
+                owned[pos] = False
+                return wires[pos]
+        return spare.pop() if spare else None
+
+    for i, j, lo, hi in _selection_plan(len(wires), tuple(wanted)):
+        a, b = wires[i], wires[j]
+        # the min may not overwrite an input the max still reads; the max, computed last, may
+        new_lo = torch.minimum(a, b, out=scratch() if hi else scratch(i, j)) if lo else None
+        new_hi = torch.maximum(a, b, out=scratch(j, i)) if hi else None
+        for pos, new in ((i, new_lo), (j, new_hi)):
+            if owned[pos]:  # still ours and not reused: free for a later comparator
+                spare.append(wires[pos])
+            wires[pos], owned[pos] = new, new is not None
+    return [wires[p] for p in wanted]
+
+
+_NETWORK_MAX = 16  # more rows than this: torch.sort; the network grows as count * log^2(count)
+_NETWORK_DTYPES = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _use_network(rows: Sequence[torch.Tensor]) -> bool:
+    dtypes = {r.dtype for r in rows}
+    return 1 <= len(rows) <= _NETWORK_MAX and len(dtypes) == 1 and dtypes <= set(_NETWORK_DTYPES)
+
+
+def _patch_with_sort(
+    out: torch.Tensor,
+    rows: Sequence[torch.Tensor],
+    from_sorted: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Recompute with torch.sort the columns of `out` where the network may differ from it: a
+    NaN result, or a zero result in a column holding a -0.0 (its sign depends on row order).
+    A nonzero result cannot depend on the sign of a zero input."""
+    bad = torch.isnan(out)
+    zero = out == 0
+    if bool(zero.any()):
+        bits = _NETWORK_DTYPES[rows[0].dtype]
+        negative_zero = torch.zeros_like(zero)
+        for r in rows:
+            negative_zero |= r.view(bits) == torch.iinfo(bits).min  # the bits of -0.0
+        bad |= zero & negative_zero
+    if bool(bad.any()):
+        columns = torch.stack([r[bad] for r in rows])
+        out[bad] = from_sorted(torch.sort(columns, dim=0).values)
+    return out
+
+
+def _median_of_sorted(s: torch.Tensor) -> torch.Tensor:
+    n = s.shape[0]
     if n % 2:
         return s[n // 2].clone()
     return (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def coordinate_median(
+    matrix: torch.Tensor | Sequence[torch.Tensor], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Per-coordinate median of the rows; for an even count, the mean of the two middle values.
+
+    `matrix`: [n, d], or a list of n d-vectors. `dtype`: compute in this dtype, at least as
+    wide as the rows' (default theirs): bit for bit `coordinate_median(matrix.to(dtype))`.
+    Bit for bit what sorting the rows gives; up to 16 float rows go through a min/max network
+    (a few elementwise passes, where a sort over dim 0 is a strided sort per column)."""
+    if isinstance(matrix, torch.Tensor):
+        rows = list(matrix.unbind(0)) if matrix.dim() >= 2 else []
+    else:
+        rows = list(matrix)
+    dtype = dtype or (matrix.dtype if isinstance(matrix, torch.Tensor) else rows[0].dtype)
+    if not _use_network(rows):
+        stacked = matrix if isinstance(matrix, torch.Tensor) else torch.stack(rows)
+        return _median_of_sorted(torch.sort(stacked.to(dtype), dim=0).values)
+    if torch.promote_types(rows[0].dtype, dtype) != dtype:
+        raise ValueError(f"dtype {dtype} is narrower than the rows' {rows[0].dtype}")
+    n = len(rows)
+    out = torch.empty(rows[0].shape, dtype=dtype, device=rows[0].device)
+    if n % 2:
+        out.copy_(_sorted_positions(rows, [n // 2])[0])
+    else:  # (lower + upper) / 2 in `dtype`; the in-place add converts `upper` exactly
+        lower, upper = _sorted_positions(rows, [n // 2 - 1, n // 2])
+        out.copy_(lower).add_(upper).div_(2)
+    return _patch_with_sort(out, rows, lambda s: _median_of_sorted(s.to(dtype)))
 
 
 def median_of(values: Sequence[float]) -> float:
@@ -169,8 +389,18 @@ def trimmed_mean(matrix: torch.Tensor, trim_count: int) -> torch.Tensor:
     n = matrix.shape[0]
     if not 0 <= 2 * trim_count < n:
         raise ValueError(f"trim_count={trim_count} from each end leaves nothing of n={n} deltas")
-    s = torch.sort(matrix, dim=0).values
-    return _mean_rows(s[trim_count : n - trim_count])
+
+    def from_sorted(s: torch.Tensor) -> torch.Tensor:
+        return _mean_rows(s[trim_count : n - trim_count])
+
+    rows = list(matrix.unbind(0)) if matrix.dim() >= 2 else []
+    if not _use_network(rows):
+        return from_sorted(torch.sort(matrix, dim=0).values)
+    kept = _sorted_positions(rows, range(trim_count, n - trim_count))
+    acc = kept[0].clone()
+    for row in kept[1:]:
+        acc += row  # ascending order, as _mean_rows adds the sorted rows
+    return _patch_with_sort(acc / len(kept), rows, from_sorted)
 
 
 def centered_clip(
@@ -178,16 +408,16 @@ def centered_clip(
 ) -> torch.Tensor:
     """Karimireddy et al. 2021 centered clipping from `start` (v_0); see the module docstring."""
     v = start.clone()
+    sums = RowSums()
     if tau is None:
-        tau = median_of([det_norm(row - v) for row in matrix])
+        tau = median_of(sums.norms(matrix - v))
         if tau == 0.0:  # a majority sits exactly on the start point: it is the answer
             return v
     n = matrix.shape[0]
     for _ in range(iterations):
+        diffs = matrix - v
         step = torch.zeros_like(v)
-        for row in matrix:
-            diff = row - v
-            dist = det_norm(diff)
+        for diff, dist in zip(diffs, sums.norms(diffs), strict=True):
             scale = 1.0 if dist <= tau else tau / dist
             step += diff * scale
         v = v + step / n
@@ -203,16 +433,17 @@ def geometric_median(
     with a row stays finite; stops when a step moves less than `tol` times that scale.
     """
     z = coordinate_median(matrix)
-    scale = max(det_norm(row) for row in matrix) or 1.0
+    sums = RowSums()
+    scale = max(sums.norms(matrix)) or 1.0
     for _ in range(iterations):
-        weights = [1.0 / max(det_norm(row - z), eps * scale) for row in matrix]
+        weights = [1.0 / max(d, eps * scale) for d in sums.norms(matrix - z)]
         total = 0.0
         acc = torch.zeros_like(z)
         for w, row in zip(weights, matrix, strict=True):
             acc += row * w
             total += w
         new = acc / total
-        moved = det_norm(new - z)
+        moved = sums.norms((new - z)[None])[0]
         z = new
         if moved <= tol * scale:
             break

@@ -34,8 +34,8 @@ numbers that decided it as JSON-serialisable evidence. Checks, in the order that
    The caller measures the losses (`measure_loss_gain`) because it owns the model.
 
 Robust centre (checks 5-6): over the workers that passed checks 1-4, the coordinate-wise median
-(default; exact, via sorting) or the geometric median (Weiszfeld). Both have breakdown point 1/2:
-an honest majority fixes the centre and the median norm.
+(default; exact: the values a sort selects) or the geometric median (Weiszfeld). Both have
+breakdown point 1/2: an honest majority fixes the centre and the median norm.
 
 Few workers: a centre needs a majority to mean anything. With fewer than `min_workers` (3)
 candidates, checks 5-6 are skipped and recorded as skipped: with 2 workers neither can outvote
@@ -50,7 +50,9 @@ threshold that keeps honest workers can reject them; the robust aggregator (cent
 bounds what they can do in a round.
 
 Every number is computed with deterministic float64 reductions (aggregate.det_sum), so all
-workers reach the same verdicts bit for bit.
+workers reach the same verdicts bit for bit. They are batched (aggregate.RowSums: every norm,
+dot product and distance of the round through one reused buffer), which changes no bit: each
+sum is det_sum's, add for add.
 """
 
 from __future__ import annotations
@@ -74,10 +76,8 @@ from . import (
 )
 from .aggregate import (
     Delta,
+    RowSums,
     coordinate_median,
-    det_dot,
-    det_norm,
-    flatten,
     geometric_median,
     median_of,
 )
@@ -215,10 +215,28 @@ class Verdict:
         return {"worker": self.worker, "reason": self.reason, "evidence": self.evidence}
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor, na: float, nb: float) -> float | None:
+def _cosine(dot: float, na: float, nb: float) -> float | None:
     if na == 0.0 or nb == 0.0:
         return None
-    return max(-1.0, min(1.0, det_dot(a, b) / (na * nb)))
+    return max(-1.0, min(1.0, dot / (na * nb)))
+
+
+def _flat_size(delta: Delta) -> int:
+    """numel of `flatten(delta)`, without building it."""
+    if isinstance(delta, torch.Tensor):
+        return delta.numel()
+    if not delta:
+        raise ValueError("a delta dict must have at least one tensor")
+    return sum(delta[k].numel() for k in sorted(delta))
+
+
+def _flat_rows(items: list[Delta]) -> list[torch.Tensor]:
+    """flatten(item) for each item, except that float32 deltas stay float32 (half the memory;
+    RowSums and coordinate_median convert to float64 exactly where they compute)."""
+    parts = [[d] if isinstance(d, torch.Tensor) else [d[k] for k in sorted(d)] for d in items]
+    compact = all(t.dtype == torch.float32 for p in parts for t in p)
+    dtype = torch.float32 if compact else torch.float64
+    return [torch.cat([t.detach().reshape(-1).to(dtype) for t in p]) for p in parts]
 
 
 def screen_round(
@@ -240,11 +258,26 @@ def screen_round(
     """
     cfg = config or ScreenConfig()
     workers = sorted(deltas)
-    vecs = {w: flatten(deltas[w]) for w in workers}
-    prev = {w: flatten(d) for w, d in sorted((previous_deltas or {}).items())}
-    sizes = {v.numel() for v in [*vecs.values(), *prev.values()]}
+    previous = dict(previous_deltas or {})
+    prev_workers = sorted(previous)
+    items = [deltas[w] for w in workers] + [previous[w] for w in prev_workers]
+    sizes = {_flat_size(d) for d in items}
     if len(sizes) > 1:
         raise ValueError(f"deltas have different sizes {sorted(sizes)[:6]}; decode checks shapes")
+    if not workers:
+        return {}
+    # this round's deltas, then the previous round's, as rows (row numbers below)
+    rows = _flat_rows(items)
+    row = {w: i for i, w in enumerate(workers)}
+    prev_row = {w: len(workers) + i for i, w in enumerate(prev_workers)}
+    sums = RowSums()  # one scratch buffer for every sum below
+    # a finite sum of squares proves every element finite (a NaN or inf would reach the sum);
+    # only a row whose sum overflowed or is not finite is looked at element by element
+    squares = sums.dots(rows, rows, [(i, i) for i in range(len(rows))])
+    finite_rows = [
+        math.isfinite(sq) or bool(torch.isfinite(r).all())
+        for sq, r in zip(squares, rows, strict=True)
+    ]
     flags: dict[int, list[str]] = {w: [] for w in workers}
     ev: dict[int, dict[str, Any]] = {w: {} for w in workers}
 
@@ -253,19 +286,19 @@ def screen_round(
             flags[w].append(reason)
 
     # 1-2: absolute checks
+    finite = {w for w in workers if finite_rows[row[w]]}
+    finite_prev = [w for w in prev_workers if finite_rows[prev_row[w]]]
     norms: dict[int, float] = {}
-    finite: set[int] = set()
     for w in workers:
-        if bool(torch.isfinite(vecs[w]).all()):
-            finite.add(w)
-            norms[w] = det_norm(vecs[w])
+        if w in finite:
+            norms[w] = math.sqrt(squares[row[w]])  # det_norm
         else:
             flag(w, MALFORMED)
         ev[w]["norm"] = norms.get(w)
         if norms.get(w) == 0.0:
             flag(w, NORM_OUTLIER)
             ev[w]["zero"] = True
-    prev_norms = {w: det_norm(v) for w, v in prev.items() if bool(torch.isfinite(v).all())}
+    prev_norms = {w: math.sqrt(squares[prev_row[w]]) for w in finite_prev}
 
     # 3: exact duplicates by packet hash
     hashes = dict(packet_hashes or {})
@@ -285,48 +318,55 @@ def screen_round(
             flag(w, DUPLICATE)
 
     # 4: near duplicates, this round (each pair once) and against the previous round
-    def near(a: torch.Tensor, b: torch.Tensor, na: float, nb: float) -> dict[str, float] | None:
-        cos = _cosine(a, b, na, nb)
+    live = [w for w in workers if w in finite and norms[w] > 0.0]
+    pairs = [(row[w], row[o]) for i, w in enumerate(live) for o in live[i + 1 :]]
+    # a previous delta of norm 0 has no cosine: never a near duplicate
+    pairs += [(row[w], prev_row[pw]) for w in live for pw, pn in prev_norms.items() if pn != 0.0]
+    dots = dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
+    dists = dict(zip(pairs, sums.distances(rows, rows, pairs), strict=True))
+
+    def near(a: int, b: int, na: float, nb: float) -> dict[str, float] | None:
+        cos = _cosine(dots[a, b], na, nb) if (a, b) in dots else None  # absent: a zero norm
         if cos is None:
             return None
-        rel = det_norm(a - b) / max(na, nb)
+        rel = dists[a, b] / max(na, nb)
         if cos >= cfg.near_dup_cosine or rel <= cfg.near_dup_rel_dist:
             return {"cosine": cos, "rel_dist": rel}
         return None
 
-    live = [w for w in workers if w in finite and norms[w] > 0.0]
     for i, w in enumerate(live):
         for o in live[i + 1 :]:
-            hit = near(vecs[w], vecs[o], norms[w], norms[o])
+            hit = near(row[w], row[o], norms[w], norms[o])
             if hit is not None:
                 for a, b in ((w, o), (o, w)):
                     ev[a].setdefault("near_duplicate_of", []).append({"worker": b, **hit})
                     flag(a, NEAR_DUPLICATE)
         for pw, pn in prev_norms.items():
-            hit = near(vecs[w], prev[pw], norms[w], pn)
+            hit = near(row[w], prev_row[pw], norms[w], pn)
             if hit is not None:
                 ev[w].setdefault("near_duplicate_of_previous", []).append({"worker": pw, **hit})
                 flag(w, NEAR_DUPLICATE)
 
     # 5-6: against the robust centre of the workers that are still candidates
+    # the previous round's rows are done with: the median's scratch can reuse their memory
+    del rows[len(workers) :]
     candidates = [w for w in workers if not flags[w]]
     ev_common: dict[str, Any] = {"centre": cfg.centre, "consensus_workers": candidates}
     if len(candidates) >= cfg.min_workers:
-        matrix = torch.stack([vecs[w] for w in candidates])
-        centre = (
-            coordinate_median(matrix)
-            if cfg.centre == "median"
-            else geometric_median(matrix, cfg.weiszfeld_iterations)
-        )
-        centre_norm = det_norm(centre)
+        if cfg.centre == "median":
+            centre = coordinate_median([rows[row[w]] for w in candidates], torch.float64)
+        else:
+            chosen = torch.stack([rows[row[w]].double() for w in candidates])
+            centre = geometric_median(chosen, cfg.weiszfeld_iterations)
+        measured = [w for w in workers if w in finite]
+        centre_norm = sums.norms([centre])[0]
+        centre_dots = sums.dots(rows, [centre], [(row[w], 0) for w in measured])
         median_norm = median_of([norms[w] for w in candidates])
         ev_common["median_norm"] = median_norm
         ev_common["centre_norm"] = centre_norm
-        for w in workers:
-            if w not in finite:
-                continue
+        for w, dot in zip(measured, centre_dots, strict=True):
             ratio = norms[w] / median_norm
-            cos = _cosine(vecs[w], centre, norms[w], centre_norm)
+            cos = _cosine(dot, norms[w], centre_norm)
             ev[w]["norm_ratio"] = ratio
             ev[w]["cosine_to_centre"] = cos
             if w not in candidates:
