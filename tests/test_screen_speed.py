@@ -186,6 +186,16 @@ def ref_screen(deltas, packet_hashes=None, previous_deltas=None, config=None) ->
             if hit is not None:
                 ev[w].setdefault("near_duplicate_of_previous", []).append({"worker": pw, **hit})
                 flag(w, NEAR_DUPLICATE)
+        if len(prev_norms) >= 2:  # the previous round's mean (a stale resubmission)
+            mean = torch.zeros_like(vecs[w])
+            for pw in prev_norms:
+                mean += prev[pw]
+            mean /= len(prev_norms)
+            mean_norm = ref_det_norm(mean)
+            hit = near(vecs[w], mean, norms[w], mean_norm) if mean_norm != 0.0 else None
+            if hit is not None:
+                ev[w]["near_duplicate_of_previous_mean"] = hit
+                flag(w, NEAR_DUPLICATE)
     candidates = [w for w in workers if not flags[w]]
     common: dict[str, Any] = {"centre": cfg.centre, "consensus_workers": candidates}
     if len(candidates) >= cfg.min_workers:

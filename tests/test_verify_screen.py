@@ -166,6 +166,17 @@ def test_replay_of_previous_round():
     assert v[2].evidence["near_duplicate_of_previous"][0]["worker"] == 3
 
 
+def test_stale_resubmission_of_the_previous_mean_is_a_near_duplicate():
+    prev = honest_round(4, 18)
+    cur = honest_round(4, 19)
+    # worker 1 skips training and resends the average of last round's accepted updates, in float32
+    cur[1] = {k: sum(prev[j][k] for j in range(4)) / 4 for k in prev[0]}
+    v = screen_round(cur, packet_hashes=hashes_of(cur), previous_packet_hashes=hashes_of(prev), previous_deltas=prev)
+    assert reasons(v) == {0: ACCEPT, 1: NEAR_DUPLICATE, 2: ACCEPT, 3: ACCEPT}
+    hit = v[1].evidence["near_duplicate_of_previous_mean"]
+    assert hit["cosine"] > 0.999999 and hit["rel_dist"] < 1e-6
+
+
 def test_non_finite_delta_is_malformed():
     deltas = honest_round(4, 10)
     deltas[0]["layer.bias"][3] = float("nan")

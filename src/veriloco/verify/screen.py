@@ -12,7 +12,8 @@ numbers that decided it as JSON-serialisable evidence. Checks, in the order that
    original from the copy. `round.py` may replay both and re-admit the one whose trace
    reproduces the packet; the copier's batches cannot.
 4. NEAR_DUPLICATE: cosine >= `near_dup_cosine` (0.999) OR relative distance ||a-b|| / max(||a||,
-   ||b||) <= `near_dup_rel_dist` (1e-3) to another delta of this round or of the previous round:
+   ||b||) <= `near_dup_rel_dist` (1e-3) to another delta of this round or of the previous round,
+   or to the mean of the previous round's (a stale worker resubmitting last round's update):
    a copy with small noise, a rescaled copy, a replay re-encoded. Either test suffices:
    requiring both would let a rescaled copy (cosine 1, distance large) through, and honest
    workers on different batches are nowhere near cosine 0.999.
@@ -322,6 +323,17 @@ def screen_round(
     pairs = [(row[w], row[o]) for i, w in enumerate(live) for o in live[i + 1 :]]
     # a previous delta of norm 0 has no cosine: never a near duplicate
     pairs += [(row[w], prev_row[pw]) for w in live for pw, pn in prev_norms.items() if pn != 0.0]
+    # ... and against the previous round's mean: a stale worker resubmits last round's update
+    mean_row = None
+    if len(prev_norms) >= 2:  # with one previous delta, the mean is that delta (checked above)
+        mean = torch.zeros(rows[0].numel(), dtype=torch.float64)
+        for pw in prev_norms:  # elementwise, in worker order: the same bits everywhere
+            mean += rows[prev_row[pw]]
+        mean /= len(prev_norms)
+        mean_row, mean_norm = len(rows), math.sqrt(sums.dots([mean], [mean], [(0, 0)])[0])
+        rows.append(mean)
+        if mean_norm != 0.0:
+            pairs += [(row[w], mean_row) for w in live]
     dots = dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
     dists = dict(zip(pairs, sums.distances(rows, rows, pairs), strict=True))
 
@@ -345,6 +357,11 @@ def screen_round(
             hit = near(row[w], prev_row[pw], norms[w], pn)
             if hit is not None:
                 ev[w].setdefault("near_duplicate_of_previous", []).append({"worker": pw, **hit})
+                flag(w, NEAR_DUPLICATE)
+        if mean_row is not None:
+            hit = near(row[w], mean_row, norms[w], mean_norm)
+            if hit is not None:
+                ev[w]["near_duplicate_of_previous_mean"] = hit
                 flag(w, NEAR_DUPLICATE)
 
     # 5-6: against the robust centre of the workers that are still candidates
