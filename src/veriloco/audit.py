@@ -371,11 +371,15 @@ class _Slice:
     params_after: list = field(default_factory=list)  # params hash after each round
     previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (screen)
     bases: list = field(default_factory=list)  # params after each round (replay start points)
+    momenta: list = field(default_factory=list)  # the outer momentum after each round (lookahead)
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
     banned: set = field(default_factory=set)  # workers convicted so far (verify.OFFENCES)
 
     def start_of(self, back: int) -> dict:  # G when round (back + 1 + delay)'s inner steps began
         return self.bases[back] if back >= 0 else self.init
+
+    def momentum_of(self, back: int) -> dict:  # the outer momentum then
+        return self.momenta[back] if back >= 0 else {}
 
 
 def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
@@ -617,6 +621,7 @@ def _redo_slice(
     sl.params_after.append(params_hash)
     if replayable:
         sl.bases.append({k: v.clone() for k, v in sl.outer.params.items()})
+        sl.momenta.append(sl.outer.state_tensors())
     ckpt = {f"param/{k}": v for k, v in sl.outer.params.items()} | sl.outer.state_tensors()
     digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
     if digest != claimed_checkpoint or (claimed_params or params_hash) != params_hash:
@@ -652,7 +657,8 @@ def _replays(cfg, task, r, base, check, sl: _Slice, recorded: dict, evidence: di
             signed = check.commitments[a.worker].commitment
             score = replay_score(
                 cfg.verify, task.make_model, task.loss, cfg.train,
-                start_point(cfg, sl.start_of(r - 1 - cfg.outer.delay), own, cfg.topology.workers), r,
+                start_point(cfg, sl.start_of(r - 1 - cfg.outer.delay), own, cfg.topology.workers,
+                            sl.momentum_of(r - 1 - cfg.outer.delay)), r,
                 lambda step, j=a.worker: task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
                 replay_codecs(cfg, signed),
             )

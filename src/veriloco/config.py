@@ -95,6 +95,13 @@ class OuterConfig:
         "c/W), 'local' (its own newest delta stands in for the whole missing average, c; measured "
         "closer to delay 0 here, README), or 'naive' (start from G)",
     )
+    lookahead: bool = _f(
+        True,
+        "delay 1, eager/local: start from a dry run of the outer step on G and its momentum, with the "
+        "correction's estimate standing in for the missing average: the momentum part of the update "
+        "G is still missing is known exactly (with momentum 0.9 it is most of it); false = the "
+        "correction alone",
+    )
 
 
 @dataclass

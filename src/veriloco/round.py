@@ -129,6 +129,7 @@ class Worker:
     adversary: Adversary | None = None  # set only when this worker is configured to attack
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (replay starts)
     bases: dict = field(default_factory=dict)  # round -> G when its inner steps began (replay)
+    base_momenta: dict = field(default_factory=dict)  # round -> the outer momentum then (replay)
     own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
     eval_all: list = field(default_factory=list)  # elastic: the whole eval set, split among a round's members
     defer_entry: bool = False  # elastic: the ledger entry is appended at commit (elastic.py), not here
@@ -356,11 +357,17 @@ def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None
             p.copy_(params[k])
 
 
-def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int) -> dict[str, torch.Tensor]:
-    """S_r: the canonical G, plus the eager correction when the exchange runs one round late.
+def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int,
+                momentum: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """S_r: the canonical G, plus the correction when the exchange runs one round late.
 
     `own`: the worker's own last decoded deltas (public: its packets), oldest first; the newest
-    (round r-1's, in no average G holds yet) is the one that counts (module docstring)."""
+    (round r-1's, in no average G holds yet) is the one that counts (module docstring).
+    `momentum`: the outer optimizer's buffers with G (OuterOptimizer.state_tensors, public: in
+    the checkpoint). With `[outer] lookahead`, S_r is G after a dry run of the outer step that G
+    still lacks, with the correction's estimate (own/W for eager, own for local) standing in for
+    the missing average: Nesterov moves G by lr ((1 + mu) avg + mu^2 m), heavy ball by
+    lr (avg + mu m), and the m part is known exactly. Without it, only the avg part is taken."""
     if not (cfg.outer.delay and cfg.outer.correction in ("eager", "local") and own):
         return G
     o = cfg.outer
@@ -368,7 +375,14 @@ def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int
     if cfg.outer.correction == "eager":
         c /= workers  # its own share of the missing average; "local": its delta for the whole average
     fresh = own[-1]
-    return {k: G[k] - c * fresh[k] for k in G}
+    out = {k: G[k] - c * fresh[k] for k in G}
+    if o.lookahead and o.momentum > 0 and momentum:
+        m_coef = o.lr * (o.momentum**2 if o.nesterov else o.momentum)
+        for k in out:
+            buf = momentum.get(f"outer/{k}/momentum")
+            if buf is not None:
+                out[k] = out[k] - m_coef * buf
+    return out
 
 
 def run_inner_and_send(w: Worker, r: int) -> Sent:
@@ -377,7 +391,8 @@ def run_inner_and_send(w: Worker, r: int) -> Sent:
     w.base_hashes[r] = tensors_hash(w.outer.params)
     if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
         w.bases[r] = {k: v.clone() for k, v in w.outer.params.items()}
-    start = start_point(cfg, w.outer.params, w.own_decoded, w.workers)
+        w.base_momenta[r] = w.outer.state_tensors()
+    start = start_point(cfg, w.outer.params, w.own_decoded, w.workers, w.outer.state_tensors())
     load_params(w.model, start)
     if cfg.train.inner_state == "reset":
         w.inner.reset_state()
@@ -455,7 +470,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
         signed = check.commitments[a.worker].commitment
         score = replay_score(
-            cfg.verify, w.task.make_model, w.task.loss, cfg.train, start_point(cfg, G_r, own, w.workers), r,
+            cfg.verify, w.task.make_model, w.task.loss, cfg.train,
+            start_point(cfg, G_r, own, w.workers, w.base_momenta.get(r)), r,
             lambda step, j=a.worker: w.task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
             replay_codecs(cfg, signed),
         )
@@ -540,6 +556,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         w.history[j] = (w.history.get(j, []) + [d])[-2:]
     for r_old in [x for x in w.bases if x <= r]:
         w.bases.pop(r_old)
+        w.base_momenta.pop(r_old, None)
     w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
     for j in range(W):  # a worker that missed the round has no "last delta" to start from
         if j not in packets:
