@@ -5,12 +5,15 @@
 The communication benchmark's eager row mixes two effects (the delay and the adaptive codec);
 this one isolates the delay. Every row trains bench/comm.py's quick GPT (2 layers, d64) with W = 4
 workers on the same batches, fp32 packets, no link emulation (the loss does not depend on it),
-outer lr 0.7, Nesterov momentum from --momentum; per momentum, four rows:
+outer lr 0.7, Nesterov momentum from --momentum; per momentum, six rows:
 
-    d0      delay 0: DiLoCo, wait for the exchange, then step
-    eager   delay 1, S = G - c/W * own newest delta (Kale et al. 2025's eager updates; round.py)
-    local   delay 1, S = G - c * own newest delta (the worker's delta stands in for the average)
-    naive   delay 1, S = G
+    d0          delay 0: DiLoCo, wait for the exchange, then step
+    eager       delay 1, S = G - c/W * own newest delta - lr mu^2 m (Kale et al. 2025's eager
+                updates plus the lookahead: the momentum part of the missing outer step; round.py)
+    local       delay 1, S = G - c * own newest delta - lr mu^2 m (the worker's delta stands in
+                for the average)
+    eager-nola, local-nola   the same without the lookahead (`--outer.lookahead=false`)
+    naive       delay 1, S = G
 
 and reports each delay-1 row's eval loss against d0's (the issue's target: eager within 0.5%).
 Writes `{"rows": [...], "config": {...}}`.
@@ -36,6 +39,8 @@ ROWS = {
     "d0": ["--outer.delay=0"],
     "eager": ["--outer.delay=1", "--outer.correction=eager"],
     "local": ["--outer.delay=1", "--outer.correction=local"],
+    "eager-nola": ["--outer.delay=1", "--outer.correction=eager", "--outer.lookahead=false"],
+    "local-nola": ["--outer.delay=1", "--outer.correction=local", "--outer.lookahead=false"],
     "naive": ["--outer.delay=1", "--outer.correction=naive"],
 }
 
@@ -50,7 +55,7 @@ def main() -> None:
     base = [o for o in shared_overrides(True, args.rounds, args.inner_steps, 4) if not o.startswith("--link")]
     base += ["--compress.codec=fp32", "--ledger.backend=none"]
     rows = []
-    print(f"{'momentum':>8} | {'row':>6} | {'eval loss':>9} | {'vs d0':>8}", flush=True)
+    print(f"{'momentum':>8} | {'row':>10} | {'eval loss':>9} | {'vs d0':>8}", flush=True)
     for m in [float(x) for x in args.momentum.split(",")]:
         d0 = None
         for name, extra in ROWS.items():
@@ -61,7 +66,7 @@ def main() -> None:
             d0 = loss if name == "d0" else d0
             vs = 100 * (loss - d0) / d0
             rows.append({"momentum": m, "name": name, "eval_loss": loss, "vs_d0_pct": round(vs, 3)})
-            print(f"{m:>8} | {name:>6} | {loss:>9.4f} | {vs:>+7.2f}%", flush=True)
+            print(f"{m:>8} | {name:>10} | {loss:>9.4f} | {vs:>+7.2f}%", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "config": {"overrides": base, "rounds": args.rounds,
                                           "inner_steps": args.inner_steps}}, indent=2) + "\n")
