@@ -194,7 +194,7 @@ def main() -> None:
         args.seeds, attacks = 1, []
     false_rejections: dict[str, dict[str, list]] = {}  # run -> honest workers' reason -> rounds it fell in
     honest_distances: list[float] = []  # distances recorded for honest workers' replays (distance mode)
-    rows, honest_subs, honest_rej, verify_s, compute_s, inner_s = [], 0, 0, 0.0, 0.0, 0.0
+    rows, honest_subs, honest_rej, verify_s, compute_s, replay_s, inner_s = [], 0, 0, 0.0, 0.0, 0.0, 0.0
     seeds_of = {a: args.detect_seeds if a.split(":")[0] in WITHIN else args.seeds for a in attacks}
     with tempfile.TemporaryDirectory() as tmp:
         clean, clean3 = {}, {}
@@ -207,6 +207,7 @@ def main() -> None:
                 _count_false(false_rejections, "clean", rec, skip=None)
                 verify_s += sum(rec.get("verify_s", [0.0]))
                 compute_s += sum(rec.get("verify_compute_s", [0.0]))
+                replay_s += sum(rec.get("replay_s", [0.0]))
                 inner_s += sum(rec["inner_s"])
                 honest_distances += _recorded_distances(rec, skip=None)
             if seed < args.seeds:  # the honest workers alone: what a refused attacker leaves
@@ -264,6 +265,7 @@ def main() -> None:
               # "overhead_wall" also counts waiting for another worker's replay
               "overhead": round(compute_s / inner_s, 4) if inner_s else None,
               "overhead_wall": round(verify_s / inner_s, 4) if inner_s else None,
+              "overhead_replay": round(replay_s / inner_s, 4) if inner_s else None,  # of "overhead": replays
               "replay_distance": calib,
               "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay,
                          "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4,
@@ -284,8 +286,8 @@ def main() -> None:
               f"{r['final_eval_loss']:.4f} | {r['loss_vs_clean_pct']:+.2f}% | {r['loss_vs_clean3_pct']:+.2f}% |")
     print(f"\nhonest rejections by run and reason: {false_rejections}")
     print(f"\nhonest: {honest_rej} rejections in {honest_subs} submissions; verification compute "
-          f"{result['overhead']} of inner-step compute ({result['overhead_wall']} counting the wait for "
-          f"others' replays)  -> {args.out}")
+          f"{result['overhead']} of inner-step compute, of which replays {result['overhead_replay']} "
+          f"({result['overhead_wall']} counting the wait for others' replays)  -> {args.out}")
 
 
 def _count_false(into: dict, run: str, rec: dict, skip: int | None) -> None:

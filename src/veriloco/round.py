@@ -606,7 +606,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     res = sent.result
     mine = torch.tensor(
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
-         check_s + replay_s],
+         check_s + replay_s, replay_s],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
@@ -635,6 +635,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "verify_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 7].amax(1), here, strict=True)],  # checks + replays
         # of which computing (its own checks and replays), not waiting for another's replay
         "verify_compute_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 8].amax(1), here, strict=True)],
+        "replay_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 9].amax(1), here, strict=True)],  # of which replays
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }
