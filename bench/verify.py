@@ -195,6 +195,7 @@ def main() -> None:
     false_rejections: dict[str, dict[str, list]] = {}  # run -> honest workers' reason -> rounds it fell in
     honest_distances: list[float] = []  # distances recorded for honest workers' replays (distance mode)
     rows, honest_subs, honest_rej, verify_s, compute_s, replay_s, inner_s = [], 0, 0, 0.0, 0.0, 0.0, 0.0
+    packet_bytes = bundle_bytes = 0
     seeds_of = {a: args.detect_seeds if a.split(":")[0] in WITHIN else args.seeds for a in attacks}
     with tempfile.TemporaryDirectory() as tmp:
         clean, clean3 = {}, {}
@@ -210,6 +211,12 @@ def main() -> None:
                 replay_s += sum(rec.get("replay_s", [0.0]))
                 inner_s += sum(rec["inner_s"])
                 honest_distances += _recorded_distances(rec, skip=None)
+            store = LocalStore(Path(tmp) / f"clean-{seed}" / "store")
+            for rec in recs:  # what a bundle carries besides the packet: the signed commitment
+                for digest in rec["bundles"]:
+                    bundle = store.get(digest)
+                    packet_bytes += len(decode_bundle(bundle)[1])
+                    bundle_bytes += len(bundle)
             if seed < args.seeds:  # the honest workers alone: what a refused attacker leaves
                 clean3[seed] = run_one(base, [f"--run.seed={seed}", "--topology.workers=3"],
                                        Path(tmp) / f"clean3-{seed}")[-1]["eval_loss"]
@@ -266,6 +273,11 @@ def main() -> None:
               "overhead": round(compute_s / inner_s, 4) if inner_s else None,
               "overhead_wall": round(verify_s / inner_s, 4) if inner_s else None,
               "overhead_replay": round(replay_s / inner_s, 4) if inner_s else None,  # of "overhead": replays
+              # bytes verification adds to the exchange: the signed commitment in every bundle;
+              # replays fetch nothing (their start state is public, batches come from the corpus)
+              "verification_bytes": {"packet_bytes": packet_bytes, "commitment_bytes": bundle_bytes - packet_bytes,
+                                     "share_of_bundle": round(1 - packet_bytes / bundle_bytes, 4) if bundle_bytes else None,
+                                     "replay_bytes": 0},
               "replay_distance": calib,
               "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay,
                          "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4,
@@ -287,7 +299,8 @@ def main() -> None:
     print(f"\nhonest rejections by run and reason: {false_rejections}")
     print(f"\nhonest: {honest_rej} rejections in {honest_subs} submissions; verification compute "
           f"{result['overhead']} of inner-step compute, of which replays {result['overhead_replay']} "
-          f"({result['overhead_wall']} counting the wait for others' replays)  -> {args.out}")
+          f"({result['overhead_wall']} counting the wait for others' replays); signed commitments "
+          f"{result['verification_bytes']['share_of_bundle']} of the bytes exchanged  -> {args.out}")
 
 
 def _count_false(into: dict, run: str, rec: dict, skip: int | None) -> None:
