@@ -76,6 +76,7 @@ class Exchange:
         self.group, self.comm = group, comm
         self.max_packet_bytes = max_packet_bytes
         self.link = link
+        self._last: threading.Thread | None = None  # the thread of the latest start()
         self.device = torch.device(device)
         if comm is not None:
             self.rank, self.size = comm.rank, comm.size
@@ -86,10 +87,17 @@ class Exchange:
             self._ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.size)]
 
     def start(self, packet: bytes) -> ExchangeHandle:
-        """Begin sending `packet`; returns at once."""
+        """Begin sending `packet`; returns at once, unless the previous exchange of this object
+        is still moving bytes: two exchanges on one group must not issue their collectives
+        concurrently (each rank would order them by thread timing, and ranks that order them
+        differently deadlock or swap packets). With delay 1 the previous one normally finished
+        under the inner steps, so this waits for nothing."""
+        if self._last is not None:
+            self._last.join()
         box: dict = {}
         started = time.perf_counter()
         thread = threading.Thread(target=self._run, args=(packet, box), daemon=True)
+        self._last = thread
         thread.start()
         return ExchangeHandle(thread, box, started, self.link)
 

@@ -1,0 +1,31 @@
+"""The exchange's threads: one exchange's collectives never overlap the next one's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from veriloco.exchange import Exchange
+
+
+def test_a_new_exchange_waits_for_the_previous_ones_collectives():
+    # two exchanges in flight on one process group would issue their collectives from two
+    # threads; ranks could order them differently and deadlock (seen under heavy load)
+    ex = Exchange.__new__(Exchange)
+    ex.link, ex._last = None, None
+    spans: list[tuple[str, float, float]] = []
+    lock = threading.Lock()
+
+    def fake_run(packet: bytes, box: dict) -> None:
+        t0 = time.perf_counter()
+        time.sleep(0.3 if packet == b"first" else 0.0)
+        with lock:
+            spans.append((packet.decode(), t0, time.perf_counter()))
+        box.update(packets=[packet], sent=0, received=0)
+
+    ex._run = fake_run
+    first = ex.start(b"first")
+    second = ex.start(b"second")  # started while the first is still "moving bytes"
+    assert second.wait() == [b"second"] and first.wait() == [b"first"]
+    (_, _, first_end), (_, second_start, _) = sorted(spans)  # "first" < "second"
+    assert second_start >= first_end
