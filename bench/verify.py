@@ -15,7 +15,11 @@ run of the 3 honest workers alone (what refusing the attacker leaves). Lazy and 
 `--detect-seeds` seeds: from the rounds each seed was at risk before its first catch comes a
 per-round catch probability q (geometric MLE) and the implied chance to be caught within N
 rounds, 1 - (1 - q)^N (N = 30 and 20, the targets), next to the share measured in the run's
-rounds. One trace segment per round (trace_every = inner_steps): a sampled replay redoes the
+rounds. The honest-3 baseline is worker 1 sending a zero delta (refused every round): checked
+bit for bit against a 3-worker run when the silent worker is the last one (W=4 with worker 3
+silent gives the 3-worker run's losses exactly), so it is the run of workers 0, 2 and 3 alone;
+at 20 rounds the choice of which three workers' batches moves the loss by ~4%, so a 3-worker
+run is not a fair baseline. One trace segment per round (trace_every = inner_steps): a sampled replay redoes the
 whole round, which catches a lazy worker wherever it skipped (a finer trace lets a replay stop
 early, but a lazy worker skips the last steps, so only a full replay is sure to see them).
 Verification compute (`overhead`) is the time every worker of the clean runs spent computing
@@ -217,8 +221,10 @@ def main() -> None:
                     bundle = store.get(digest)
                     packet_bytes += len(decode_bundle(bundle)[1])
                     bundle_bytes += len(bundle)
-            if seed < args.seeds:  # the honest workers alone: what a refused attacker leaves
-                clean3[seed] = run_one(base, [f"--run.seed={seed}", "--topology.workers=3"],
+            if seed < args.seeds:  # the honest workers 0, 2, 3 alone: what a refused attacker leaves
+                # (worker 1 sends a zero delta, refused every round: bit for bit the run without it;
+                # a 3-worker run would be workers 0, 1, 2, whose batches differ)
+                clean3[seed] = run_one(base, [f"--run.seed={seed}", "--adversary.1=noop"],
                                        Path(tmp) / f"clean3-{seed}")[-1]["eval_loss"]
         calib = calibrate(Path(tmp) / "clean-0", calib_rounds)
         for attack in attacks:

@@ -58,7 +58,7 @@ def test_lookahead_start_is_a_dry_run_of_the_outer_step():
     gen = torch.Generator().manual_seed(1)
     for nesterov in (True, False):
         cfg = tiny("--outer.delay=1", "--outer.correction=local", "--outer.momentum=0.9", "--outer.lr=0.7",
-                   f"--outer.nesterov={str(nesterov).lower()}")
+                   f"--outer.nesterov={str(nesterov).lower()}", "--outer.lookahead=true")
         opt = OuterOptimizer({"w": torch.randn(5, generator=gen)}, cfg.outer)
         for _ in range(3):  # build up momentum
             opt.step({"w": torch.randn(5, generator=gen)})
@@ -80,7 +80,8 @@ def test_one_worker_with_delay_1_and_lookahead_trains_as_delay_0(tmp_path):
 
     base = ("--topology.workers=1", "--train.rounds=4", "--train.inner_steps=4", "--train.eval_every=1000")
     _, d0 = train(tiny(*base), str(tmp_path / "d0"), quiet=True)
-    _, d1 = train(tiny(*base, "--outer.delay=1", "--outer.correction=local"), str(tmp_path / "d1"), quiet=True)
+    _, d1 = train(tiny(*base, "--outer.delay=1", "--outer.correction=local", "--outer.lookahead=true"),
+                  str(tmp_path / "d1"), quiet=True)
     _, off = train(tiny(*base, "--outer.delay=1", "--outer.correction=local", "--outer.lookahead=false"),
                    str(tmp_path / "off"), quiet=True)
     l0 = [r["train_loss"][0] for r in rounds_of(tmp_path / "d0")]
