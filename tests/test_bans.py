@@ -5,9 +5,11 @@ and the offline audit names an auditor who covered for a cheater."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import rounds_of, tiny
 
@@ -25,19 +27,26 @@ def verdicts_of(run_dir: Path, worker: int) -> list[str]:
     return [r["verdicts"][worker] for r in rounds_of(run_dir)]
 
 
-def test_a_false_accuser_is_convicted_and_banned_and_its_victims_are_not(tmp_path):
-    run, summary = train(tiny(*BASE, "--adversary.2=false_accuser"), str(tmp_path / "a"), quiet=True)
-    recs = rounds_of(run.root)
+@pytest.fixture(scope="module")
+def accuser_run(tmp_path_factory) -> tuple[Path, dict]:
+    run, summary = train(tiny(*BASE, "--adversary.2=false_accuser"), str(tmp_path_factory.mktemp("bans") / "a"),
+                         quiet=True)
+    return run.root, summary
+
+
+def test_a_false_accuser_is_convicted_and_banned_and_its_victims_are_not(accuser_run):
+    root, summary = accuser_run
+    recs = rounds_of(root)
     # it audits someone in round 0 (every worker is audited, by one of the three others)
-    assert verdicts_of(run.root, 2)[0] == "false_report", recs[0]["verdicts"]
-    assert verdicts_of(run.root, 2)[1:] == ["banned", "banned"]
+    assert verdicts_of(root, 2)[0] == "false_report", recs[0]["verdicts"]
+    assert verdicts_of(root, 2)[1:] == ["banned", "banned"]
     victim = recs[0]["evidence"]["2"]["accused"]
     assert recs[0]["evidence"][str(victim)]["replayed"]["disputed"] is True
     for j in (0, 1, 3):  # every honest worker accepted in every round
-        assert verdicts_of(run.root, j) == ["accept"] * 3
+        assert verdicts_of(root, j) == ["accept"] * 3
     assert [r.get("banned") for r in recs] == [[2], [2], [2]]
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
-    report = audit_run(run.root, replay=100)
+    report = audit_run(root, replay=100)
     assert report.ok, report.first_failure
 
 
@@ -61,14 +70,14 @@ def test_the_audit_names_an_auditor_that_covered_for_a_cheater(tmp_path, monkeyp
     assert "worker 1's replay fails, but the round accepted it: its auditor, worker" in report.first_failure
 
 
-def test_a_forged_ban_fails_the_audit(tmp_path):
-    run, _ = train(tiny(*BASE, "--train.rounds=2"), str(tmp_path / "d"), quiet=True)
-    lines = (run.root / "rounds.jsonl").read_text().splitlines()
+def test_a_forged_ban_fails_the_audit(accuser_run, tmp_path):
+    root = Path(shutil.copytree(accuser_run[0], tmp_path / "run"))
+    lines = (root / "rounds.jsonl").read_text().splitlines()
     rec = json.loads(lines[1])
-    rec["banned"] = [3]
-    (run.root / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(rec)]) + "\n")
-    report = audit_run(run.root)
-    assert not report.ok and "bans workers [3]" in report.first_failure
+    rec["banned"] = [2, 3]  # an honest worker banned in the record
+    (root / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(rec), *lines[2:]]) + "\n")
+    report = audit_run(root)
+    assert not report.ok and "bans workers [2, 3]" in report.first_failure, report.first_failure
 
 
 def _check(suspects: dict[int, dict]) -> RoundCheck:
