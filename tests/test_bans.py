@@ -108,3 +108,15 @@ def test_judge_reported_convicts_the_worker_or_the_auditor():
     judge_reported(v, c, Audit(1, 0, 2), reported=0.0, score=-1.0)  # the judge's replay passes
     assert c.verdicts[2] == "false_report" and c.verdicts[1] == ACCEPT and 2 not in c.accepted
     assert c.evidence[2] == {"accused": 1, "reported": 0.0} and c.evidence[1]["replayed"]["disputed"]
+
+
+def test_a_resumed_run_screens_against_the_round_before_the_resume(tmp_path):
+    # stale resubmits the mean of last round's accepted deltas (View.previous_deltas): after a
+    # resume the screen (and the attacker) must still know that round, or it would pass as new
+    from veriloco.run import resume
+
+    cfg = tiny("--topology.workers=4", "--train.rounds=3", "--train.inner_steps=4", "--adversary.1=stale")
+    train(cfg, str(tmp_path / "r"), quiet=True, stop_after=2)
+    resume(str(tmp_path / "r"), quiet=True)
+    assert verdicts_of(tmp_path / "r", 1)[1:] == ["near_duplicate", "near_duplicate"]
+    assert audit_run(tmp_path / "r").ok

@@ -79,7 +79,7 @@ from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
 from .link import Link
 from .membership import GroupComm, PgComm
 from .outer import OuterOptimizer
-from .packet import decode_packet, encode_bundle, encode_packet, packet_codecs
+from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
 from .pipeline import PipelineInnerLoop, pipeline_eval_loss
 from .records import RunDir, atomic_write
 from .store import LocalStore
@@ -325,6 +325,12 @@ def restore(w: Worker, next_round: int) -> None:
     w.outer = OuterOptimizer(params, w.cfg.outer)
     w.outer.load_state_tensors(ckpt)
     w.banned = set(mine.get("banned", []))
+    # the screen's "previous round": its accepted packets, decoded again from the store
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    accepted = [j for j, v in enumerate(mine["verdicts"]) if v == "accept"]
+    deltas = {j: decode_packet(decode_bundle(w.store.get(mine["bundles"][j]))[1], shapes, w.cfg.run.max_packet_bytes)
+              for j in accepted}
+    w.previous = ({j: mine["packets"][j] for j in accepted}, deltas)
     state = st_load((w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors").read_bytes())
     w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
     w.encoder.load_state_tensors(state)
