@@ -64,6 +64,7 @@ from .records import RunDir, RunDirError
 from .round import (
     aggregate_deltas,
     batch_root,
+    lookahead_momentum,
     loss_gain_action,
     make_loss_gain,
     replay_codecs,
@@ -378,8 +379,8 @@ class _Slice:
     def start_of(self, back: int) -> dict:  # G when round (back + 1 + delay)'s inner steps began
         return self.bases[back] if back >= 0 else self.init
 
-    def momentum_of(self, back: int) -> dict:  # the outer momentum then
-        return self.momenta[back] if back >= 0 else {}
+    def momentum_of(self, back: int) -> dict | None:  # the outer momentum then
+        return self.momenta[back] if back >= 0 else None
 
 
 def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
@@ -621,7 +622,7 @@ def _redo_slice(
     sl.params_after.append(params_hash)
     if replayable:
         sl.bases.append({k: v.clone() for k, v in sl.outer.params.items()})
-        sl.momenta.append(sl.outer.state_tensors())
+        sl.momenta.append(lookahead_momentum(cfg, sl.outer))
     ckpt = {f"param/{k}": v for k, v in sl.outer.params.items()} | sl.outer.state_tensors()
     digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
     if digest != claimed_checkpoint or (claimed_params or params_hash) != params_hash:

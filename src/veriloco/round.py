@@ -391,14 +391,22 @@ def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int
     return out
 
 
+def lookahead_momentum(cfg: Config, outer: OuterOptimizer) -> dict[str, torch.Tensor] | None:
+    """A copy of the outer momentum when start_point's lookahead needs it (delay 1, lookahead on,
+    momentum > 0), else None: a model-sized copy per round is not made for nothing."""
+    o = cfg.outer
+    return outer.state_tensors() if o.delay and o.lookahead and o.momentum > 0 else None
+
+
 def run_inner_and_send(w: Worker, r: int) -> Sent:
     """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange."""
     t0, cfg, adv = time.perf_counter(), w.cfg, w.adversary or Adversary(w.worker, 0)
     w.base_hashes[r] = tensors_hash(w.outer.params)
+    momentum = lookahead_momentum(cfg, w.outer)
     if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
         w.bases[r] = {k: v.clone() for k, v in w.outer.params.items()}
-        w.base_momenta[r] = w.outer.state_tensors()
-    start = start_point(cfg, w.outer.params, w.own_decoded, w.workers, w.outer.state_tensors())
+        w.base_momenta[r] = momentum
+    start = start_point(cfg, w.outer.params, w.own_decoded, w.workers, momentum)
     load_params(w.model, start)
     if cfg.train.inner_state == "reset":
         w.inner.reset_state()
