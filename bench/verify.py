@@ -15,9 +15,9 @@ run of the 3 honest workers alone (what refusing the attacker leaves). Lazy and 
 `--detect-seeds` seeds: from the rounds each seed was at risk before its first catch comes a
 per-round catch probability q (geometric MLE) and the implied chance to be caught within N
 rounds, 1 - (1 - q)^N (N = 30 and 20, the targets), next to the share measured in the run's
-rounds. The honest-3 baseline is worker 1 sending a zero delta (refused every round): checked
-bit for bit against a 3-worker run when the silent worker is the last one (W=4 with worker 3
-silent gives the 3-worker run's losses exactly), so it is the run of workers 0, 2 and 3 alone;
+rounds. The honest-3 baseline is worker 1 sending a zero delta (refused every round): a one-off
+check (not in this script) found W=4 with worker 3 silent gives the 3-worker run's losses bit
+for bit, so it is the run of workers 0, 2 and 3 alone;
 at 20 rounds the choice of which three workers' batches moves the loss by ~4%, so a 3-worker
 run is not a fair baseline. One trace segment per round (trace_every = inner_steps): a sampled replay redoes the
 whole round, which catches a lazy worker wherever it skipped (a finer trace lets a replay stop
