@@ -34,3 +34,27 @@ class Whitewash(Adversary):
 
     def audit_report(self, r, worker, score):
         return -1.0
+
+
+class Vouch(Adversary):
+    """Trains honestly, but as a loss-gain checker reports every delta it checks as a little
+    better than it is (0.01 nats more gain): what covering for a partner whose delta barely
+    passes looks like. A failing number would be recomputed by everyone; a passing one is taken.
+    The offline audit recomputes every gain and names it."""
+
+    kind = "vouch"
+
+    def loss_gain_report(self, r, worker, gain):
+        from veriloco.verify.screen import LossGain
+
+        after = gain.own_after - 0.01
+        return LossGain(gain.own_before, after, gain.own_before, after)
+
+
+class Mute(Adversary):
+    """Trains honestly, but never reports a loss gain it was drawn to check."""
+
+    kind = "mute"
+
+    def loss_gain_report(self, r, worker, gain):
+        return None

@@ -66,6 +66,7 @@ from .round import (
     batch_root,
     lookahead_momentum,
     loss_gain_action,
+    loss_gain_checkers,
     make_loss_gain,
     replay_codecs,
     start_point,
@@ -79,6 +80,7 @@ from .topology import build_stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, REPLAY_MISMATCH
 from .verify.check import check_round
 from .verify.commitment import EquivocationDetector
+from .verify.lossgain import Settled, assign_checkers, misreports, reports_from_json, settle
 from .verify.replay import (
     judge_reported,
     plan_audits,
@@ -582,7 +584,10 @@ def _redo_slice(
         equivocation=sl.detector, screen=cfg.verify.screen, previous=sl.previous,
         trace_entries=trace_entries(cfg),
         loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, min(cfg.verify.loss_gain_batches, cfg.train.inner_steps))
-        if cfg.verify.loss_gain_batches else None,
+        if cfg.verify.loss_gain_batches and not loss_gain_checkers(cfg.verify) else None,
+        loss_gains_of=_AuditLossGains(cfg, task, G0, sl.start_of(back), r, sorted(bundles), sl.banned,
+                                      part.get("loss_gain_reports"), where)
+        if loss_gain_checkers(cfg.verify) else None,
         loss_gain_action=loss_gain_action(cfg.verify), banned=sl.banned,
     )
     if cfg.verify.replay_probability > 0:
@@ -630,6 +635,39 @@ def _redo_slice(
     return _Redone(digest, params_hash, aggregate_hash, replays_left)
 
 
+class _AuditLossGains:
+    """check_round's `loss_gains_of` in the audit: takes the checkers' reports from the record,
+    checks that the checkers are the ones the round's seed draws, settles the gains exactly as
+    the round did (with the audit's own numbers where the round recomputed), and names a checker
+    whose report the audit's own computation does not reproduce."""
+
+    def __init__(self, cfg, task: CorpusTask, G0: torch.nn.Module, G_r: dict, r: int, members: list[int],
+                 banned: set[int], recorded: Any, where: str) -> None:
+        n = min(cfg.verify.loss_gain_batches, cfg.train.inner_steps)
+        self.gain = make_loss_gain(task.as_task(), G0, G_r, r, n)
+        self.cfg, self.members, self.banned, self.recorded, self.where = cfg, members, set(banned), recorded, where
+
+    def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
+        where, workers = self.where, sorted(decoded)
+        if self.recorded is None:
+            _fail(f"{where}the record has no loss_gain_reports, but the round screened loss gains")
+        try:
+            checkers, reports = reports_from_json(self.recorded, self.cfg.topology.workers)
+        except ValueError as e:
+            _fail(f"{where}{e}")
+        eligible = [m for m in self.members if m not in self.banned]
+        expected = assign_checkers(seed, workers, eligible, loss_gain_checkers(self.cfg.verify))
+        if checkers != expected:
+            _fail(f"{where}the record's loss-gain checkers {checkers} are not the ones the round's seed draws {expected}")
+        true = {j: self.gain(j, decoded[j]) for j in workers}
+        settled = settle(workers, checkers, reports, lambda j: true[j])
+        for c, j in misreports(checkers, reports, true):
+            if c not in settled.false_reports:
+                _fail(f"{where}worker {c} reported a loss gain for worker {j} that does not reproduce, "
+                      f"and the round took it")
+        return settled
+
+
 def _replays(cfg, task, r, base, check, sl: _Slice, recorded: dict, evidence: dict, replays_left: int,
              counts: dict, where: str) -> int:
     """Redo round r's replays (the random sample and the screen's suspects): re-run up to
@@ -646,7 +684,8 @@ def _replays(cfg, task, r, base, check, sl: _Slice, recorded: dict, evidence: di
     for j, v in recorded.items():
         if v == REPLAY_MISMATCH and j not in sampled:
             _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
-        if v == FALSE_REPORT and j not in auditors:
+        lied_on_gain = "loss_gain" in (check.evidence.get(j) or {})  # convicted by the audit's own check_round
+        if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
             _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
     for a in audits:
         ev = evidence.get(str(a.worker)) if isinstance(evidence.get(str(a.worker)), dict) else {}

@@ -177,6 +177,14 @@ class VerifyConfig:
         "decides (the screen alone false-rejects honest workers now and then); 'reject' = rejected. "
         "With replay_probability = 0 there is no replay to decide, so it is rejected either way",
     )
+    loss_gain_checkers: int = _f(
+        1,
+        "how many workers compute each packet's loss gain (drawn per round, never its sender); the "
+        "others take their number, and recompute it themselves only when it fails, is missing or "
+        "the checkers disagree (a checker whose number does not reproduce is convicted false_report). "
+        "0 = every worker computes every packet's gain (2 forward passes per batch per packet per "
+        "worker). Only with loss_gain_action = 'audit' and replays on; otherwise every worker computes all",
+    )
     ban: bool = _f(
         True,
         "refuse every later packet of a worker convicted of replay_mismatch, equivocation or false_report",
@@ -388,6 +396,7 @@ def validate(cfg: Config) -> None:
     need(v.clip_tau >= 0, f"verify.clip_tau must be >= 0, got {v.clip_tau}")
     need(cfg.train.inner_state in ("keep", "reset"), f"train.inner_state must be 'keep' or 'reset', got {cfg.train.inner_state!r}")
     need(v.loss_gain_batches >= 0, f"verify.loss_gain_batches must be >= 0, got {v.loss_gain_batches}")
+    need(v.loss_gain_checkers >= 0, f"verify.loss_gain_checkers must be >= 0, got {v.loss_gain_checkers}")
     need(0 <= v.replay_probability <= 1, f"verify.replay_probability must be in [0, 1], got {v.replay_probability}")
     need(v.loss_gain_action in ("audit", "reject"),
          f"verify.loss_gain_action must be 'audit' or 'reject', got {v.loss_gain_action!r}")

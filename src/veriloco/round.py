@@ -100,6 +100,7 @@ from .verify.replay import (
     replay_score,
     segments_to_sample,
 )
+from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle
 from .verify.screen import LossGain
 
 
@@ -447,6 +448,20 @@ def loss_gain_fn(w: Worker, r: int):
                           min(w.cfg.verify.loss_gain_batches, w.cfg.train.inner_steps))
 
 
+def timed_loss_gain(w: Worker, r: int, seconds: list[float]):
+    """loss_gain_fn(w, r) that adds the time each call takes to seconds[0]."""
+    gain = loss_gain_fn(w, r)
+
+    def timed(j: int, delta: dict[str, torch.Tensor]) -> LossGain:
+        t0 = time.perf_counter()
+        try:
+            return gain(j, delta)
+        finally:
+            seconds[0] += time.perf_counter() - t0
+
+    return timed
+
+
 def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tensor], r: int, n: int):
     """gain(j, delta): loss of G_r and of G_r - delta on worker j's first n batches of round r.
     Deterministic, so every worker (and the audit) computes the same numbers."""
@@ -462,6 +477,51 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
         return LossGain(before, after, before, after)
 
     return gain
+
+
+def loss_gain_checkers(v: VerifyConfig) -> int:
+    """How many checkers compute each packet's loss gain this run (lossgain.py); 0 = every worker
+    computes every gain, as when a failed test rejects (a checker's word must then not matter)."""
+    return v.loss_gain_checkers if v.loss_gain_batches and loss_gain_action(v) == "audit" else 0
+
+
+class SharedLossGains:
+    """check_round's `loss_gains_of` for round r on this worker: computes the gains of the packets
+    it is drawn to check, gathers every member's reports, settles them (lossgain.py). Counts the
+    seconds it spent computing gains (`seconds`)."""
+
+    def __init__(self, w: Worker, r: int, part: Participants) -> None:
+        self.w, self.r, self.part, self.seconds = w, r, part, 0.0
+        self.gain = loss_gain_fn(w, r)
+
+    def _compute(self, j: int, delta: dict[str, torch.Tensor]) -> LossGain:
+        t0 = time.perf_counter()
+        g = self.gain(j, delta)
+        self.seconds += time.perf_counter() - t0
+        return g
+
+    def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
+        w, members = self.w, self.part.members
+        workers = sorted(decoded)
+        eligible = [m for m in members if m not in w.banned]
+        checkers = assign_checkers(seed, workers, eligible, loss_gain_checkers(w.cfg.verify))
+        mine = torch.zeros((w.workers, 3), dtype=torch.float64)  # [reported?, own_before, own_after]
+        for j in workers:
+            if w.worker not in checkers[j]:
+                continue
+            g: LossGain | None = self._compute(j, decoded[j])
+            if w.adversary is not None:
+                g = w.adversary.loss_gain_report(self.r, j, g)
+            if g is not None:
+                mine[j] = torch.tensor([1.0, g.own_before, g.own_after], dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in members]
+        self.part.comm.all_gather(gathered, mine)
+        reports = {c: {j: LossGain(float(t[j, 1]), float(t[j, 2]), float(t[j, 1]), float(t[j, 2]))
+                       for j in workers if c in checkers[j] and t[j, 0] == 1.0}
+                   for c, t in zip(members, gathered, strict=True)}
+        settled = settle(workers, checkers, reports, lambda j: self._compute(j, decoded[j]))
+        settled.record = reports_to_json(checkers, reports)
+        return settled
 
 
 def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> float:
@@ -550,16 +610,20 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     bundle_hashes = {j: w.store.put(data) for j, data in packets.items()}
     verify0 = time.perf_counter()
     base_hash = w.base_hashes.pop(r)
+    shared = SharedLossGains(w, r, part) if loss_gain_checkers(cfg.verify) else None
+    lg_time = [0.0]  # seconds computing loss gains, when every worker computes every one
     check = check_round(
         packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
         admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
         trace_entries=trace_entries(cfg),
-        loss_gain_of=loss_gain_fn(w, r) if cfg.verify.loss_gain_batches else None,
+        loss_gain_of=timed_loss_gain(w, r, lg_time) if cfg.verify.loss_gain_batches and shared is None else None,
+        loss_gains_of=shared,
         loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
     )
     check_s = time.perf_counter() - verify0
+    loss_gain_s = shared.seconds if shared is not None else lg_time[0]
     hashes = [check.packet_hashes.get(j) for j in range(W)]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
@@ -610,6 +674,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "params_hash": params_hash,
         "checkpoint": ckpt_digest,
     }
+    if check.loss_gains is not None and check.loss_gains.record is not None:
+        stage_record["loss_gain_reports"] = check.loss_gains.record  # the audit re-settles from them
     if w.banned:
         stage_record["banned"] = sorted(w.banned)  # after this round's verdicts
     entry_commitments = [
@@ -620,7 +686,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     res = sent.result
     mine = torch.tensor(
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
-         check_s + replay_s, replay_s],
+         check_s + replay_s, replay_s, loss_gain_s],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
@@ -650,6 +716,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         # of which computing (its own checks and replays), not waiting for another's replay
         "verify_compute_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 8].amax(1), here, strict=True)],
         "replay_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 9].amax(1), here, strict=True)],  # of which replays
+        "loss_gain_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 10].amax(1), here, strict=True)],  # of which loss gains
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }

@@ -10,6 +10,7 @@ of every hook is honest. `round.py` calls the hooks of the worker's adversary (i
     commitment(r, commitment) -> commitment                  the commitment it signs (dict)
     bundle(r, bundle, view) -> bytes                         the bytes it puts on the wire
     audit_report(r, worker, score) -> score                  what it reports as another's auditor
+    loss_gain_report(r, worker, gain) -> gain | None         what it reports as another's loss-gain checker
 
 `view` (a `View`) holds what any worker legitimately knows at that point: the previous round's
 accepted deltas of everyone, its own previous packet and delta, the global params.
@@ -31,6 +32,8 @@ import json
 from dataclasses import dataclass, field
 
 import torch
+
+from .screen import LossGain
 
 Delta = dict[str, torch.Tensor]
 
@@ -98,6 +101,11 @@ class Adversary:
         """The replay score it reports for `worker`, whose round it was drawn to audit (`score`:
         what its replay really gave; verify/replay.py: replay_score)."""
         return score
+
+    def loss_gain_report(self, r: int, worker: int, gain: LossGain) -> LossGain | None:
+        """The loss gain it reports for `worker`'s delta, which it was drawn to check (`gain`: what
+        it really computed; verify/lossgain.py); None reports nothing."""
+        return gain
 
 
 class _SkipsWork(Adversary):
@@ -301,12 +309,17 @@ class Equivocate(Adversary):
 class FalseAccuser(Adversary):
     """Trains honestly, but as an auditor reports every replay it is given as failed, to get
     honest workers rejected (and banned): exact mode, a mismatch at the first trace entry;
-    distance mode, a distance of 1 (the whole delta)."""
+    distance mode, a distance of 1 (the whole delta). As a loss-gain checker it reports every
+    delta it checks as raising the loss by a nat."""
 
     kind = "false_accuser"
 
     def audit_report(self, r: int, worker: int, score: float) -> float:
         return 0.0 if score < 0 else 1.0
+
+    def loss_gain_report(self, r: int, worker: int, gain: LossGain) -> LossGain | None:
+        worse = gain.own_before + 1.0  # the delta "raised" the loss by a nat
+        return LossGain(gain.own_before, worse, gain.own_before, worse)
 
 
 BUILTIN: dict[str, type[Adversary]] = {

@@ -31,7 +31,7 @@ import torch
 from ..hashing import sha256_hex
 from ..ledger.merkle import root as merkle_root
 from ..packet import PacketError, decode_bundle, decode_packet
-from . import ACCEPT, BANNED, EQUIVOCATION, KEY_MISMATCH, MALFORMED, NO_LOSS_GAIN, WRONG_DATA
+from . import ACCEPT, BANNED, EQUIVOCATION, FALSE_REPORT, KEY_MISMATCH, MALFORMED, NO_LOSS_GAIN, OFFENCES, WRONG_DATA
 from .commitment import (
     CommitmentError,
     EquivocationDetector,
@@ -40,6 +40,7 @@ from .commitment import (
     check_packet,
     parse_signed_commitment,
 )
+from .lossgain import Settled, gain_floor
 from .screen import LossGain, ScreenConfig, screen_round
 
 
@@ -59,6 +60,7 @@ class RoundCheck:
     evidence: dict[int, Any] = field(default_factory=dict)
     decoded: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # every decodable delta
     suspects: dict[int, dict] = field(default_factory=dict)  # accepted for now, to be replayed: why
+    loss_gains: Settled | None = None  # shared loss gains (lossgain.py), when checkers computed them
 
 
 def check_round(
@@ -76,12 +78,16 @@ def check_round(
     previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
     trace_entries: int | None = None,
     loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
+    loss_gains_of: Callable[[dict[int, dict[str, torch.Tensor]], str], Settled] | None = None,
     loss_gain_action: str = "reject",
     banned: set[int] | frozenset[int] = frozenset(),
 ) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id; a dict when only some
-    workers took part, as under elastic membership). `loss_gain_action`: "reject" a delta that
-    fails the loss-gain test, or "audit" it (RoundCheck.suspects); `banned`: workers refused."""
+    workers took part, as under elastic membership). The loss-gain test: `loss_gain_of(w, delta)`
+    computes each gain here; or `loss_gains_of(decoded, seed)` settles them from the assigned
+    checkers' reports (lossgain.py; `seed`: the round's commitments), and a checker whose report
+    does not reproduce gets FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the
+    loss-gain test, or "audit" it (RoundCheck.suspects); `banned`: workers refused."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -129,14 +135,18 @@ def check_round(
             except PacketError as e:
                 reason, evidence[w] = MALFORMED, {"error": str(e)[:200]}
         verdicts[w] = reason or ACCEPT
+    settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
-        gains = {w: loss_gain_of(w, d) for w, d in decoded.items()} if loss_gain_of else None
+        if loss_gains_of is not None:
+            seed = base_hash + "".join(sorted(c.digest for c in commitments.values() if c is not None))
+            settled = loss_gains_of(decoded, seed)
+            gains: dict[int, LossGain] | None = settled.gains
+        else:
+            gains = {w: loss_gain_of(w, d) for w, d in decoded.items()} if loss_gain_of else None
         # a delta must lower its own batches' loss by a fair share of what the median delta does
         # (with 3+ workers; with fewer, by more than nothing): noise of an honest norm gains ~0
-        floor = 0.0
-        if gains and len(gains) >= 3:
-            floor = max(0.0, 0.25 * sorted(g.own_gain for g in gains.values())[len(gains) // 2])
+        floor = gain_floor(gains) if gains else 0.0
         screened = screen_round(
             decoded,
             packet_hashes={w: packet_hashes[w] for w in decoded},
@@ -154,6 +164,10 @@ def check_round(
                 suspects[w] = {"flags": v.evidence["flags"], "loss_gain": v.evidence.get("loss_gain")}
             else:
                 verdicts[w], evidence[w] = v.reason, v.evidence
+        for c, ev in (settled.false_reports.items() if settled else ()):  # lied as a loss-gain checker
+            if c in verdicts and verdicts[c] not in (*OFFENCES, BANNED):
+                verdicts[c], evidence[c] = FALSE_REPORT, {"loss_gain": ev}
+                suspects.pop(c, None)
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
     return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded,
-                      suspects)
+                      suspects, settled)

@@ -261,9 +261,10 @@ def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, report
             check.evidence[audit.worker]["suspect"] = check.suspects[audit.worker]
         check.accepted.pop(audit.worker, None)
         return
-    check.verdicts[audit.auditor] = FALSE_REPORT
-    check.evidence[audit.auditor] = {"accused": audit.worker,
-                                     "reported": reported if math.isfinite(reported) else None}
+    prior = check.evidence.get(audit.auditor) if check.verdicts.get(audit.auditor) == FALSE_REPORT else None
+    check.verdicts[audit.auditor] = FALSE_REPORT  # (it may have lied as a loss-gain checker too: keep both)
+    check.evidence[audit.auditor] = (prior or {}) | {"accused": audit.worker,
+                                                     "reported": reported if math.isfinite(reported) else None}
     check.accepted.pop(audit.auditor, None)
     check.evidence.setdefault(audit.worker, {})["replayed"] = replay_evidence(verify, audit, score) | {"disputed": True}
 

@@ -1,0 +1,158 @@
+"""Shared loss gains (verify/lossgain.py): each packet's gain is computed by its drawn checker, not
+by every worker; a failing, missing or disputed number is recomputed by everyone, a checker whose
+number does not reproduce is convicted, and the offline audit names one that vouched falsely."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import rounds_of, tiny
+
+from veriloco.audit import audit_run
+from veriloco.run import train
+from veriloco.verify.lossgain import (
+    assign_checkers,
+    gain_floor,
+    misreports,
+    reports_from_json,
+    reports_to_json,
+    settle,
+)
+from veriloco.verify.screen import LossGain
+
+
+def g(before: float, after: float) -> LossGain:
+    return LossGain(before, after, before, after)
+
+
+TRUE = {0: g(5.0, 4.6), 1: g(5.0, 4.5), 2: g(5.0, 4.55), 3: g(5.0, 4.7)}
+
+
+def computer(true=TRUE):
+    calls: list[int] = []
+
+    def compute(j: int) -> LossGain:
+        calls.append(j)
+        return true[j]
+
+    return compute, calls
+
+
+def test_checkers_are_distinct_others_and_the_draw_depends_on_the_seed():
+    workers = [0, 1, 2, 3, 4, 5]
+    for n in (1, 2, 5, 9):
+        a = assign_checkers("seed", workers, workers, n)
+        assert a == assign_checkers("seed", workers, workers, n)
+        for w, cs in a.items():
+            assert w not in cs and len(cs) == len(set(cs)) == min(n, 5)
+    draws = {tuple(assign_checkers(f"s{i}", workers, workers, 1)[0]) for i in range(40)}
+    assert len(draws) == 5  # every other worker gets drawn for worker 0 sooner or later
+    assert assign_checkers("s", [0], [0, 1, 3], 2)[0] == [1, 3]
+    assert assign_checkers("s", [0], [0], 1) == {0: []}  # nobody else: everyone computes it
+    assert 2 not in sum(assign_checkers("s", [0, 1, 3], [0, 1, 3], 3).values(), [])  # banned: not eligible
+
+
+def test_honest_reports_are_taken_without_computing_anything():
+    checkers = assign_checkers("s", [0, 1, 2, 3], [0, 1, 2, 3], 1)
+    reports = {c[0]: {} for c in checkers.values()}
+    for j, (c,) in checkers.items():
+        reports[c][j] = TRUE[j]
+    compute, calls = computer()
+    out = settle([0, 1, 2, 3], checkers, reports, compute)
+    assert out.gains == TRUE and calls == [] and out.false_reports == {}
+
+
+def test_a_missing_or_disputed_report_is_computed_by_everyone():
+    checkers = {0: [1], 1: [2, 3], 2: [3], 3: [0]}
+    reports = {1: {}, 2: {1: TRUE[1]}, 3: {1: g(5.0, 4.4), 2: TRUE[2]}, 0: {3: TRUE[3]}}  # 0: missing
+    compute, calls = computer()
+    out = settle([0, 1, 2, 3], checkers, reports, compute)
+    assert sorted(calls) == [0, 1] and out.gains == TRUE
+    assert list(out.false_reports) == [3]  # of the two that disagree on 1, worker 3's number is wrong
+    assert out.false_reports[3]["accused"] == 1
+
+
+def test_a_failing_report_counts_only_once_recomputed_and_a_false_one_convicts_its_checker():
+    checkers = {0: [1], 1: [2], 2: [3], 3: [0]}
+    reports = {1: {0: TRUE[0]}, 2: {1: g(5.0, 6.0)}, 3: {2: TRUE[2]}, 0: {3: TRUE[3]}}  # 2 lies about 1
+    compute, calls = computer()
+    out = settle([0, 1, 2, 3], checkers, reports, compute)
+    assert calls == [1] and out.gains[1] == TRUE[1] and list(out.false_reports) == [2]
+    # an honestly failing delta stays failing, and its honest checker is not convicted
+    true = dict(TRUE) | {1: g(5.0, 5.2)}
+    reports[2][1] = true[1]
+    compute, calls = computer(true)
+    out = settle([0, 1, 2, 3], checkers, reports, compute)
+    assert calls == [1] and out.gains[1] == true[1] and out.false_reports == {}
+    assert out.gains[1].own_gain <= gain_floor(out.gains)
+
+
+def test_a_delta_that_breaks_the_model_breaks_it_for_everyone():
+    true = dict(TRUE) | {2: g(5.0, math.inf)}
+    checkers = {0: [1], 1: [2], 2: [3], 3: [0]}
+    reports = {1: {0: true[0]}, 2: {1: true[1]}, 3: {2: g(5.0, math.nan)}, 0: {3: true[3]}}
+    compute, calls = computer(true)
+    out = settle([0, 1, 2, 3], checkers, reports, compute)
+    assert calls == [2] and out.false_reports == {}
+
+
+def test_reports_survive_the_record_and_bad_records_are_refused():
+    checkers = {0: [1], 1: [2, 3], 2: [3]}
+    reports = {1: {0: g(5.0, 4.5)}, 2: {1: g(5.0, math.inf)}, 3: {1: g(5.0, math.inf)}}  # 3 said nothing on 2
+    back_checkers, back = reports_from_json(reports_to_json(checkers, reports), 4)
+    assert back_checkers == checkers
+    assert back[1][0] == reports[1][0] and back[3][2] is None and math.isnan(back[2][1].own_after)
+    assert misreports(checkers, reports, {0: g(5.0, 4.5), 1: g(5.0, 4.0)}) == [(2, 1), (3, 1)]
+    for bad in ([], {"9": []}, {"x": []}, {"0": [[1, "a", 2.0]]}, {"0": [[7, 1.0, 2.0]]}, {"0": [[1, 1.0]]},
+                {"0": [[1], [1]]}, {"0": "x"}):
+        with pytest.raises(ValueError, match="loss_gain_reports"):
+            reports_from_json(bad, 4)
+
+
+LG = ("--topology.workers=4", "--train.rounds=3", "--train.inner_steps=4", "--verify.trace_every=4",
+      "--train.inner_state=reset", "--verify.replay_probability=0.25", "--verify.loss_gain_batches=1")
+
+
+def test_each_gain_is_computed_once_by_a_drawn_checker_and_the_audit_agrees(tmp_path):
+    run, _ = train(tiny(*LG), str(tmp_path / "a"), quiet=True)
+    for rec in rounds_of(run.root):
+        assert rec["verdicts"] == ["accept"] * 4
+        reports = rec["loss_gain_reports"]
+        assert sorted(reports) == ["0", "1", "2", "3"]
+        for j, rows in reports.items():
+            assert len(rows) == 1 and rows[0][0] != int(j) and rows[0][2] < rows[0][1]
+        assert all(s >= 0 for s in rec["loss_gain_s"])
+    assert audit_run(run.root, replay=100).ok
+
+
+def test_every_worker_computes_every_gain_with_zero_checkers(tmp_path):
+    run, _ = train(tiny(*LG, "--verify.loss_gain_checkers=0"), str(tmp_path / "a"), quiet=True)
+    recs = rounds_of(run.root)
+    assert all("loss_gain_reports" not in r for r in recs)
+    assert all(r["verdicts"] == ["accept"] * 4 for r in recs)
+    assert audit_run(run.root, replay=100).ok
+
+
+def test_a_checker_that_fails_honest_deltas_is_convicted_and_one_that_stays_mute_costs_nothing(tmp_path):
+    run, _ = train(tiny(*LG, "--adversary.2=false_accuser", "--adversary.3=red_team:Mute"), str(tmp_path / "a"),
+                   quiet=True)
+    recs = rounds_of(run.root)
+    checked_by_2 = [j for j, rows in recs[0]["loss_gain_reports"].items() if rows[0][0] == 2]
+    assert checked_by_2, recs[0]["loss_gain_reports"]  # the draw gives worker 2 a packet in round 0
+    assert recs[0]["verdicts"][2] == "false_report"
+    assert "loss_gain" in recs[0]["evidence"]["2"]
+    assert [r["verdicts"][2] for r in recs[1:]] == ["banned", "banned"]
+    for j in (0, 1, 3):
+        assert [r["verdicts"][j] for r in recs] == ["accept"] * 3
+    assert any(rows[0][0] == 3 and len(rows[0]) == 1 for r in recs for rows in r["loss_gain_reports"].values())
+    assert audit_run(run.root, replay=100).ok
+
+
+def test_the_audit_names_a_checker_that_vouched_for_a_number_that_does_not_reproduce(tmp_path):
+    run, _ = train(tiny(*LG, "--adversary.0=red_team:Vouch"), str(tmp_path / "a"), quiet=True)
+    recs = rounds_of(run.root)
+    assert all(v == "accept" for r in recs for v in r["verdicts"])  # the round cannot see it
+    report = audit_run(run.root, replay=100)
+    assert not report.ok
+    assert "worker 0 reported a loss gain" in report.first_failure, report.first_failure
