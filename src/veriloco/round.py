@@ -91,6 +91,7 @@ from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
+from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle
 from .verify.replay import (
     Audit,
     judge_reported,
@@ -100,7 +101,6 @@ from .verify.replay import (
     replay_score,
     segments_to_sample,
 )
-from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle
 from .verify.screen import LossGain
 
 

@@ -31,7 +31,17 @@ import torch
 from ..hashing import sha256_hex
 from ..ledger.merkle import root as merkle_root
 from ..packet import PacketError, decode_bundle, decode_packet
-from . import ACCEPT, BANNED, EQUIVOCATION, FALSE_REPORT, KEY_MISMATCH, MALFORMED, NO_LOSS_GAIN, OFFENCES, WRONG_DATA
+from . import (
+    ACCEPT,
+    BANNED,
+    EQUIVOCATION,
+    FALSE_REPORT,
+    KEY_MISMATCH,
+    MALFORMED,
+    NO_LOSS_GAIN,
+    OFFENCES,
+    WRONG_DATA,
+)
 from .commitment import (
     CommitmentError,
     EquivocationDetector,
