@@ -24,7 +24,12 @@ whole round, which catches a lazy worker wherever it skipped (a finer trace lets
 early, but a lazy worker skips the last steps, so only a full replay is sure to see them).
 Verification compute (`overhead`) is the time every worker of the clean runs spent computing
 its checks and replays, as a share of its inner-step time; `overhead_wall` also counts the
-time it waited for another worker's replay. Writes
+time it waited for another worker's replay. `overhead_parts` splits it into loss gains, replays
+and the other checks, with the replay share expected at the replay probability next to the
+measured one (a run has few replays). On the tiny model a step is ~1 ms, so the per-round checks
+weigh far more than on a real model; `overhead_default_model` measures the same on clean runs of
+configs/default.toml (`--overhead-rounds` rounds, H = 30), with one loss-gain checker per packet
+and with every worker computing every gain. Writes
 `{"attacks": [...], "honest": {...}, "overhead": x, "replay_distance": {...}}`.
 
 `replay_distance` calibrates `[verify] replay_match = "distance"`: on the clean seed-0 run, for
@@ -178,6 +183,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--replay", type=float, default=0.1, help="replay probability per worker per round")
     ap.add_argument("--aggregator", default="trimmed_mean")
+    ap.add_argument("--overhead-rounds", type=int, default=6,
+                    help="rounds of the default-model overhead runs (0: skip them)")
     ap.add_argument("--replay-match", default="exact", choices=["exact", "distance"],
                     help="[verify] replay_match for every run")
     ap.add_argument("--calibrate-only", action="store_true",
@@ -189,16 +196,17 @@ def main() -> None:
     attacks = ATTACKS
     if args.quick:
         args.seeds, args.detect_seeds, args.rounds = 1, 1, 8
+        args.overhead_rounds = min(args.overhead_rounds, 2)
     base = ["--topology.workers=4", f"--train.rounds={args.rounds}", "--train.inner_steps=20",
             "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", f"--verify.replay_match={args.replay_match}",
             "--train.eval_every=1000"]
     calib_rounds = sorted({min(int(x), args.rounds - 1) for x in args.calibrate_rounds.split(",")})
     if args.calibrate_only:
-        args.seeds, attacks = 1, []
+        args.seeds, attacks, args.overhead_rounds = 1, [], 0
     false_rejections: dict[str, dict[str, list]] = {}  # run -> honest workers' reason -> rounds it fell in
     honest_distances: list[float] = []  # distances recorded for honest workers' replays (distance mode)
-    rows, honest_subs, honest_rej, verify_s, compute_s, replay_s, inner_s = [], 0, 0, 0.0, 0.0, 0.0, 0.0
+    rows, honest_subs, honest_rej, clean_recs = [], 0, 0, []
     packet_bytes = bundle_bytes = 0
     seeds_of = {a: args.detect_seeds if a.split(":")[0] in WITHIN else args.seeds for a in attacks}
     with tempfile.TemporaryDirectory() as tmp:
@@ -210,11 +218,8 @@ def main() -> None:
                 honest_subs += len(rec["verdicts"])
                 honest_rej += sum(v != "accept" for v in rec["verdicts"])
                 _count_false(false_rejections, "clean", rec, skip=None)
-                verify_s += sum(rec.get("verify_s", [0.0]))
-                compute_s += sum(rec.get("verify_compute_s", [0.0]))
-                replay_s += sum(rec.get("replay_s", [0.0]))
-                inner_s += sum(rec["inner_s"])
                 honest_distances += _recorded_distances(rec, skip=None)
+            clean_recs.append(recs)
             store = LocalStore(Path(tmp) / f"clean-{seed}" / "store")
             for rec in recs:  # what a bundle carries besides the packet: the signed commitment
                 for digest in rec["bundles"]:
@@ -227,6 +232,8 @@ def main() -> None:
                 clean3[seed] = run_one(base, [f"--run.seed={seed}", "--adversary.1=noop"],
                                        Path(tmp) / f"clean3-{seed}")[-1]["eval_loss"]
         calib = calibrate(Path(tmp) / "clean-0", calib_rounds)
+        tiny_overhead = overhead_of(clean_recs, args.replay)
+        default_overhead = default_model_overhead(args.overhead_rounds, args.replay, Path(tmp)) if args.overhead_rounds else []
         for attack in attacks:
             kind = attack.split(":")[0]
             rates, firsts, losses, reasons, distances, exposure = [], [], [], set(), [], 0
@@ -276,9 +283,11 @@ def main() -> None:
                                           "rejections_by_run": false_rejections},
               # verification compute (own checks and replays) / inner-step compute, clean runs;
               # "overhead_wall" also counts waiting for another worker's replay
-              "overhead": round(compute_s / inner_s, 4) if inner_s else None,
-              "overhead_wall": round(verify_s / inner_s, 4) if inner_s else None,
-              "overhead_replay": round(replay_s / inner_s, 4) if inner_s else None,  # of "overhead": replays
+              "overhead": tiny_overhead["overhead"],
+              "overhead_wall": tiny_overhead["overhead_wall"],
+              "overhead_replay": tiny_overhead["replay"],  # of "overhead": replays
+              "overhead_parts": tiny_overhead,  # the tiny clean runs, by part (overhead_of)
+              "overhead_default_model": default_overhead,
               # bytes verification adds to the exchange: the signed commitment in every bundle;
               # replays fetch nothing (their start state is public, batches come from the corpus)
               "verification_bytes": {"packet_bytes": packet_bytes, "commitment_bytes": bundle_bytes - packet_bytes,
@@ -307,6 +316,58 @@ def main() -> None:
           f"{result['overhead']} of inner-step compute, of which replays {result['overhead_replay']} "
           f"({result['overhead_wall']} counting the wait for others' replays); signed commitments "
           f"{result['verification_bytes']['share_of_bundle']} of the bytes exchanged  -> {args.out}")
+    print(f"overhead by part, tiny clean runs: {tiny_overhead}")
+    for row in default_overhead:
+        print(f"overhead by part, default model, loss_gain_checkers={row['loss_gain_checkers']}: {row}")
+
+
+def overhead_of(recs_by_run: list[list[dict]], probability: float) -> dict:
+    """Verification compute of clean runs as shares of their inner-step compute, by part:
+    loss gains, replays, and the other checks (signatures, batch roots, decoding, the screen).
+    Replays are few in a short run, and on this machine (4 workers on 2 cores) a replay runs
+    while the others wait, with a core to itself, so its seconds undercount it
+    (`replay_cost_per_worker_round` < 1). A replay redoes one worker-round's H steps, and each
+    worker-round is replayed with the replay probability, so `replay_expected` = that
+    probability, and `overhead_expected` = checks + loss gains + replay_expected."""
+    inner = compute = replay = loss_gain = wall = 0.0
+    replays = worker_rounds = 0
+    for recs in recs_by_run:
+        for rec in recs:
+            inner += sum(rec["inner_s"])
+            compute += sum(rec["verify_compute_s"])
+            wall += sum(rec["verify_s"])
+            replay += sum(rec["replay_s"])
+            loss_gain += sum(rec.get("loss_gain_s", [0.0]))
+            worker_rounds += len(rec["inner_s"])
+            replays += sum(isinstance(e, dict) and "replayed" in e for e in (rec.get("evidence") or {}).values())
+    out = {"inner_s": round(inner, 2), "worker_rounds": worker_rounds, "replays": replays,
+           "overhead": round(compute / inner, 4), "overhead_wall": round(wall / inner, 4),
+           "replay": round(replay / inner, 4), "loss_gain": round(loss_gain / inner, 4),
+           "checks": round((compute - replay - loss_gain) / inner, 4)}
+    if replays:
+        per_replay = (replay / replays) / (inner / worker_rounds)
+        out["replay_cost_per_worker_round"] = round(per_replay, 4)
+    out["replay_expected"] = probability
+    out["overhead_expected"] = round(out["checks"] + out["loss_gain"] + probability, 4)
+    return out
+
+
+def default_model_overhead(rounds: int, probability: float, tmp: Path) -> list[dict]:
+    """Clean 4-worker runs of configs/default.toml (the `make run` model: 4 layers, d 128, batch
+    16 x 128 tokens, H = 30), verification as in the attack runs, with one loss-gain checker per
+    packet and with every worker computing every gain, side by side."""
+    rows = []
+    for checkers in (1, 0):
+        cfg = load_config(ROOT / "configs" / "default.toml", [
+            "--topology.workers=4", f"--train.rounds={rounds}", "--verify.trace_every=30",
+            "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={probability}",
+            "--verify.aggregator=trimmed_mean", f"--verify.loss_gain_checkers={checkers}", "--train.eval_every=1000"])
+        run, _ = train(cfg, str(tmp / f"default-{checkers}"), quiet=True)
+        recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+        row = {"model": "default", "loss_gain_checkers": checkers, "rounds": rounds} | overhead_of([recs], probability)
+        rows.append(row)
+        print(f"default model, loss_gain_checkers={checkers}: {row}", flush=True)
+    return rows
 
 
 def _count_false(into: dict, run: str, rec: dict, skip: int | None) -> None:
