@@ -15,11 +15,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import Config
 from .inner import InnerLoop
+from .procs import start_workers
 from .records import RunDir
 from .round import init_distributed, progress_line
 from .run import free_port, prepare_run
@@ -127,7 +127,7 @@ def train_ddp(cfg: Config, out: str | None = None, quiet: bool = False, link=Non
 
 def launch_ddp(cfg: Config, task: Task, run: RunDir, quiet: bool = False, link=None) -> dict:
     world = cfg.topology.workers
-    mp.spawn(_ddp_worker, args=(world, cfg, task, str(run.root), free_port(), quiet, link), nprocs=world, join=True)
+    start_workers(_ddp_worker, (world, cfg, task, str(run.root), free_port(), quiet, link), world)
     return json.loads(run.summary_path.read_text())
 
 

@@ -534,15 +534,14 @@ class _LocalHost:
     """Workers as local processes (spawned), the coordinator in the launcher's process."""
 
     def __init__(self, cfg: Config, task: Task, run) -> None:
-        import torch.multiprocessing as tmp
-
         from .membership import Coordinator
+        from .procs import context
 
         self.cfg, self.task, self.run_dir = cfg, task, str(run.root)
         W = cfg.topology.workers
         self.coord = Coordinator(cfg.run.min_workers or W // 2 + 1, cfg.run.round_deadline or cfg.run.timeout_s,
                                  cfg.run.heartbeat_timeout_s)
-        self.ctx = tmp.get_context("spawn")
+        self.ctx = context()
 
     def start(self, j: int, args: dict) -> _Spawned:
         p = self.ctx.Process(target=_worker_main, args=(

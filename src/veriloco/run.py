@@ -1,7 +1,7 @@
 """Launching a run: the manifest, the run id, local worker processes or torchrun, and resume.
 
-A local run spawns workers * stages processes (one per stage of each worker; topology.py) with
-torch.multiprocessing, joined by gloo on loopback at a free port. Under `torchrun` the same worker entry point (`python -m veriloco.run`)
+A local run starts workers * stages processes (one per stage of each worker; topology.py) from a
+forkserver that has torch imported (procs.py), joined by gloo on loopback at a free port. Under `torchrun` the same worker entry point (`python -m veriloco.run`)
 reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment torchrun sets.
 """
 
@@ -14,13 +14,13 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
 from .data import load_corpus
 from .hashing import canonical_json, json_hash
 from .model import build_model
+from .procs import start_workers
 from .records import RunDir, RunDirError
 from .round import init_distributed, train_worker
 from .store import LocalStore, run_ref
@@ -132,7 +132,7 @@ def launch(
         raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
     world = cfg.topology.workers * cfg.topology.stages
     port = free_port()
-    mp.spawn(_spawned, args=(world, cfg, task, str(run.root), start_round, port, quiet, stop_after), nprocs=world, join=True)
+    start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
     import json
 
     return json.loads(run.summary_path.read_text())
