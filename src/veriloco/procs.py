@@ -10,20 +10,23 @@ processes only (never to or from a peer).
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from typing import Any
 
 import torch.multiprocessing as mp
 
-START_METHOD = "forkserver"
+# a platform without fork (Windows) starts each worker with spawn, importing torch anew
+START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 PRELOAD = ["veriloco.run", "veriloco.elastic"]  # torch, the engine, and the elastic worker's entry
 
 
 def context() -> BaseContext:
     """The multiprocessing context worker processes start from (its server preloads PRELOAD)."""
     ctx = mp.get_context(START_METHOD)
-    ctx.set_forkserver_preload(PRELOAD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
