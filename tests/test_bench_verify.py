@@ -1,0 +1,42 @@
+"""bench/verify.py's overhead split, on made-up records and on one real (tiny) run's, so a change
+in the records the bench reads shows up here rather than 20 minutes into a bench run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import ROOT, tiny
+
+from veriloco.run import train
+
+sys.path.insert(0, str(ROOT / "bench"))
+import verify  # noqa: E402
+
+
+def rec(inner, compute, wall, replay, loss_gain, replayed=()):
+    return {"inner_s": inner, "verify_compute_s": compute, "verify_s": wall, "replay_s": replay,
+            "loss_gain_s": loss_gain, "evidence": {str(j): {"replayed": {"segment": 0}} for j in replayed}}
+
+
+def test_overhead_splits_into_checks_loss_gains_and_replays():
+    recs = [rec([10.0, 10.0], [1.0, 3.0], [2.0, 3.0], [0.0, 2.0], [0.2, 0.2], replayed=[0]),
+            rec([10.0, 10.0], [0.5, 0.5], [0.5, 0.5], [0.0, 0.0], [0.2, 0.2])]
+    out = verify.overhead_of([recs], 0.1)
+    assert out["inner_s"] == 40.0 and out["worker_rounds"] == 4 and out["replays"] == 1
+    assert out["overhead"] == pytest.approx(5.0 / 40) and out["overhead_wall"] == pytest.approx(6.0 / 40)
+    assert out["replay"] == pytest.approx(2.0 / 40) and out["loss_gain"] == pytest.approx(0.8 / 40)
+    assert out["checks"] == pytest.approx((5.0 - 2.0 - 0.8) / 40)
+    assert out["replay_cost_per_worker_round"] == pytest.approx(2.0 / 10.0)  # one replay, 10 s per worker-round
+    assert out["overhead_expected"] == pytest.approx(out["checks"] + out["loss_gain"] + 0.1)
+
+
+def test_the_records_of_a_real_run_have_what_the_split_reads(tmp_path):
+    run, _ = train(tiny("--topology.workers=3", "--train.rounds=2", "--train.inner_steps=3", "--verify.trace_every=3",
+                        "--train.inner_state=reset", "--verify.replay_probability=0.5",
+                        "--verify.loss_gain_batches=1"), str(tmp_path / "r"), quiet=True)
+    recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+    out = verify.overhead_of([recs], 0.5)
+    assert out["worker_rounds"] == 6 and out["inner_s"] > 0
+    assert 0 < out["loss_gain"] < out["overhead"] and out["checks"] > 0
