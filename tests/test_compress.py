@@ -451,6 +451,23 @@ def test_controller_picks_fp32_when_budget_is_ample() -> None:
     json.dumps(log, allow_nan=False)
 
 
+def test_controller_does_not_measure_rungs_when_fp32_fits(monkeypatch) -> None:
+    delta = model_delta()
+    exact = sum(4 * v.numel() for v in delta.values())
+    measured = AdaptiveController()._options  # the path taken when fp32 does not fit
+    ctl = AdaptiveController()
+    monkeypatch.setattr(ctl, "_options", lambda *a: pytest.fail("measured a rung although fp32 fits"))
+    codecs, log = ctl.choose(delta, budget_bytes=exact)  # exactly enough
+    assert {c.spec() for c in codecs.values()} == {"fp32"} and log["sq_error"] == dict.fromkeys(delta, 0.0)
+    assert not log["measured"] and log["min_bytes"] < log["total_bytes"] == log["max_bytes"] == exact
+    monkeypatch.setattr(ctl, "_options", measured)
+    codecs, log = ctl.choose(delta, budget_bytes=exact - 1)  # one byte short: measured, and not all fp32
+    assert log["measured"] and log["fits"] and {c.spec() for c in codecs.values()} != {"fp32"}
+    no_fp32 = AdaptiveController(["bf16", "int8:block=64"])
+    _, log = no_fp32.choose(delta, budget_bytes=10**9)
+    assert log["measured"]  # without a lossless rung, the best rung is found by measuring
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.2, 0.05, 0.02])
 def test_controller_fits_the_budget(fraction: float) -> None:
     delta = model_delta()

@@ -48,6 +48,7 @@ DEFAULT_LADDER: tuple[str, ...] = (
     "topk:bits=8,density=0.001",
 )
 
+LOSSLESS = "fp32"  # the rung with no error: when it fits, it is the choice
 UNLIMITED_BYTES = sys.maxsize  # the budget of a lone worker: it sends nothing
 
 
@@ -226,6 +227,31 @@ class AdaptiveController:
                 frontier.append((size, err, spec))
         return frontier[::-1]
 
+    def _lossless_fits(
+        self, tensors: Mapping[str, torch.Tensor | Sequence[int]], budget_bytes: int
+    ) -> tuple[dict[str, Codec], dict[str, Any]] | None:
+        """fp32 for every tensor, without measuring a rung, when the ladder has fp32 and fp32
+        fits the budget: no rung can do better than no error (measuring every rung of every
+        tensor costs ~(ladder size) encodes per round, a few % of a round on a slow CPU, spent for
+        nothing on a fast link). None otherwise."""
+        if LOSSLESS not in self.ladder:
+            return None
+        keys = sorted(tensors)
+        shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(int(d) for d in v)
+                  for k, v in tensors.items()}
+        sizes = {k: self.codec(k, LOSSLESS).estimate_bytes(shapes[k]) + self.overhead_bytes_per_tensor for k in keys}
+        total = sum(sizes.values())
+        if total > budget_bytes:
+            return None
+        smallest = sum(min(self.codec(k, spec).estimate_bytes(shapes[k]) for spec in self.ladder)
+                       + self.overhead_bytes_per_tensor for k in keys)
+        log = {
+            "budget_bytes": budget_bytes, "total_bytes": total, "min_bytes": smallest, "max_bytes": total,
+            "fits": True, "measured": False,  # nothing to measure: fp32's error is 0
+            "codecs": dict.fromkeys(keys, LOSSLESS), "sq_error": dict.fromkeys(keys, 0.0),
+        }
+        return {k: self.codec(k, LOSSLESS) for k in keys}, log
+
     def choose(
         self, tensors: Mapping[str, torch.Tensor | Sequence[int]], budget_bytes: int
     ) -> tuple[dict[str, Codec], dict[str, Any]]:
@@ -240,6 +266,9 @@ class AdaptiveController:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes={budget_bytes!r} must be an integer >= 0")
         keys = sorted(tensors)
+        fits_lossless = self._lossless_fits(tensors, budget_bytes)
+        if fits_lossless is not None:
+            return fits_lossless
         frontier = {k: self._options(k, tensors[k]) for k in keys}
         pos = dict.fromkeys(keys, 0)
         total = sum(frontier[k][0][0] for k in keys)
