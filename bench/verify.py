@@ -233,7 +233,7 @@ def main() -> None:
                                        Path(tmp) / f"clean3-{seed}")[-1]["eval_loss"]
         calib = calibrate(Path(tmp) / "clean-0", calib_rounds)
         tiny_overhead = overhead_of(clean_recs, args.replay)
-        default_overhead = default_model_overhead(args.overhead_rounds, args.replay, Path(tmp)) if args.overhead_rounds else []
+        default_overhead = default_model_overhead(args.overhead_rounds, args.replay, args.replay_match, Path(tmp)) if args.overhead_rounds else []
         for attack in attacks:
             kind = attack.split(":")[0]
             rates, firsts, losses, reasons, distances, exposure = [], [], [], set(), [], 0
@@ -352,7 +352,7 @@ def overhead_of(recs_by_run: list[list[dict]], probability: float) -> dict:
     return out
 
 
-def default_model_overhead(rounds: int, probability: float, tmp: Path) -> list[dict]:
+def default_model_overhead(rounds: int, probability: float, replay_match: str, tmp: Path) -> list[dict]:
     """Clean 4-worker runs of configs/default.toml (the `make run` model: 4 layers, d 128, batch
     16 x 128 tokens, H = 30), verification as in the attack runs, with one loss-gain checker per
     packet and with every worker computing every gain, side by side."""
@@ -361,10 +361,12 @@ def default_model_overhead(rounds: int, probability: float, tmp: Path) -> list[d
         cfg = load_config(ROOT / "configs" / "default.toml", [
             "--topology.workers=4", f"--train.rounds={rounds}", "--verify.trace_every=30",
             "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={probability}",
-            "--verify.aggregator=trimmed_mean", f"--verify.loss_gain_checkers={checkers}", "--train.eval_every=1000"])
+            "--verify.aggregator=trimmed_mean", f"--verify.loss_gain_checkers={checkers}", "--train.eval_every=1000",
+            f"--verify.replay_match={replay_match}"])
         run, _ = train(cfg, str(tmp / f"default-{checkers}"), quiet=True)
         recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
-        row = {"model": "default", "loss_gain_checkers": checkers, "rounds": rounds} | overhead_of([recs], probability)
+        row = {"model": "default", "loss_gain_checkers": checkers, "rounds": rounds, "replay_match": replay_match} \
+            | overhead_of([recs], probability)
         rows.append(row)
         print(f"default model, loss_gain_checkers={checkers}: {row}", flush=True)
     return rows
