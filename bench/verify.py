@@ -190,10 +190,12 @@ def main() -> None:
     ap.add_argument("--calibrate-only", action="store_true",
                     help="one clean run, then only the replay-distance measurements")
     ap.add_argument("--calibrate-rounds", default="0,5,10,15,19",
-                    help="rounds of the clean seed-0 run whose replays are measured (clipped to --rounds)")
+                    help="rounds of the clean seed-0 run whose replays are measured (clipped to --rounds; '' = none)")
+    ap.add_argument("--attacks", default="",
+                    help="comma-separated attacks to run (default: all), e.g. lazy:skip=0.25,lazy:skip=0.5")
     ap.add_argument("--out", default=None, help="default bench/results/verify.json (--calibrate-only: print only)")
     args = ap.parse_args()
-    attacks = ATTACKS
+    attacks = [a.strip() for a in args.attacks.split(",") if a.strip()] or ATTACKS
     if args.quick:
         args.seeds, args.detect_seeds, args.rounds = 1, 1, 8
         args.overhead_rounds = min(args.overhead_rounds, 2)
@@ -201,7 +203,7 @@ def main() -> None:
             "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", f"--verify.replay_match={args.replay_match}",
             "--train.eval_every=1000"]
-    calib_rounds = sorted({min(int(x), args.rounds - 1) for x in args.calibrate_rounds.split(",")})
+    calib_rounds = sorted({min(int(x), args.rounds - 1) for x in args.calibrate_rounds.split(",") if x.strip()})
     if args.calibrate_only:
         args.seeds, attacks, args.overhead_rounds = 1, [], 0
     false_rejections: dict[str, dict[str, list]] = {}  # run -> honest workers' reason -> rounds it fell in
@@ -231,7 +233,7 @@ def main() -> None:
                 # a 3-worker run would be workers 0, 1, 2, whose batches differ)
                 clean3[seed] = run_one(base, [f"--run.seed={seed}", "--adversary.1=noop"],
                                        Path(tmp) / f"clean3-{seed}")[-1]["eval_loss"]
-        calib = calibrate(Path(tmp) / "clean-0", calib_rounds)
+        calib = calibrate(Path(tmp) / "clean-0", calib_rounds) if calib_rounds else None
         tiny_overhead = overhead_of(clean_recs, args.replay)
         default_overhead = default_model_overhead(args.overhead_rounds, args.replay, args.replay_match, Path(tmp)) if args.overhead_rounds else []
         for attack in attacks:
