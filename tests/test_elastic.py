@@ -39,7 +39,10 @@ def test_elastic_without_faults_is_the_static_run(tmp_path):
 @pytest.mark.parametrize("delay", [0, 1])
 def test_dead_worker_survivors_go_on_it_rejoins_and_a_death_mid_exchange_is_retried(tmp_path, delay):
     run_dir = tmp_path / "run"
-    cfg = tiny("--topology.workers=3", "--train.rounds=8", f"--outer.delay={delay}", *ELASTIC)
+    # with delay 1, the default outer momentum (Nesterov 0.9) is unstable on this config even
+    # without faults (eval rises from round 4: 3.53 -> 7.47 by round 8); 0.5 trains smoothly
+    momentum = ("--outer.momentum=0.5",) if delay else ()
+    cfg = tiny("--topology.workers=3", "--train.rounds=8", f"--outer.delay={delay}", *momentum, *ELASTIC)
     _, summary = train(cfg, str(run_dir), quiet=True,
                        # 2 is restarted 3 s after its death (a worker starts in ~0.1 s from the
                        # forkserver, procs.py): the survivors commit rounds without it meanwhile
