@@ -48,7 +48,7 @@ class Vouch(Adversary):
         from veriloco.verify.screen import LossGain
 
         after = gain.own_after - 0.01
-        return LossGain(gain.own_before, after, gain.own_before, after)
+        return LossGain.on_own_batches(gain.own_before, after)
 
 
 class Mute(Adversary):

@@ -23,7 +23,7 @@ from veriloco.verify.screen import LossGain
 
 
 def g(before: float, after: float) -> LossGain:
-    return LossGain(before, after, before, after)
+    return LossGain.on_own_batches(before, after)
 
 
 TRUE = {0: g(5.0, 4.6), 1: g(5.0, 4.5), 2: g(5.0, 4.55), 3: g(5.0, 4.7)}

@@ -474,7 +474,7 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
     def gain(j: int, delta: dict[str, torch.Tensor]) -> LossGain:
         before = loss_at(G_r, j)
         after = loss_at({k: G_r[k] - delta[k] for k in G_r}, j)
-        return LossGain(before, after, before, after)
+        return LossGain.on_own_batches(before, after)
 
     return gain
 
@@ -486,19 +486,12 @@ def loss_gain_checkers(v: VerifyConfig) -> int:
 
 
 class SharedLossGains:
-    """check_round's `loss_gains_of` for round r on this worker: computes the gains of the packets
-    it is drawn to check, gathers every member's reports, settles them (lossgain.py). Counts the
-    seconds it spent computing gains (`seconds`)."""
+    """check_round's `loss_gains_of` for round r on this worker: computes with `gain` (j, delta)
+    the gains of the packets it is drawn to check, gathers every member's reports, settles them
+    (lossgain.py)."""
 
-    def __init__(self, w: Worker, r: int, part: Participants) -> None:
-        self.w, self.r, self.part, self.seconds = w, r, part, 0.0
-        self.gain = loss_gain_fn(w, r)
-
-    def _compute(self, j: int, delta: dict[str, torch.Tensor]) -> LossGain:
-        t0 = time.perf_counter()
-        g = self.gain(j, delta)
-        self.seconds += time.perf_counter() - t0
-        return g
+    def __init__(self, w: Worker, r: int, part: Participants, gain) -> None:
+        self.w, self.r, self.part, self.gain = w, r, part, gain
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
         w, members = self.w, self.part.members
@@ -509,17 +502,17 @@ class SharedLossGains:
         for j in workers:
             if w.worker not in checkers[j]:
                 continue
-            g: LossGain | None = self._compute(j, decoded[j])
+            g: LossGain | None = self.gain(j, decoded[j])
             if w.adversary is not None:
                 g = w.adversary.loss_gain_report(self.r, j, g)
             if g is not None:
                 mine[j] = torch.tensor([1.0, g.own_before, g.own_after], dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in members]
         self.part.comm.all_gather(gathered, mine)
-        reports = {c: {j: LossGain(float(t[j, 1]), float(t[j, 2]), float(t[j, 1]), float(t[j, 2]))
+        reports = {c: {j: LossGain.on_own_batches(float(t[j, 1]), float(t[j, 2]))
                        for j in workers if c in checkers[j] and t[j, 0] == 1.0}
                    for c, t in zip(members, gathered, strict=True)}
-        settled = settle(workers, checkers, reports, lambda j: self._compute(j, decoded[j]))
+        settled = settle(workers, checkers, reports, lambda j: self.gain(j, decoded[j]))
         settled.record = reports_to_json(checkers, reports)
         return settled
 
@@ -610,20 +603,21 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     bundle_hashes = {j: w.store.put(data) for j, data in packets.items()}
     verify0 = time.perf_counter()
     base_hash = w.base_hashes.pop(r)
-    shared = SharedLossGains(w, r, part) if loss_gain_checkers(cfg.verify) else None
-    lg_time = [0.0]  # seconds computing loss gains, when every worker computes every one
+    lg_time = [0.0]  # seconds this worker spent computing loss gains
+    gain = timed_loss_gain(w, r, lg_time) if cfg.verify.loss_gain_batches else None
+    shared = SharedLossGains(w, r, part, gain) if loss_gain_checkers(cfg.verify) else None
     check = check_round(
         packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
         admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
         trace_entries=trace_entries(cfg),
-        loss_gain_of=timed_loss_gain(w, r, lg_time) if cfg.verify.loss_gain_batches and shared is None else None,
+        loss_gain_of=gain if shared is None else None,
         loss_gains_of=shared,
         loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
     )
     check_s = time.perf_counter() - verify0
-    loss_gain_s = shared.seconds if shared is not None else lg_time[0]
+    loss_gain_s = lg_time[0]
     hashes = [check.packet_hashes.get(j) for j in range(W)]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")

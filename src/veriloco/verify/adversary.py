@@ -319,7 +319,7 @@ class FalseAccuser(Adversary):
 
     def loss_gain_report(self, r: int, worker: int, gain: LossGain) -> LossGain | None:
         worse = gain.own_before + 1.0  # the delta "raised" the loss by a nat
-        return LossGain(gain.own_before, worse, gain.own_before, worse)
+        return LossGain.on_own_batches(gain.own_before, worse)
 
 
 BUILTIN: dict[str, type[Adversary]] = {

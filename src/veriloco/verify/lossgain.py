@@ -82,7 +82,6 @@ class Settled:
 
     gains: dict[int, LossGain]
     false_reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # checker -> evidence
-    recomputed: list[int] = field(default_factory=list)  # workers whose gain this member computed itself
     record: dict | None = None  # the reports settled from, as the round record keeps them (reports_to_json)
 
 
@@ -102,7 +101,6 @@ def settle(
     def recompute(j: int) -> LossGain:
         if j not in own:
             own[j] = compute(j)
-            out.recomputed.append(j)
         for c in checkers.get(j, []):
             said = reports.get(c, {}).get(j)
             if said is not None and not same(said, own[j]) and c not in out.false_reports:
@@ -172,5 +170,5 @@ def reports_from_json(data: Any, workers: int) -> tuple[dict[int, list[int]], di
                 reports.setdefault(c, {})[j] = None
                 continue
             before, after = (math.nan if x is None else float(x) for x in row[1:])
-            reports.setdefault(c, {})[j] = LossGain(before, after, before, after)
+            reports.setdefault(c, {})[j] = LossGain.on_own_batches(before, after)
     return checkers, reports

@@ -134,6 +134,12 @@ class LossGain:
     random_before: float  # loss of G_r on batches the verifier drew (seeded by the ledger)
     random_after: float  # loss of G_r - delta on those
 
+    @classmethod
+    def on_own_batches(cls, before: float, after: float) -> LossGain:
+        """Losses measured on the worker's own batches only (round.py's test), which stand in
+        for the random ones too: an advantage of 0, never a WRONG_DATA verdict on its own."""
+        return cls(before, after, before, after)
+
     @property
     def own_gain(self) -> float:
         return self.own_before - self.own_after
