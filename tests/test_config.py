@@ -35,11 +35,14 @@ def test_override_types():
         ("--outer.nesterov=3", "outer.nesterov: expected bool"),
         ("--model.d_model=31", "divisible"),
         ("train.rounds", "--section.key=value"),
+        ("--topology.stages=2 --verify.loss_gain_batches=1", "loss-gain screen of pipelined workers is not implemented"),
+        ("--topology.stages=2 --train.inner_state=reset --verify.replay_probability=0.5 --verify.replay_match=distance",
+         "pipelined rounds replay in exact mode only"),
     ],
 )
 def test_bad_override_names_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
-        tiny(override)
+        tiny(*override.split(" "))
     assert needle in str(e.value)
     if "unknown key" in needle:
         assert "valid keys of [train]: mode, rounds" in str(e.value)

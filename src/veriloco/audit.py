@@ -32,7 +32,10 @@ What is checked, in this order (the first failure is reported with its round):
      the recorded aggregate hash; the outer step from the previous params gives the params and
      the checkpoint digest the entry claims, and that checkpoint blob is in the store. With
      stages, the stage checkpoints then make the stage-checkpoint manifest the entry's subject
-     names (and it is in the store), and the stages' hashes combine to the entry's.
+     names (and it is in the store), and the stages' hashes combine to the entry's. With
+     `--replay N`, up to N of the rounds' sampled replays are re-run (a pipelined worker's in
+     this one process, emulated bit for bit: pipeline.EmulatedPipeline) and must give the
+     recorded verdicts.
   5. the signed checkpoint manifest of a complete run: the recorder's signature, and every file
      it lists (final checkpoint, manifest, rounds.jsonl) hashes to its digest.
 Exit code 0 when all of it holds, 1 with a line naming the first round and thing that does not,
@@ -60,6 +63,7 @@ from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
 from .model import build_model
 from .outer import OuterOptimizer
+from .pipeline import EmulatedPipeline
 from .records import RunDir, RunDirError
 from .round import (
     aggregate_deltas,
@@ -78,14 +82,18 @@ from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .topology import build_stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, REPLAY_MISMATCH
-from .verify.check import check_round
+from .verify.check import RoundCheck, check_round
 from .verify.commitment import EquivocationDetector
 from .verify.lossgain import Settled, assign_checkers, misreports, reports_from_json, settle
 from .verify.replay import (
+    PlanInputs,
+    Replayer,
     judge_reported,
+    plain_replayer,
     plan_audits,
     replay_failed,
-    replay_score,
+    replay_run,
+    score_replayed,
     segments_to_sample,
 )
 
@@ -401,8 +409,6 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
     except ValueError as e:
         _fail(f"manifest: config does not parse: {e}")
     stages = cfg.topology.stages
-    if stages > 1 and (cfg.verify.loss_gain_batches or cfg.verify.replay_probability > 0):
-        _fail("manifest: audit of pipeline-stage runs with loss-gain screening or replays is not supported")
     G0 = build_model(cfg.model, cfg.run.seed)
     if model_init_hash(G0) != manifest.get("model_init_hash"):
         _fail("manifest: the model built from the config's seed does not have the manifest's init hash")
@@ -455,24 +461,28 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
         p = entry["predicate"]
         claimed = entry["subject"][0]["digest"]["sha256"]
         if stages == 1:
-            redone = _redo_slice(cfg, task, store, G0, slices[0], r, rec, p["commitments"],
-                                 (p["aggregate_hash"], claimed, p.get("params_hash")), f"round {r}: ",
-                                 admitted, manifest["run_id"], counts, replays_left)
-            replays_left = redone.replays_left
+            parts, wheres = [rec], [f"round {r}: "]
+            recorded = [p["commitments"]]
+            claims = [(p["aggregate_hash"], claimed, p.get("params_hash"))]
+        else:
+            parts, wheres = rec["stages"], [f"round {r}: stage {s}: " for s in range(stages)]
+            recorded = [[c for c in p["commitments"] if c.get("stage") == s] for s in range(stages)]
+            claims = [(x["aggregate_hash"], x["checkpoint"], x["params_hash"]) for x in p["stages"]]
+        checks = [_check_slice(cfg, task, store, G0, sl, r, part, mine, where, admitted, manifest["run_id"], counts)
+                  for sl, part, mine, where in zip(slices, parts, recorded, wheres, strict=True)]
+        if cfg.verify.replay_probability > 0:
+            replays_left = _replays(cfg, task, r, checks, slices, recorded, parts, replays_left, counts, wheres)
+        results = [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
+                   for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres,
+                                                                   strict=True)]
+        if stages == 1:
             try:
                 store.get(claimed)
             except StoreError as e:
                 _fail(f"round {r}: checkpoint: {e}")
             counts["checkpoints"] += 1
             continue
-        results = []
-        for s, sl in enumerate(slices):
-            mine = [c for c in p["commitments"] if c.get("stage") == s]
-            want = p["stages"][s]
-            where = f"round {r}: stage {s}: "
-            results.append(_redo_slice(cfg, task, store, G0, sl, r, rec["stages"][s], mine,
-                                       (want["aggregate_hash"], want["checkpoint"], want["params_hash"]),
-                                       where, admitted, manifest["run_id"], counts, 0))
+        for where, want in zip(wheres, p["stages"], strict=True):
             try:
                 store.get(want["checkpoint"])
             except StoreError as e:
@@ -547,19 +557,23 @@ class _Redone(NamedTuple):
     checkpoint: str
     params_hash: str
     aggregate_hash: str | None
-    replays_left: int
 
 
-def _redo_slice(
-    cfg, task: CorpusTask, store: Any, G0: torch.nn.Module, sl: _Slice, r: int, part: dict,
-    recorded: list[dict], claims: tuple, where: str, admitted: dict, run_id: str, counts: dict,
-    replays_left: int,
-) -> _Redone:
-    """Redo round r for one slice: check its bundles, compare verdicts and signed commitments with
-    the entry's `recorded` commitments, aggregate, take the outer step, and compare with `claims`
-    = (aggregate hash, checkpoint digest, params hash or None); `where` starts every failure
-    message ("round r: " or "round r: stage s: "). Returns what it recomputed."""
-    claimed_aggregate, claimed_checkpoint, claimed_params = claims
+class _Checked(NamedTuple):
+    """One slice's round after its bundles were checked (before replays)."""
+
+    check: RoundCheck
+    base: str  # hash of the slice's G the round started from
+    present: set[int]  # the workers whose bundles the round had
+
+
+def _check_slice(
+    cfg, task: CorpusTask, store: Any, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, recorded: list[dict],
+    where: str, admitted: dict, run_id: str, counts: dict,
+) -> _Checked:
+    """Check round r's bundles for one slice (`part`: its record, the whole record when there is
+    one stage) as that slice's processes did: signatures, commitments, data, screen, loss gains.
+    `where` starts every failure message ("round r: " or "round r: stage s: ")."""
     bundles: dict[int, bytes] = {}  # worker -> its bundle; a worker absent or late (elastic) has none
     for j, digest in enumerate(part.get("bundles") or []):
         if digest is None and part.get("verdicts", [None] * (j + 1))[j] in (ABSENT, LATE):
@@ -576,7 +590,6 @@ def _redo_slice(
     back = r - 1 - cfg.outer.delay
     base = sl.params_after[back] if back >= 0 else tensors_hash(sl.init)
     shapes = {k: tuple(v.shape) for k, v in sl.outer.params.items()}
-    replayable = cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches
     check = check_round(
         bundles, run_id=run_id, round=r, base_hash=base, admitted_keys=admitted,
         shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
@@ -590,10 +603,17 @@ def _redo_slice(
         if loss_gain_checkers(cfg.verify) else None,
         loss_gain_action=loss_gain_action(cfg.verify), banned=sl.banned,
     )
-    if cfg.verify.replay_probability > 0:
-        verdicts = {c["worker"]: c["verdict"] for c in recorded}
-        replays_left = _replays(cfg, task.as_task(), r, base, check, sl, verdicts, part.get("evidence") or {},
-                                replays_left, counts, where)
+    return _Checked(check, base, set(bundles))
+
+
+def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, recorded: list[dict], claims: tuple,
+                  where: str, counts: dict) -> _Redone:
+    """The rest of round r for one slice, after its replays: compare verdicts and signed
+    commitments with the entry's `recorded` commitments, aggregate, take the outer step, and
+    compare with `claims` = (aggregate hash, checkpoint digest, params hash or None). Returns
+    what it recomputed."""
+    check = checked.check
+    claimed_aggregate, claimed_checkpoint, claimed_params = claims
     if cfg.verify.ban:
         sl.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     if sorted(sl.banned) != part.get("banned", []):
@@ -602,7 +622,7 @@ def _redo_slice(
         sl.history[j] = (sl.history.get(j, []) + [d])[-2:]
     for c in recorded:
         j, verdict = c["worker"], c["verdict"]
-        if j not in bundles:  # absent or late: nothing of it may be in the round
+        if j not in checked.present:  # absent or late: nothing of it may be in the round
             sl.history.pop(j, None)
             if c.get("signed") is not None or c.get("bundle_sha256") is not None:
                 _fail(f"{where}worker {j} is recorded as {verdict} but the entry holds its commitment")
@@ -625,14 +645,14 @@ def _redo_slice(
         _fail(f"{where}nothing was accepted but the entry claims an aggregate")
     params_hash = tensors_hash(sl.outer.params)
     sl.params_after.append(params_hash)
-    if replayable:
+    if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
         sl.bases.append({k: v.clone() for k, v in sl.outer.params.items()})
         sl.momenta.append(lookahead_momentum(cfg, sl.outer))
     ckpt = {f"param/{k}": v for k, v in sl.outer.params.items()} | sl.outer.state_tensors()
     digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
     if digest != claimed_checkpoint or (claimed_params or params_hash) != params_hash:
         _fail(f"{where}the outer step recomputes to checkpoint {digest[:16]}, the entry claims {str(claimed_checkpoint)[:16]}")
-    return _Redone(digest, params_hash, aggregate_hash, replays_left)
+    return _Redone(digest, params_hash, aggregate_hash)
 
 
 class _AuditLossGains:
@@ -668,51 +688,83 @@ class _AuditLossGains:
         return settled
 
 
-def _replays(cfg, task, r, base, check, sl: _Slice, recorded: dict, evidence: dict, replays_left: int,
-             counts: dict, where: str) -> int:
+def _emulated_replayer(cfg, total: int) -> Replayer:
+    """A pipelined worker's replayer for the audit, which is one process: its S stages emulated
+    bit for bit (pipeline.EmulatedPipeline; `start` is the whole model's start point)."""
+    stages = cfg.topology.stages
+
+    def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[EmulatedPipeline, EmulatedPipeline]:
+        models = [build_stage_model(cfg.model, cfg.run.seed, s, stages) for s in range(stages)]
+        with torch.no_grad():
+            for m in models:
+                for k, p in m.named_parameters():
+                    p.copy_(start[k])
+        emu = EmulatedPipeline(models, cfg.train, total, microbatches=cfg.topology.microbatches)
+        emu.step_count = steps_before
+        return emu, emu
+
+    return replayer
+
+
+def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list[_Slice], recorded: list[list[dict]],
+             parts: list[dict], replays_left: int, counts: dict, wheres: list[str]) -> int:
     """Redo round r's replays (the random sample and the screen's suspects): re-run up to
     `replays_left` of them, check that the recorded verdicts are ones the plan allowed, and apply
-    replay_mismatch / false_report verdicts to `check`. A re-run replay scores and judges exactly
-    as the round did (verify/replay.py: replay_score, judge_reported); an audit whose replay fails
-    although the round accepted the worker names the auditor who reported it as passing."""
-    seed = base + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
+    replay_mismatch / false_report verdicts to each slice's check. A re-run replay scores and
+    judges exactly as the round did (verify/replay.py: replay_run, score_replayed,
+    judge_reported); an audit whose replay fails although the round accepted the worker names the
+    auditor who reported it as passing. With S > 1 stages the plan is the worker-wide one the
+    stages pooled (PlanInputs.pooled), a replay runs the whole worker (emulated in this one
+    process) and its number is the worst of the stages' comparisons, as the auditor's stages
+    combined theirs."""
+    total, stages = cfg.train.rounds * cfg.train.inner_steps, len(slices)
+    plans = [PlanInputs.of_round(c.base, c.check, sl.banned) for c, sl in zip(checks, slices, strict=True)]
+    plan = plans[0] if stages == 1 else PlanInputs.pooled([x.to_json() for x in plans])
     # the round's members: the workers whose bundles it had (all of them, unless elastic)
-    audits = plan_audits(seed, sorted(check.accepted), sorted(check.verdicts), segments_to_sample(cfg.verify, cfg.train),
-                         cfg.verify.replay_probability, check.suspects, sl.banned)
+    audits = plan_audits(plan.seed, plan.accepted, sorted(checks[0].present), segments_to_sample(cfg.verify, cfg.train),
+                         cfg.verify.replay_probability, plan.suspects, plan.banned)
     sampled = {a.worker for a in audits}
     auditors = {a.auditor for a in audits}
-    for j, v in recorded.items():
-        if v == REPLAY_MISMATCH and j not in sampled:
-            _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
-        lied_on_gain = "loss_gain" in (check.evidence.get(j) or {})  # convicted by the audit's own check_round
-        if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
-            _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
+    verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]
+    for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
+        for j, v in mine.items():
+            if v == REPLAY_MISMATCH and j not in sampled:
+                _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
+            lied_on_gain = "loss_gain" in (checked.check.evidence.get(j) or {})  # convicted by the audit's own check_round
+            if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
+                _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
+    t = task.as_task()
+    replayer = plain_replayer(t.make_model, t.loss, cfg.train, total) if stages == 1 else _emulated_replayer(cfg, total)
+    back = r - 1 - cfg.outer.delay
     for a in audits:
-        ev = evidence.get(str(a.worker)) if isinstance(evidence.get(str(a.worker)), dict) else {}
-        disputed = isinstance(ev.get("replayed"), dict) and ev["replayed"].get("disputed") is True
+        evidence = [part.get("evidence") or {} for part in parts]
+        evs = [ev.get(str(a.worker)) if isinstance(ev.get(str(a.worker)), dict) else {} for ev in evidence]
+        disputed = any(isinstance(ev.get("replayed"), dict) and ev["replayed"].get("disputed") is True for ev in evs)
         if replays_left > 0:
             replays_left -= 1
             counts["replays"] += 1
-            own = sl.history.get(a.worker, []) if cfg.outer.delay else []
-            signed = check.commitments[a.worker].commitment
-            score = replay_score(
-                cfg.verify, task.make_model, task.loss, cfg.train,
-                start_point(cfg, sl.start_of(r - 1 - cfg.outer.delay), own, cfg.topology.workers,
-                            sl.momentum_of(r - 1 - cfg.outer.delay)), r,
-                lambda step, j=a.worker: task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
-                replay_codecs(cfg, signed),
-            )
-            if replay_failed(cfg.verify, score) and recorded.get(a.worker) == ACCEPT:
-                _fail(f"{where}worker {a.worker}'s replay fails, but the round accepted it: its auditor, "
-                      f"worker {a.auditor}, reported it as passing")
-            if replay_failed(cfg.verify, score) or disputed:
-                judge_reported(cfg.verify, check, a, 0.0, score)
+            start: dict[str, torch.Tensor] = {}  # the whole worker's start point, slice by slice
+            for sl in slices:
+                own = sl.history.get(a.worker, []) if cfg.outer.delay else []
+                start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
+            replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
+                                  lambda step, j=a.worker: t.batch(j, r, step), a)
+            score = max(score_replayed(cfg.verify, replayed, list(c.check.commitments[a.worker].commitment.trace),
+                                       c.check.decoded[a.worker], replay_codecs(cfg, c.check.commitments[a.worker].commitment))
+                        for c in checks)
+            for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
+                if replay_failed(cfg.verify, score) and mine.get(a.worker) == ACCEPT:
+                    _fail(f"{where}worker {a.worker}'s replay fails, but the round accepted it: its auditor, "
+                          f"worker {a.auditor}, reported it as passing")
+                if replay_failed(cfg.verify, score) or disputed:
+                    judge_reported(cfg.verify, checked.check, a, 0.0, score)
             continue
         # not re-run: the record's verdicts stand, as far as the plan allows them
-        if recorded.get(a.worker) == REPLAY_MISMATCH:
-            judge_reported(cfg.verify, check, a, 0.0, 0.0 if cfg.verify.replay_match == "exact" else math.inf)
-        elif disputed and recorded.get(a.auditor) == FALSE_REPORT:
-            judge_reported(cfg.verify, check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0)
+        for checked, mine in zip(checks, verdicts, strict=True):
+            if mine.get(a.worker) == REPLAY_MISMATCH:
+                judge_reported(cfg.verify, checked.check, a, 0.0, 0.0 if cfg.verify.replay_match == "exact" else math.inf)
+            elif disputed and mine.get(a.auditor) == FALSE_REPORT:
+                judge_reported(cfg.verify, checked.check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0)
     return replays_left
 
 

@@ -192,7 +192,8 @@ class VerifyConfig:
     replay_probability: float = _f(
         0.0,
         "chance that a worker's round is replayed by another worker; needs "
-        "train.inner_state = 'reset' and topology.stages = 1",
+        "train.inner_state = 'reset' (with topology.stages > 1: replay_match = 'exact'; the auditor's "
+        "pipeline replays)",
     )
     replay_match: str = _f(
         "exact",
@@ -405,7 +406,10 @@ def validate(cfg: Config) -> None:
     need(0 < v.replay_tolerance < 1, f"verify.replay_tolerance must be in (0, 1), got {v.replay_tolerance}")
     if v.replay_probability > 0:
         need(cfg.train.inner_state == "reset", "verify.replay_probability > 0 needs train.inner_state = 'reset' (a round must be replayable from public data)")
-        need(cfg.topology.stages == 1, "verify.replay_probability > 0 needs topology.stages = 1 (replay of pipelined rounds is not implemented)")
+        need(cfg.topology.stages == 1 or v.replay_match == "exact",
+             "verify.replay_match = 'distance' needs topology.stages = 1 (pipelined rounds replay in exact mode only)")
+    need(cfg.topology.stages == 1 or v.loss_gain_batches == 0,
+         "verify.loss_gain_batches > 0 needs topology.stages = 1 (the loss-gain screen of pipelined workers is not implemented)")
     if v.replay_probability > 0 and v.replay_match == "distance":
         need(not cfg.compress.error_feedback, "verify.replay_match = 'distance' needs compress.error_feedback = false "
              "(the packet would hold the worker's private residual, which a replay cannot reproduce)")

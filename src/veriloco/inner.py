@@ -47,6 +47,23 @@ def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: Callable[[], str],
+              batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
+    """`steps` calls of step(*batch_of_step(s)); trace_hash() at the start and every trace_every
+    steps (the loops' shared `run`)."""
+    t0 = time.perf_counter()
+    losses, trace, tokens = [], [], 0
+    if trace_every:
+        trace.append(trace_hash())
+    for s in range(steps):
+        x, y = batch_of_step(s)
+        losses.append(step(x, y))
+        tokens += y.numel()
+        if trace_every and (s + 1) % trace_every == 0:
+            trace.append(trace_hash())
+    return InnerResult(losses, time.perf_counter() - t0, tokens, trace)
+
+
 class InnerLoop:
     """AdamW over one model (or one pipeline stage's slice of it)."""
 
@@ -79,17 +96,7 @@ class InnerLoop:
 
     def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
         """`steps` inner steps on batch_of_step(0..steps-1); trace hashes every trace_every."""
-        t0 = time.perf_counter()
-        losses, trace, tokens = [], [], 0
-        if trace_every:
-            trace.append(self.state_hash())
-        for s in range(steps):
-            x, y = batch_of_step(s)
-            losses.append(self.step(x, y))
-            tokens += y.numel()
-            if trace_every and (s + 1) % trace_every == 0:
-                trace.append(self.state_hash())
-        return InnerResult(losses, time.perf_counter() - t0, tokens, trace)
+        return run_steps(self.step, self.state_hash, batch_of_step, steps, trace_every)
 
     def reset_state(self) -> None:
         """Forget the AdamW moments (the step counter, which drives the LR schedule, stays).

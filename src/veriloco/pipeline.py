@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -39,7 +38,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from .config import TrainConfig
-from .inner import BatchFn, InnerLoop, InnerResult, lr_at
+from .inner import BatchFn, InnerLoop, InnerResult, lr_at, run_steps
 from .model import lm_loss
 
 OutputLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage output, targets)
@@ -84,6 +83,30 @@ def _pipe_step(
         sched.eval(*args, **kw)
     else:
         sched.step(*args, return_outputs=False, **kw)
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """float64 sum of a slice's squared per-tensor grad norms (the norms clip_grad_norm_ takes)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]).double().square().sum()
+
+
+def _step_loss(mb_losses: list[torch.Tensor]) -> torch.Tensor:
+    """The step's loss: the mean of the micro-batch losses, as float64."""
+    return torch.stack(mb_losses).detach().mean().double()
+
+
+def _clip(cfg: TrainConfig, grads: list[torch.Tensor], stage_sq: list[float]) -> None:
+    """Clip a slice's grads by the GLOBAL norm, from every stage's squared norm in stage order
+    (summed in that order on every stage, so all stages get the same coefficient); the same rule
+    as torch.nn.utils.clip_grad_norm_."""
+    if cfg.grad_clip <= 0:
+        return
+    coef = cfg.grad_clip / (math.sqrt(sum(stage_sq)) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(torch.tensor(coef, dtype=g.dtype))
 
 
 def combine_stage_hashes(stage_hashes: list[str]) -> str:
@@ -142,21 +165,12 @@ class PipelineInnerLoop(InnerLoop):
         mb_losses: list[torch.Tensor] = []
         _pipe_step(self.sched, self.stage, self.stages, x, y, mb_losses, forward_only=False)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        # float64 sum of squared per-tensor norms (the norms as clip_grad_norm_ takes them)
-        sq = torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]).double().square().sum() \
-            if grads else torch.zeros((), dtype=torch.float64, device=self.device)
-        loss = torch.stack(mb_losses).detach().mean().double() if self.is_last else torch.zeros_like(sq)
+        sq = _squared_norm(grads, self.device)
+        loss = _step_loss(mb_losses) if self.is_last else torch.zeros_like(sq)
         mine = torch.stack([sq, loss]).to(self.device)  # collectives take tensors on the backend's device
         every = [torch.zeros_like(mine) for _ in range(self.stages)]
         dist.all_gather(every, mine, group=self.group)
-        if self.cfg.grad_clip > 0:
-            # Summed in stage order on every stage, so all stages get the same coefficient.
-            total_norm = math.sqrt(sum(float(t[0]) for t in every))
-            # the same rule as torch.nn.utils.clip_grad_norm_
-            coef = self.cfg.grad_clip / (total_norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(torch.tensor(coef, dtype=g.dtype))
+        _clip(self.cfg, grads, [float(t[0]) for t in every])
         self.opt.step()
         self.step_count += 1
         return float(every[-1][1])
@@ -164,17 +178,7 @@ class PipelineInnerLoop(InnerLoop):
     def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
         """`steps` pipelined inner steps on batch_of_step(0..steps-1); worker-wide trace hashes
         every trace_every steps. Every stage calls it with the same batches (each uses x or y)."""
-        t0 = time.perf_counter()
-        losses, trace, tokens = [], [], 0
-        if trace_every:
-            trace.append(self.worker_state_hash())
-        for s in range(steps):
-            x, y = batch_of_step(s)
-            losses.append(self.step(x, y))
-            tokens += y.numel()
-            if trace_every and (s + 1) % trace_every == 0:
-                trace.append(self.worker_state_hash())
-        return InnerResult(losses, time.perf_counter() - t0, tokens, trace)
+        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every)
 
     def worker_state_hash(self) -> str:
         """`combine_stage_hashes` of every stage's `state_hash()` (collective over the worker)."""
@@ -183,6 +187,84 @@ class PipelineInnerLoop(InnerLoop):
         every = [torch.zeros_like(mine) for _ in range(self.stages)]
         dist.all_gather(every, mine, group=self.group)
         return combine_stage_hashes([bytes(t.cpu().tolist()).hex() for t in every])
+
+
+class EmulatedPipeline:
+    """A worker's S-stage pipeline run in ONE process, bit for bit: the same trace hashes, losses
+    and params as `PipelineInnerLoop` on S processes (tests/test_pipeline.py checks it). It lets
+    one process (the offline audit) replay a pipelined worker's round.
+
+    Why it is exact: per micro-batch it runs the stages' forwards on the same tensors the pipeline
+    sends (a stage's input is a fresh leaf, as a received activation is), takes the same backwards
+    (the loss on the last stage, then each stage's outputs with the next stage's input grad, which
+    is what the pipeline sends back), accumulates param grads over the micro-batches in the same
+    order (GPipe and 1F1B both run backwards in micro-batch order), divides them by the number of
+    micro-batches as `scale_grads` does, and clips and steps each slice with `_clip` and its own
+    AdamW, exactly as `PipelineInnerLoop.step`. It needs memory for the whole model.
+
+    `stage_models`: each stage's module (`topology.build_stage_model`), in stage order, at the
+    start params. Interface of `InnerLoop`: `run`, `step`, `step_count`, and `named_parameters()`
+    for the whole model's params (the stages' names are the full model's)."""
+
+    def __init__(self, stage_models: list[nn.Module], cfg: TrainConfig, total_steps: int, *,
+                 microbatches: int = 1, loss_fn: OutputLoss = lm_loss) -> None:
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+        self.models, self.cfg, self.microbatches, self.loss_fn = stage_models, cfg, microbatches, loss_fn
+        self.loops = [InnerLoop(m, cfg, total_steps, None) for m in stage_models]  # each slice's AdamW
+
+    @property
+    def step_count(self) -> int:
+        return self.loops[0].step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        for loop in self.loops:
+            loop.step_count = value
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        for m in self.models:
+            yield from m.named_parameters()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One step of the worker's pipeline on (x, y); returns the loss before the step."""
+        _check_split(y.shape[0], self.microbatches)
+        for loop in self.loops:
+            for g in loop.opt.param_groups:
+                g["lr"] = lr_at(self.cfg, loop.step_count, loop.total_steps)
+            loop.opt.zero_grad(set_to_none=True)
+        mb_losses = []
+        for xm, ym in zip(torch.tensor_split(x, self.microbatches), torch.tensor_split(y, self.microbatches),
+                          strict=True):
+            inputs, outputs, h = [], [], xm
+            for s, m in enumerate(self.models):
+                if s > 0:  # what the next stage receives: a leaf with the same values
+                    h = h.detach().requires_grad_(True)
+                inputs.append(h)
+                h = m(h)
+                outputs.append(h)
+            loss = self.loss_fn(h, ym)
+            mb_losses.append(loss)
+            torch.autograd.backward([loss])
+            for s in range(len(self.models) - 2, -1, -1):
+                torch.autograd.backward([outputs[s]], grad_tensors=[inputs[s + 1].grad])
+        grads = [[p.grad for p in m.parameters() if p.grad is not None] for m in self.models]
+        if self.microbatches != 1:  # scale_grads: a division, as the pipeline's stage does it
+            for g in (g for gs in grads for g in gs):
+                g.div_(self.microbatches)
+        stage_sq = [float(_squared_norm(gs, torch.device("cpu"))) for gs in grads]
+        for loop, gs in zip(self.loops, grads, strict=True):
+            _clip(self.cfg, gs, stage_sq)
+            loop.opt.step()
+            loop.step_count += 1
+        return float(_step_loss(mb_losses))
+
+    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
+        """As `PipelineInnerLoop.run`: worker-wide trace entries every trace_every steps."""
+        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every)
+
+    def worker_state_hash(self) -> str:
+        return combine_stage_hashes([loop.state_hash() for loop in self.loops])
 
 
 def pipeline_eval_loss(
@@ -214,4 +296,4 @@ def pipeline_eval_loss(
     return float(total[0] / total[1])
 
 
-__all__ = ["PipelineInnerLoop", "pipeline_eval_loss", "combine_stage_hashes", "SCHEDULES"]
+__all__ = ["EmulatedPipeline", "PipelineInnerLoop", "pipeline_eval_loss", "combine_stage_hashes", "SCHEDULES"]

@@ -94,7 +94,10 @@ from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle
 from .verify.replay import (
     Audit,
+    PlanInputs,
+    Replayer,
     judge_reported,
+    plain_replayer,
     plan_audits,
     replay_evidence,
     replay_failed,
@@ -525,11 +528,13 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     judges by its own number, so an honest majority's verdicts agree; if the replay passes, the
     auditor lied and is convicted (FALSE_REPORT). Returns the seconds this worker spent replaying."""
     cfg = w.cfg
-    # the seed mixes every worker's commitment: nobody knows its sample before all have committed
-    seed = base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
-    audits = plan_audits(seed, sorted(check.accepted), part.members, segments_to_sample(cfg.verify, cfg.train),
-                         cfg.verify.replay_probability, check.suspects, w.banned)
+    plan = PlanInputs.of_round(base_hash, check, w.banned)
+    if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
+        plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
+    audits = plan_audits(plan.seed, plan.accepted, part.members, segments_to_sample(cfg.verify, cfg.train),
+                         cfg.verify.replay_probability, plan.suspects, plan.banned)
     G_r, spent, mine = w.bases.get(r), 0.0, {}
+    replayer = replayer_of(w)
 
     def replay(a: Audit) -> float:  # this worker's own replay of audit a
         nonlocal spent
@@ -537,11 +542,15 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
         signed = check.commitments[a.worker].commitment
         score = replay_score(
-            cfg.verify, w.task.make_model, w.task.loss, cfg.train,
+            cfg.verify, replayer, cfg.train,
             start_point(cfg, G_r, own, w.workers, w.base_momenta.get(r)), r,
             lambda step, j=a.worker: w.task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
             replay_codecs(cfg, signed),
         )
+        if w.topo.stages > 1:  # the trace is the worker's, the packet check each stage's slice: worst of them
+            worst = torch.tensor([score], dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=w.worker_group)
+            score = float(worst)
         spent += time.perf_counter() - t0
         return score
 
@@ -561,6 +570,26 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score)
     return spent
+
+
+def replayer_of(w: Worker) -> Replayer:
+    """How this process replays a round: a fresh copy of its own kind of inner loop. With S > 1
+    stages that is the worker's pipeline: every stage of the auditor replays its slice of the
+    audited worker's round together, so the trace comes out bit for bit as the audited worker's
+    stages made it, and no process needs memory for more than its slice."""
+    cfg, total = w.cfg, w.cfg.train.rounds * w.cfg.train.inner_steps
+    if w.topo.stages == 1:
+        return plain_replayer(w.task.make_model, w.task.loss, cfg.train, total)
+
+    def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[torch.nn.Module, PipelineInnerLoop]:
+        model = build_stage_model(cfg.model, cfg.run.seed, w.stage, w.topo.stages)
+        load_params(model, start)
+        loop = PipelineInnerLoop(model, cfg.train, total, stage=w.stage, stages=w.topo.stages, group=w.worker_group,
+                                 microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule)
+        loop.step_count = steps_before
+        return model, loop
+
+    return replayer
 
 
 def replay_codecs(cfg: Config, signed: Commitment) -> dict[str, str]:

@@ -38,6 +38,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,6 +91,37 @@ def sample_round_audits(seed_material: str, accepted: list[int], members: list[i
     return [Audit(members[a.worker], a.segment, members[a.auditor]) for a in drawn]
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a round's replay plan is drawn from (`plan_audits`): the seed, the workers that may be
+    sampled (accepted so far), the screen's suspects and the banned workers."""
+
+    seed: str
+    accepted: list[int]
+    suspects: dict
+    banned: set[int]
+
+    @classmethod
+    def of_round(cls, base_hash: str, check: RoundCheck, banned: set[int]) -> PlanInputs:
+        """One slice's: the seed mixes the round's base with every worker's commitment, so nobody
+        knows its sample before all have committed."""
+        digests = sorted(c.digest for c in check.commitments.values() if c is not None)
+        return cls(base_hash + "".join(digests), sorted(check.accepted), dict(check.suspects), set(banned))
+
+    def to_json(self) -> dict:
+        return {"seed": self.seed, "accepted": self.accepted, "banned": sorted(self.banned)}
+
+    @classmethod
+    def pooled(cls, stages: list[dict]) -> PlanInputs:
+        """A pipelined worker's plan, the same on each of its stages (a replay runs through all
+        of them): from every stage's `to_json()` in stage order, the seeds concatenated, a worker
+        sampled only if every stage accepted its slice, banned if any stage banned it. (No
+        suspects: loss-gain screening does not run with stages.)"""
+        accepted = set.intersection(*(set(p["accepted"]) for p in stages))
+        banned = set().union(*(set(p["banned"]) for p in stages))
+        return cls("".join(p["seed"] for p in stages), sorted(accepted), {}, banned)
+
+
 def plan_audits(seed_material: str, accepted: list[int], members: list[int], segments: int, probability: float,
                 suspects: list[int] | set[int] = (), banned: set[int] | frozenset[int] = frozenset()) -> list[Audit]:
     """The round's replays, in worker order: the random sample over the accepted workers, plus
@@ -110,16 +142,26 @@ def plan_audits(seed_material: str, accepted: list[int], members: list[int], seg
     return [audits[w] for w in sorted(audits)]
 
 
-def _replayer(make_model, loss_fn, cfg: TrainConfig, total_steps: int, start: dict[str, torch.Tensor],
-              steps_before: int) -> tuple[nn.Module, InnerLoop]:
-    """A fresh model at `start` and an inner loop at step `steps_before` of the run's schedule."""
-    model = make_model()
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(start[k])
-    inner = InnerLoop(model, cfg, total_steps, loss_fn)
-    inner.step_count = steps_before
-    return model, inner
+# replayer(start, steps_before) -> (params, loop): a fresh copy of the worker's inner loop at the
+# start params and at step `steps_before` of the run's schedule; `params.named_parameters()` are
+# the params the loop trains (the whole model, or one pipeline stage's slice: then `start` is
+# that slice), `loop.run(batch_of_step, steps, trace_every)` as InnerLoop's.
+Replayer = Callable[[dict[str, torch.Tensor], int], tuple[Any, Any]]
+
+
+def plain_replayer(make_model: Callable[[], nn.Module], loss_fn, cfg: TrainConfig, total_steps: int) -> Replayer:
+    """The replayer of a worker that is one process (`[topology] stages = 1`)."""
+
+    def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[nn.Module, InnerLoop]:
+        model = make_model()
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(start[k])
+        inner = InnerLoop(model, cfg, total_steps, loss_fn)
+        inner.step_count = steps_before
+        return model, inner
+
+    return replayer
 
 
 def check_replay(committed: list[str], replayed: list[str]) -> int | None:
@@ -162,10 +204,16 @@ def replay_delta(
     batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
     """start - theta after all `cfg.inner_steps` inner steps of a replayed round (fp32)."""
-    model, inner = _replayer(make_model, loss_fn, cfg, total_steps, start, steps_before)
+    return _replayed_delta(plain_replayer(make_model, loss_fn, cfg, total_steps), cfg, start, steps_before,
+                           batch_of_step)
+
+
+def _replayed_delta(replayer: Replayer, cfg: TrainConfig, start: dict[str, torch.Tensor], steps_before: int,
+                    batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    params, inner = replayer(start, steps_before)
     inner.run(batch_of_step, cfg.inner_steps)
     with torch.no_grad():
-        return {k: start[k] - p.detach() for k, p in model.named_parameters()}
+        return {k: start[k] - p.detach() for k, p in params.named_parameters()}
 
 
 def as_committed(delta: dict[str, torch.Tensor], codecs: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -189,10 +237,67 @@ def relative_distance(replayed: dict[str, torch.Tensor], committed: dict[str, to
     return d if math.isfinite(d) else math.inf
 
 
+@dataclass
+class Replayed:
+    """What one replay gave: the trace hashes at each boundary it reached (exact mode), and the
+    delta start - theta when it ran the whole round (else None)."""
+
+    trace: list[str]
+    delta: dict[str, torch.Tensor] | None
+
+
+def replay_run(
+    verify: VerifyConfig,
+    replayer: Replayer,
+    train: TrainConfig,
+    start: dict[str, torch.Tensor],
+    round: int,
+    batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    audit: Audit,
+) -> Replayed:
+    """Replay audit `audit` of round `round` from start point `start` with a loop from
+    `replayer` (see `Replayer`: the worker's own kind of loop, or one that computes the same bits,
+    pipeline.EmulatedPipeline for a pipelined worker): exact mode through the audited segment,
+    distance mode the whole round."""
+    before = round * train.inner_steps
+    if verify.replay_match != "exact":
+        return Replayed([], _replayed_delta(replayer, train, start, before, batch_of_step))
+    k = verify.trace_every or train.inner_steps
+    params, inner = replayer(start, before)
+    trace = inner.run(batch_of_step, (audit.segment + 1) * k, trace_every=k).trace
+    if (audit.segment + 1) * k != train.inner_steps:
+        return Replayed(trace, None)
+    with torch.no_grad():
+        return Replayed(trace, {name: start[name] - p.detach() for name, p in params.named_parameters()})
+
+
+def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
+                   codecs: dict[str, str]) -> float:
+    """The auditor's number for a replay against what the worker committed (`trace`; `committed`:
+    the decoded packet, `codecs`: its codec per tensor; a pipeline stage's slice of them, or the
+    whole model's): exact mode: the index of the first trace entry that differs, len(trace) when
+    the trace matches but the packet is not what the replayed end state encodes to, -1 when all
+    match; distance mode: the relative distance of the replayed, re-encoded delta to `committed`.
+    `replay_failed` turns it into the verdict."""
+    if verify.replay_match == "exact":
+        bad = check_replay(trace, replayed.trace)
+        if bad is not None:
+            return float(bad)
+        if replayed.delta is not None and packet_replayable(codecs, committed):
+            # the whole round was replayed: the packet must be what its end state encodes to, or
+            # a worker could train honestly (a clean trace) and send another delta
+            mine = as_committed({name: replayed.delta[name] for name in committed}, codecs)
+            if any(not torch.equal(mine[name], committed[name]) for name in committed):
+                return float(len(trace))
+        return -1.0
+    if replayed.delta is None or not packet_replayable(codecs, committed):
+        return math.inf  # a packet distance mode cannot reproduce; config keeps honest workers off it
+    return relative_distance(as_committed({k: replayed.delta[k] for k in committed}, codecs), committed)
+
+
 def replay_score(
     verify: VerifyConfig,
-    make_model: Callable[[], nn.Module],
-    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    replayer: Replayer,
     train: TrainConfig,
     start: dict[str, torch.Tensor],
     round: int,
@@ -202,31 +307,12 @@ def replay_score(
     committed: dict[str, torch.Tensor],
     codecs: dict[str, str],
 ) -> float:
-    """The auditor's number for one sampled audit of round `round` from start point `start`:
-    exact mode: the index of the first trace entry that differs, or -1 when all match;
-    distance mode: the relative distance of the replayed, re-encoded delta to `committed`
-    (the decoded packet; `codecs`: its codec per tensor, as committed). `replay_failed` turns
-    it into the verdict. round.py and audit.py both call this, so both get the same number."""
-    total, before = train.rounds * train.inner_steps, round * train.inner_steps
-    if verify.replay_match == "exact":
-        k = verify.trace_every or train.inner_steps
-        model, inner = _replayer(make_model, loss_fn, train, total, start, before)
-        bad = check_replay(trace, inner.run(batch_of_step, (audit.segment + 1) * k, trace_every=k).trace)
-        if bad is not None:
-            return float(bad)
-        if (audit.segment + 1) * k == train.inner_steps and packet_replayable(codecs, committed):
-            # the whole round was replayed: the packet must be what its end state encodes to, or
-            # a worker could train honestly (a clean trace) and send another delta
-            with torch.no_grad():
-                delta = {name: start[name] - p.detach() for name, p in model.named_parameters()}
-            mine = as_committed(delta, codecs)
-            if any(not torch.equal(mine[name], committed[name]) for name in committed):
-                return float(len(trace))
-        return -1.0
-    if not packet_replayable(codecs, committed):
-        return math.inf  # a packet distance mode cannot reproduce; config keeps honest workers off it
-    replayed = replay_delta(make_model, loss_fn, train, total, start, before, batch_of_step)
-    return relative_distance(as_committed(replayed, codecs), committed)
+    """`score_replayed` of `replay_run`: the one number round.py and audit.py both compute for an
+    audit, so both reach the same verdict."""
+    if verify.replay_match != "exact" and not packet_replayable(codecs, committed):
+        return math.inf  # nothing to compare with: do not spend the replay
+    return score_replayed(verify, replay_run(verify, replayer, train, start, round, batch_of_step, audit),
+                          trace, committed, codecs)
 
 
 def replay_failed(verify: VerifyConfig, score: float) -> bool:
