@@ -79,6 +79,23 @@ def test_same_seed_same_hashes_and_resume_equals_uninterrupted(tmp_path):
     assert rounds_of(other_seed.root)[0]["params_hash"] != a[0]["params_hash"]
 
 
+def test_delay_1_stop_and_resume_equals_uninterrupted(tmp_path):
+    """Delay 1 (eager, with the lookahead) with every round replayed: stopped after round 1 and
+    resumed, the run records what the uninterrupted one does, verdicts and replays included."""
+    cfg = tiny("--train.rounds=4", "--topology.workers=3", "--outer.delay=1", "--outer.momentum=0.5",
+               "--outer.lookahead=true", "--train.inner_state=reset", "--verify.replay_probability=1.0",
+               "--verify.trace_every=5")
+    run_a, _ = train(cfg, str(tmp_path / "a"), quiet=True)
+    run_b, _ = train(cfg, str(tmp_path / "b"), quiet=True, stop_after=2)
+    assert len(rounds_of(run_b.root)) == 2
+    resume(str(run_b.root), quiet=True)
+    a, b = rounds_of(run_a.root), rounds_of(run_b.root)
+    assert len(a) == len(b) == 4
+    for ra, rb in zip(a, b, strict=True):
+        assert {k: ra[k] for k in (*HASHED, "verdicts", "evidence")} == {k: rb[k] for k in (*HASHED, "verdicts", "evidence")}
+    assert all(rec["verdicts"] == ["accept"] * 3 and "replayed" in rec["evidence"]["0"] for rec in b)
+
+
 def test_golden_one_step_equals_synchronous_averaging(tmp_path):
     """H=1, outer SGD lr 1, no momentum: G_1 = mean over workers of (G_0 after one inner step)."""
     cfg = tiny("--train.rounds=1", "--train.inner_steps=1", "--outer.lr=1.0", "--outer.momentum=0.0")

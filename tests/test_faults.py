@@ -30,16 +30,19 @@ def test_dead_worker_is_an_error_not_a_hang(tmp_path, monkeypatch):
 HASHED = ("params_hash", "aggregate_hash", "checkpoint", "packets", "train_loss", "eval_loss")
 
 
-def test_kill_9_of_every_process_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1])
+def test_kill_9_of_every_process_then_resume_reproduces_the_uninterrupted_run(tmp_path, delay):
     """Crash of everything: SIGKILL to the launcher and all its workers in the middle of a round,
-    then `--resume` continues from the last committed round, with the same losses and hashes."""
+    then `--resume` continues from the last committed round, with the same losses and hashes.
+    With delay 1 the killed run was also part-way into the round after it (whose exchange
+    overlaps): the resume redoes that round from the G before the last committed one."""
     import os
     import signal
     import subprocess
 
     from conftest import ROOT, TINY
 
-    overrides = ["--train.rounds=6", "--train.inner_steps=10"]
+    overrides = ["--train.rounds=6", "--train.inner_steps=10", f"--outer.delay={delay}", "--outer.momentum=0.5"]
     train(tiny(*overrides), str(tmp_path / "a"), quiet=True)
     b = tmp_path / "b"
     cli = [sys.executable, "-m", "veriloco.cli", "train"]

@@ -161,7 +161,10 @@ class VerifyConfig:
         "directory with worker-<w>.key files from `veriloco keygen`; '' = keys derived from the "
         "run seed (local demo runs only: anyone who knows the seed can sign as any worker)",
     )
-    trace_every: int = _f(10, "k: hash the inner state (params + AdamW state) every k inner steps")
+    trace_every: int = _f(
+        10, "k: hash the inner state (params + AdamW state) every k inner steps; with exact replays it must divide "
+        "train.inner_steps; 0 = once per round (k = H)",
+    )
     screen: bool = _f(True, "screen deltas: norm and cosine to a robust centre, copies, replays")
     aggregator: str = _f("mean", "mean | trimmed_mean | median | centered_clip | geometric_median")
     trim_fraction: float = _f(0.25, "trimmed_mean: fraction trimmed from each end")
@@ -410,6 +413,11 @@ def validate(cfg: Config) -> None:
              "verify.replay_match = 'distance' needs topology.stages = 1 (pipelined rounds replay in exact mode only)")
     need(cfg.topology.stages == 1 or v.loss_gain_batches == 0,
          "verify.loss_gain_batches > 0 needs topology.stages = 1 (the loss-gain screen of pipelined workers is not implemented)")
+    if v.replay_probability > 0 and v.replay_match == "exact" and v.trace_every:
+        # an exact replay checks whole segments of k steps, and the packet only when the last one ends the round
+        need(cfg.train.inner_steps % v.trace_every == 0,
+             f"verify.trace_every ({v.trace_every}) must divide train.inner_steps ({cfg.train.inner_steps}) when "
+             "replays are on: otherwise the round's last steps lie in no segment and no replay checks them or the packet")
     if v.replay_probability > 0 and v.replay_match == "distance":
         need(not cfg.compress.error_feedback, "verify.replay_match = 'distance' needs compress.error_feedback = false "
              "(the packet would hold the worker's private residual, which a replay cannot reproduce)")

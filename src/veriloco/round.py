@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -135,6 +136,9 @@ class Worker:
     bases: dict = field(default_factory=dict)  # round -> G when its inner steps began (replay)
     base_momenta: dict = field(default_factory=dict)  # round -> the outer momentum then (replay)
     own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
+    start_states: dict = field(default_factory=dict)  # delay 1: round -> private state as it began (resume)
+    resumed_outer: OuterOptimizer | None = None  # delay 1, resumed: G of the last recorded round, set after
+    # the first resumed round's inner steps (which began from the G before it), as the interrupted run did
     eval_all: list = field(default_factory=list)  # elastic: the whole eval set, split among a round's members
     defer_entry: bool = False  # elastic: the ledger entry is appended at commit (elastic.py), not here
     applied: int = -1  # elastic: the last round whose outer step G holds
@@ -317,27 +321,56 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
 
 
 def restore(w: Worker, next_round: int) -> None:
-    """Load G, outer state and this worker's private state as of the end of round next_round-1."""
-    if w.cfg.outer.delay:
-        raise RuntimeError("resume of a delay-1 run is not supported yet: its exchange in flight is not saved")
-    record = w.run.rounds()[next_round - 1]
-    mine = record["stages"][w.stage] if w.topo.stages > 1 else record  # this stage's slice
+    """Load G, outer state and this worker's private state as of the end of round next_round-1.
+
+    With delay 1, round next_round's inner steps began before round next_round-1's outer step
+    (its exchange ran under them): the resumed round starts from the G before it (round
+    next_round-2's checkpoint, or G_0) with the worker's own delta of next_round-1 as the eager
+    correction, and G moves on to round next_round-1's checkpoint once those inner steps are
+    done (`resumed_outer`). The private state of a delay-1 run is the one saved as round
+    next_round began (finish_round), and the replays of round next_round start from the deltas
+    of next_round-1 that the round decoded (listed in the state's metadata)."""
+    cfg = w.cfg
+    records = w.run.rounds()
+    part = lambda rec: rec["stages"][w.stage] if w.topo.stages > 1 else rec  # noqa: E731 (this stage's slice)
+    mine = part(records[next_round - 1])
+    outer = _load_checkpoint(w, mine, next_round - 1)
+    w.banned = set(mine.get("banned", []))
+    # the screen's "previous round": its accepted packets, decoded again from the store
+    shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
+
+    def delta_of(j: int) -> dict[str, torch.Tensor]:
+        return decode_packet(decode_bundle(w.store.get(mine["bundles"][j]))[1], shapes, cfg.run.max_packet_bytes)
+
+    accepted = [j for j, v in enumerate(mine["verdicts"]) if v == "accept"]
+    deltas = {j: delta_of(j) for j in accepted}
+    w.previous = ({j: mine["packets"][j] for j in accepted}, deltas)
+    path = w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors"
+    state = st_load(path.read_bytes())
+    w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
+    w.encoder.load_state_tensors(state)
+    if not cfg.outer.delay:
+        w.outer = outer
+        return
+    w.resumed_outer = outer
+    if next_round >= 2:
+        w.outer = _load_checkpoint(w, part(records[next_round - 2]), next_round - 2)
+    w.own_packet = decode_bundle(w.store.get(mine["bundles"][w.worker]))[1]
+    w.own_decoded = [decode_packet(w.own_packet, shapes, cfg.run.max_packet_bytes)]
+    with safe_open(str(path), "pt") as f:
+        decoded = json.loads((f.metadata() or {}).get("decoded", "[]"))
+    w.history = {j: [deltas[j] if j in deltas else delta_of(j)] for j in decoded}
+
+
+def _load_checkpoint(w: Worker, mine: dict, r: int) -> OuterOptimizer:
+    """G and the outer optimizer's state after round r, from the checkpoint its record names."""
     ckpt = st_load(w.store.get(mine["checkpoint"]))
     params = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
     if tensors_hash(params) != mine["params_hash"]:
-        raise RuntimeError(f"checkpoint of round {next_round - 1} does not match its record")
-    w.outer = OuterOptimizer(params, w.cfg.outer)
-    w.outer.load_state_tensors(ckpt)
-    w.banned = set(mine.get("banned", []))
-    # the screen's "previous round": its accepted packets, decoded again from the store
-    shapes = {k: tuple(v.shape) for k, v in params.items()}
-    accepted = [j for j, v in enumerate(mine["verdicts"]) if v == "accept"]
-    deltas = {j: decode_packet(decode_bundle(w.store.get(mine["bundles"][j]))[1], shapes, w.cfg.run.max_packet_bytes)
-              for j in accepted}
-    w.previous = ({j: mine["packets"][j] for j in accepted}, deltas)
-    state = st_load((w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors").read_bytes())
-    w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
-    w.encoder.load_state_tensors(state)
+        raise RuntimeError(f"checkpoint of round {r} does not match its record")
+    outer = OuterOptimizer(params, w.cfg.outer)
+    outer.load_state_tensors(ckpt)
+    return outer
 
 
 def evaluate(w: Worker, part: Participants | None = None) -> float:
@@ -402,9 +435,16 @@ def lookahead_momentum(cfg: Config, outer: OuterOptimizer) -> dict[str, torch.Te
     return outer.state_tensors() if o.delay and o.lookahead and o.momentum > 0 else None
 
 
+def private_state(w: Worker) -> dict[str, torch.Tensor]:
+    """This process's private state (inner AdamW, error feedback), copied: what a resume needs."""
+    return {k: v.clone() for k, v in (w.inner.state_tensors() | w.encoder.state_tensors()).items()}
+
+
 def run_inner_and_send(w: Worker, r: int) -> Sent:
     """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange."""
     t0, cfg, adv = time.perf_counter(), w.cfg, w.adversary or Adversary(w.worker, 0)
+    if cfg.outer.delay:  # finish_round(r - 1), which runs after this round's inner steps, saves it
+        w.start_states[r] = private_state(w)
     w.base_hashes[r] = tensors_hash(w.outer.params)
     momentum = lookahead_momentum(cfg, w.outer)
     if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
@@ -676,7 +716,11 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     params_hash = tensors_hash(G)
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(state_dir / f"state-{r}.safetensors", st_save(w.inner.state_tensors() | w.encoder.state_tensors()))
+    # what a resume at round r+1 starts from: as round r+1 began (delay 1: before its inner steps, which
+    # have run by now; at the run's end none has) and the workers whose round-r deltas were decoded
+    state = w.start_states.pop(r + 1, None) or private_state(w)
+    atomic_write(state_dir / f"state-{r}.safetensors",
+                 st_save(state, metadata={"decoded": json.dumps(sorted(check.decoded))}))
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()
@@ -892,8 +936,6 @@ def train_worker(
     wall0 = time.perf_counter() - sum(p["round_s"] for p in prior)
     tokens0 = sum(p["tokens"] for p in prior)
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
-    if cfg.outer.delay and end < cfg.train.rounds:
-        raise RuntimeError("--stop-after is not supported with outer.delay = 1 yet")
     pending: Sent | None = None
     for r in range(start_round, end + cfg.outer.delay):
         if r < end:
@@ -901,8 +943,10 @@ def train_worker(
             inner_s = sent.result.seconds
         if cfg.outer.delay == 0:
             rec = finish_round(w, sent, 0.0)
-        elif pending is None:  # delay 1, first round: its exchange runs during round 1
+        elif pending is None:  # delay 1, first round (of the run or the resume): its exchange runs during the next
             pending = sent
+            if w.resumed_outer is not None:  # resumed: G moves on to the last recorded round's
+                w.outer, w.resumed_outer = w.resumed_outer, None
             continue
         else:  # delay 1: finish round r-1 (its exchange ran under round r's inner steps)
             done, pending = pending, (sent if r < end else None)
