@@ -1,10 +1,11 @@
 """Is delay 1 stable at the default outer optimizer? Eval loss per round, side by side.
 
-    python bench/delay_stability.py [--rounds 8] [--out bench/results/delay_stability.json]
+    python bench/delay_stability.py [--rounds 16] [--out bench/results/delay_stability.json]
 
-configs/tiny.toml with 3 workers, static membership, no faults: delay 0, and delay 1 with the
-eager correction at the default outer optimizer (lr 0.7, Nesterov momentum 0.9), at momentum
-0.5, and at outer lr 0.4. Deterministic on CPU (the same numbers every run). Prints each row's
+configs/tiny.toml with 3 workers, static membership, no faults: delay 0 at the default outer
+optimizer (lr 0.7, Nesterov momentum 0.9) and at momentum 0.5, and delay 1 with the eager
+correction at the default, at momentum 0.5 and at outer lr 0.4, and with the local correction
+and the lookahead at the default. Deterministic on CPU (the same numbers every run). Prints each row's
 eval loss per round and writes `{"rows": [{"name", "overrides", "eval_loss": [...]}]}`.
 """
 
@@ -21,15 +22,17 @@ from veriloco.run import train
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [
     ("delay 0", ["--outer.delay=0"]),
+    ("delay 0, momentum 0.5", ["--outer.delay=0", "--outer.momentum=0.5"]),
     ("delay 1 eager", ["--outer.delay=1"]),
     ("delay 1 eager, momentum 0.5", ["--outer.delay=1", "--outer.momentum=0.5"]),
     ("delay 1 eager, outer lr 0.4", ["--outer.delay=1", "--outer.lr=0.4"]),
+    ("delay 1 local+lookahead", ["--outer.delay=1", "--outer.correction=local", "--outer.lookahead=true"]),
 ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "delay_stability.json"))
     args = ap.parse_args()
     rows = []

@@ -91,3 +91,15 @@ def test_text_settings_stay_text_on_the_command_line():
     assert cfg.ledger.contract == "0x5FbDB2315678afecb367f032d93F642f64180aa3" and cfg.run.seed == 7
     with pytest.raises(ConfigError, match="run.seed: expected int"):
         load_config(None, ["--run.seed=seven"])
+
+
+def test_delay_1_at_high_outer_momentum_warns_and_runs_as_configured():
+    from veriloco.config import config_warnings
+
+    (line,) = config_warnings(tiny("--outer.delay=1"))
+    assert "outer.momentum = 0.9" in line and "bench/delay_stability.py" in line
+    cfg = tiny("--outer.delay=1")
+    assert cfg.outer.momentum == 0.9  # a warning, not a change
+    assert config_warnings(tiny("--outer.delay=1", "--outer.momentum=0.5")) == []
+    assert config_warnings(tiny("--outer.delay=1", "--outer.correction=local", "--outer.lookahead=true")) == []
+    assert config_warnings(tiny()) == []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import typer
 
-from .config import ConfigError, describe, load_config
+from .config import ConfigError, config_warnings, describe, load_config
 from .data import DataError
 from .faults import FaultError
 from .records import RunDirError
@@ -84,6 +84,8 @@ def train(
             run_dir, summary = resume_run(resume, quiet, stop_after)
         else:
             cfg = load_config(config, overrides)
+            for line in config_warnings(cfg):
+                typer.echo(f"veriloco: warning: {line}", err=True)
             if cfg.train.mode == "ddp":
                 from .baseline import train_ddp
 
