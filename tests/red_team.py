@@ -58,3 +58,14 @@ class Mute(Adversary):
 
     def loss_gain_report(self, r, worker, gain):
         return None
+
+
+class SpoilStage0(Adversary):
+    """Pipelined worker that trains honestly but spoils the packet of its stage 0 (the slice with
+    the embedding): what a worker would do to get its other slices in without being replayed, if
+    stages judged slices apart."""
+
+    kind = "spoil_stage0"
+
+    def bundle(self, r, bundle, view):
+        return bundle[: len(bundle) // 2] if b"tok_emb" in bundle else bundle

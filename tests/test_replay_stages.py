@@ -71,3 +71,20 @@ def test_the_offline_audit_names_auditors_that_covered_for_a_lazy_pipelined_work
     report = audit_run(run.root, replay=100)
     assert not report.ok
     assert "stage 0: worker 1's replay fails, but the round accepted it: its auditor, worker" in report.first_failure
+
+
+def test_a_worker_whose_one_slice_is_rejected_gets_no_slice_in(tmp_path, monkeypatch):
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny(*BASE, "--train.rounds=2", "--adversary.1=red_team:SpoilStage0"), str(tmp_path / "s"),
+                   quiet=True)
+    for rec in rounds_of(run.root):
+        first, second = rec["stages"]
+        assert first["verdicts"][1] not in ("accept", "other_stage")  # its spoiled slice
+        assert second["verdicts"][1] == "other_stage"  # its good slice, refused with it
+        assert second["evidence"]["1"] == {"rejected_by_stages": [0]}
+        assert rec["verdicts"] == ["accept", first["verdicts"][1], "accept"]  # the real reason, not other_stage
+        assert "1" not in second["evidence"] or "replayed" not in second["evidence"]["1"]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure

@@ -81,8 +81,8 @@ from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .topology import build_stage_model
-from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, REPLAY_MISMATCH
-from .verify.check import RoundCheck, check_round
+from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
+from .verify.check import RoundCheck, check_round, take_whole_workers
 from .verify.commitment import EquivocationDetector
 from .verify.lossgain import Settled, assign_checkers, misreports, reports_from_json, settle
 from .verify.replay import (
@@ -470,6 +470,10 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
             claims = [(x["aggregate_hash"], x["checkpoint"], x["params_hash"]) for x in p["stages"]]
         checks = [_check_slice(cfg, task, store, G0, sl, r, part, mine, where, admitted, manifest["run_id"], counts)
                   for sl, part, mine, where in zip(slices, parts, recorded, wheres, strict=True)]
+        if stages > 1:  # a worker's update is taken whole or not at all, as its stages agreed
+            accepted = [sorted(c.check.accepted) for c in checks]
+            for c in checks:
+                take_whole_workers(c.check, accepted)
         if cfg.verify.replay_probability > 0:
             replays_left = _replays(cfg, task, r, checks, slices, recorded, parts, replays_left, counts, wheres)
         results = [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
@@ -542,11 +546,13 @@ def _check_record(r: int, rec: dict, entry: dict, entry_hash: str, run_id: str, 
         mine = [verdict_reason(c) for c in p["commitments"] if c.get("stage") == s]
         if part.get("verdicts") != mine:
             _fail(f"round {r}: stage {s}: rounds.jsonl verdicts differ from the ledger entry's")
-    # a worker's verdict: accept when every stage accepted its slice, else the first stage's reason
+    # a worker's verdict: accept when every stage accepted its slice, else the first stage's own
+    # reason (other_stage only says that another stage rejected it)
     combined = []
     for j in range(workers):
-        bad = [part["verdicts"][j] for part in parts if j < len(part["verdicts"]) and part["verdicts"][j] != "accept"]
-        combined.append(bad[0] if bad else "accept")
+        mine = [part["verdicts"][j] for part in parts if j < len(part["verdicts"])]
+        bad = [v for v in mine if v not in (ACCEPT, OTHER_STAGE)] or [v for v in mine if v != ACCEPT]
+        combined.append(bad[0] if bad else ACCEPT)
     if rec.get("verdicts") != combined:
         _fail(f"round {r}: rounds.jsonl verdicts are not its stages' verdicts combined")
 

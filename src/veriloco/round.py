@@ -86,10 +86,10 @@ from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import CorpusTask, Task
 from .topology import Topology, build_stage_model
-from .verify import ABSENT, OFFENCES
+from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
-from .verify.check import RoundCheck, check_round, hex_root
+from .verify.check import RoundCheck, check_round, hex_root, take_whole_workers
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle
@@ -687,6 +687,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     )
     check_s = time.perf_counter() - verify0
     loss_gain_s = lg_time[0]
+    if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
+        take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])
     hashes = [check.packet_hashes.get(j) for j in range(W)]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
@@ -800,12 +802,13 @@ def combine_stages(parts: list[dict], store: LocalStore | None) -> dict:
     """The record of a round of S > 1 stages from each stage's own (`parts`, in stage order).
 
     A worker's verdict is "accept" when every stage accepted its slice, else the first stage's
-    reason; `checkpoint` is the digest of a JSON manifest of the stage checkpoints (put into
+    own reason (not other_stage, which only says another stage rejected it); `checkpoint` is the digest of a JSON manifest of the stage checkpoints (put into
     `store` when given), `params_hash` and `aggregate_hash` hash the stages' lists of them."""
     n = len(parts[0]["verdicts"])
     verdicts, evidence = [], {}
     for j in range(n):
-        bad = [(s, p["verdicts"][j]) for s, p in enumerate(parts) if p["verdicts"][j] != "accept"]
+        bad = [(s, p["verdicts"][j]) for s, p in enumerate(parts) if p["verdicts"][j] not in (ACCEPT, OTHER_STAGE)] \
+            or [(s, p["verdicts"][j]) for s, p in enumerate(parts) if p["verdicts"][j] != ACCEPT]
         verdicts.append(bad[0][1] if bad else "accept")
         if bad:
             evidence[str(j)] = {"stage": bad[0][0], "evidence": parts[bad[0][0]]["evidence"].get(str(j))}

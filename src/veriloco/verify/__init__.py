@@ -27,6 +27,7 @@ LATE = "late"  # arrived after the round's deadline
 ABSENT = "absent"  # no packet this round: dead, partitioned away, or not yet (re)joined
 FALSE_REPORT = "false_report"  # as auditor, reported a failed replay that every other replay passes
 BANNED = "banned"  # an earlier round proved it cheated (see OFFENCES): its packets are refused
+OTHER_STAGE = "other_stage"  # pipelined worker: another stage rejected its slice, so no slice is taken
 
 # Verdicts that prove, from the worker's own signed bytes or a replay every member redid, that it
 # cheated; with `[verify] ban = true` the worker is refused from the next round on. A bad
@@ -53,6 +54,7 @@ REASONS: tuple[str, ...] = (
     ABSENT,
     FALSE_REPORT,
     BANNED,
+    OTHER_STAGE,
 )
 
 # The submodules import the codes above, so they come after them.

@@ -40,6 +40,7 @@ from . import (
     MALFORMED,
     NO_LOSS_GAIN,
     OFFENCES,
+    OTHER_STAGE,
     WRONG_DATA,
 )
 from .commitment import (
@@ -71,6 +72,20 @@ class RoundCheck:
     decoded: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # every decodable delta
     suspects: dict[int, dict] = field(default_factory=dict)  # accepted for now, to be replayed: why
     loss_gains: Settled | None = None  # shared loss gains (lossgain.py), when checkers computed them
+
+
+def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) -> None:
+    """A pipelined worker's update is taken whole or not at all. `accepted_by_stage`: the workers
+    each stage of the round accepted (in stage order); a worker accepted in `check` (one stage's)
+    that another stage rejected gets OTHER_STAGE here, so no slice of its update touches G and
+    no stage samples it for replay differently (a worker must not get one slice in unreplayed by
+    spoiling another)."""
+    everywhere = set.intersection(*(set(a) for a in accepted_by_stage))
+    for j in sorted(set(check.accepted) - everywhere):
+        check.verdicts[j] = OTHER_STAGE
+        check.evidence[j] = {"rejected_by_stages": [s for s, a in enumerate(accepted_by_stage) if j not in a]}
+        check.accepted.pop(j)
+        check.suspects.pop(j, None)
 
 
 def check_round(

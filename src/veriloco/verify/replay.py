@@ -98,7 +98,7 @@ class PlanInputs:
 
     seed: str
     accepted: list[int]
-    suspects: dict
+    suspects: set[int]
     banned: set[int]
 
     @classmethod
@@ -106,20 +106,22 @@ class PlanInputs:
         """One slice's: the seed mixes the round's base with every worker's commitment, so nobody
         knows its sample before all have committed."""
         digests = sorted(c.digest for c in check.commitments.values() if c is not None)
-        return cls(base_hash + "".join(digests), sorted(check.accepted), dict(check.suspects), set(banned))
+        return cls(base_hash + "".join(digests), sorted(check.accepted), set(check.suspects), set(banned))
 
     def to_json(self) -> dict:
-        return {"seed": self.seed, "accepted": self.accepted, "banned": sorted(self.banned)}
+        return {"seed": self.seed, "accepted": self.accepted, "suspects": sorted(self.suspects),
+                "banned": sorted(self.banned)}
 
     @classmethod
     def pooled(cls, stages: list[dict]) -> PlanInputs:
         """A pipelined worker's plan, the same on each of its stages (a replay runs through all
-        of them): from every stage's `to_json()` in stage order, the seeds concatenated, a worker
-        sampled only if every stage accepted its slice, banned if any stage banned it. (No
-        suspects: loss-gain screening does not run with stages.)"""
+        of them): from every stage's `to_json()` in stage order (after check.take_whole_workers,
+        so their accepted workers and suspects agree), the seeds concatenated, banned if any
+        stage banned it."""
         accepted = set.intersection(*(set(p["accepted"]) for p in stages))
+        suspects = set.intersection(*(set(p["suspects"]) for p in stages))
         banned = set().union(*(set(p["banned"]) for p in stages))
-        return cls("".join(p["seed"] for p in stages), sorted(accepted), {}, banned)
+        return cls("".join(p["seed"] for p in stages), sorted(accepted), suspects, banned)
 
 
 def plan_audits(seed_material: str, accepted: list[int], members: list[int], segments: int, probability: float,
