@@ -200,6 +200,9 @@ def test_two_stage_pipeline_matches_unsplit_inner_loop(tmp_path):
     assert r.trace == got[0]["gpipe"]["trace"] and r.losses == got[0]["gpipe"]["losses"]
     assert all(torch.equal(p, params[k]) for k, p in emu.named_parameters())
     assert any(not torch.equal(params[k], ref_params[k]) for k in params)  # the unsplit loop is not exact
+    emu_g0 = EmulatedPipeline([build_stage_model(MODEL, SEED, s, 2) for s in range(2)], TRAIN, STEPS,
+                              microbatches=MICROBATCHES)
+    assert emu_g0.eval_loss(eval_set()) == got[0]["eval"]  # and its eval is the pipeline's, bit for bit
 
     with torch.no_grad():
         full = build_model(MODEL, SEED)

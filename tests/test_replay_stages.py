@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import rounds_of, tiny
 
 from veriloco.audit import audit_run
@@ -86,5 +87,55 @@ def test_a_worker_whose_one_slice_is_rejected_gets_no_slice_in(tmp_path, monkeyp
         assert second["evidence"]["1"] == {"rejected_by_stages": [0]}
         assert rec["verdicts"] == ["accept", first["verdicts"][1], "accept"]  # the real reason, not other_stage
         assert "1" not in second["evidence"] or "replayed" not in second["evidence"]["1"]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
+def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
+    """With stages every worker computes every gain through its pipeline: the loss of G_r and of
+    G_r - delta over the whole model. The recorded gains are recomputed here in one process from
+    the stored checkpoint and packets alone, and the offline audit screens with its own."""
+    from safetensors.torch import load as st_load
+
+    from veriloco.packet import decode_bundle, decode_packet
+    from veriloco.pipeline import EmulatedPipeline
+    from veriloco.store import LocalStore
+    from veriloco.task import CorpusTask
+    from veriloco.topology import build_stage_model
+
+    cfg = tiny(*BASE, "--train.rounds=3", "--verify.loss_gain_batches=2", "--verify.replay_probability=0.25",
+               "--adversary.1=scaled")
+    run, _ = train(cfg, str(tmp_path / "g"), quiet=True)
+    recs = rounds_of(run.root)
+    assert all(x > 0 for rec in recs for x in rec["loss_gain_s"])
+    store = LocalStore(run.root / "store")
+    task = CorpusTask(cfg, run.store_dir, run.read_manifest()["corpus_manifest"]).as_task()
+    models = [build_stage_model(cfg.model, cfg.run.seed, s, 2) for s in range(2)]
+    G0 = {k: v.detach().clone() for m in models for k, v in m.named_parameters()}
+    emu = EmulatedPipeline(models, cfg.train, 1, microbatches=2)
+
+    def loss(params, r):
+        with torch.no_grad():
+            for k, p in emu.named_parameters():
+                p.copy_(params[k])
+        return emu.eval_loss([task.batch(1, r, s) for s in range(2)])
+
+    checked = 0
+    for r, rec in enumerate(recs):
+        gains = [part["evidence"].get("1", {}).get("loss_gain") for part in rec["stages"]]
+        if gains[0] is None:
+            continue
+        assert gains[0] == gains[1]  # one number per worker, on every stage
+        G = G0 if r == 0 else {k[len("param/"):]: v for part in recs[r - 1]["stages"]
+                               for k, v in st_load(store.get(part["checkpoint"])).items() if k.startswith("param/")}
+        delta = {}
+        for s, part in enumerate(rec["stages"]):
+            shapes = {k: tuple(v.shape) for k, v in models[s].named_parameters()}
+            delta |= decode_packet(decode_bundle(store.get(part["bundles"][1]))[1], shapes, 1 << 30)
+        assert gains[0]["own_before"] == loss(G, r)
+        assert gains[0]["own_after"] == loss({k: G[k] - delta[k] for k in G}, r)
+        checked += 1
+    assert checked >= 2  # the scaled worker is rejected, with its gain in the evidence, every round
+    assert any("no_loss_gain" in rec["stages"][0]["evidence"]["1"]["flags"] for rec in recs)
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure

@@ -82,7 +82,7 @@ from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .topology import build_stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
-from .verify.check import RoundCheck, check_round, take_whole_workers
+from .verify.check import RoundCheck, check_bundles, screen_checked, take_whole_workers
 from .verify.commitment import EquivocationDetector
 from .verify.lossgain import Settled, assign_checkers, misreports, reports_from_json, settle
 from .verify.replay import (
@@ -96,6 +96,7 @@ from .verify.replay import (
     score_replayed,
     segments_to_sample,
 )
+from .verify.screen import LossGain
 
 if TYPE_CHECKING:
     from .ledger.evm import EvmLedger
@@ -470,6 +471,9 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
             claims = [(x["aggregate_hash"], x["checkpoint"], x["params_hash"]) for x in p["stages"]]
         checks = [_check_slice(cfg, task, store, G0, sl, r, part, mine, where, admitted, manifest["run_id"], counts)
                   for sl, part, mine, where in zip(slices, parts, recorded, wheres, strict=True)]
+        gains = _stage_gains(cfg, task, slices, checks, r) if stages > 1 and cfg.verify.loss_gain_batches else None
+        checks = [_screen_slice(cfg, task, G0, sl, r, part, where, c, gains)
+                  for sl, part, where, c in zip(slices, parts, wheres, checks, strict=True)]
         if stages > 1:  # a worker's update is taken whole or not at all, as its stages agreed
             accepted = [sorted(c.check.accepted) for c in checks]
             for c in checks:
@@ -596,20 +600,58 @@ def _check_slice(
     back = r - 1 - cfg.outer.delay
     base = sl.params_after[back] if back >= 0 else tensors_hash(sl.init)
     shapes = {k: tuple(v.shape) for k, v in sl.outer.params.items()}
-    check = check_round(
+    check = check_bundles(
         bundles, run_id=run_id, round=r, base_hash=base, admitted_keys=admitted,
         shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
-        equivocation=sl.detector, screen=cfg.verify.screen, previous=sl.previous,
-        trace_entries=trace_entries(cfg),
-        loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, min(cfg.verify.loss_gain_batches, cfg.train.inner_steps))
-        if cfg.verify.loss_gain_batches and not loss_gain_checkers(cfg.verify) else None,
-        loss_gains_of=_AuditLossGains(cfg, task, G0, sl.start_of(back), r, sorted(bundles), sl.banned,
-                                      part.get("loss_gain_reports"), where)
-        if loss_gain_checkers(cfg.verify) else None,
-        loss_gain_action=loss_gain_action(cfg.verify), banned=sl.banned,
+        equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned,
     )
     return _Checked(check, base, set(bundles))
+
+
+def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, where: str,
+                  checked: _Checked, stage_gains: dict[int, LossGain] | None) -> _Checked:
+    """The screen of one slice's checked bundles, as that slice's processes ran it; with stages,
+    the loss gains are the worker-wide ones `_stage_gains` computed."""
+    back, v = r - 1 - cfg.outer.delay, cfg.verify
+    n = min(v.loss_gain_batches, cfg.train.inner_steps)
+    if stage_gains is not None:
+        gains_of = lambda decoded, seed: Settled({j: stage_gains[j] for j in sorted(decoded) if j in stage_gains})  # noqa: E731
+    elif loss_gain_checkers(v):
+        gains_of = _AuditLossGains(cfg, task, G0, sl.start_of(back), r, sorted(checked.present), sl.banned,
+                                   part.get("loss_gain_reports"), where)
+    else:
+        gains_of = None
+    check = screen_checked(
+        checked.check, base_hash=checked.base, screen=v.screen, previous=sl.previous,
+        loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n)
+        if v.loss_gain_batches and gains_of is None else None,
+        loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v),
+    )
+    return checked._replace(check=check)
+
+
+def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], r: int) -> dict[int, LossGain]:
+    """The loss gains a pipelined run's workers computed (round.StageLossGains), in this one
+    process: the whole model through the emulated stages, for the senders every slice decoded."""
+    back, t = r - 1 - cfg.outer.delay, task.as_task()
+    n = min(cfg.verify.loss_gain_batches, cfg.train.inner_steps)
+    G_r = {k: v for sl in slices for k, v in sl.start_of(back).items()}
+    stages = [build_stage_model(cfg.model, cfg.run.seed, s, len(slices)) for s in range(len(slices))]
+    emu = EmulatedPipeline(stages, cfg.train, 1, microbatches=cfg.topology.microbatches)
+
+    def loss(params: dict[str, torch.Tensor], j: int) -> float:
+        with torch.no_grad():
+            for k, p in emu.named_parameters():
+                p.copy_(params[k])
+        return emu.eval_loss([t.batch(j, r, s) for s in range(n)])
+
+    everywhere = set.intersection(*(set(c.check.decoded) for c in checked))
+    gains = {}
+    for j in sorted(everywhere):
+        delta = {k: v for c in checked for k, v in c.check.decoded[j].items()}
+        gains[j] = LossGain.on_own_batches(loss(G_r, j), loss({k: G_r[k] - delta[k] for k in G_r}, j))
+    return gains
 
 
 def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, recorded: list[dict], claims: tuple,

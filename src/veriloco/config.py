@@ -186,7 +186,8 @@ class VerifyConfig:
         "others take their number, and recompute it themselves only when it fails, is missing or "
         "the checkers disagree (a checker whose number does not reproduce is convicted false_report). "
         "0 = every worker computes every packet's gain (2 forward passes per batch per packet per "
-        "worker). Only with loss_gain_action = 'audit' and replays on; otherwise every worker computes all",
+        "worker). Only with loss_gain_action = 'audit', replays on and topology.stages = 1; otherwise every "
+        "worker computes all",
     )
     ban: bool = _f(
         True,
@@ -411,8 +412,6 @@ def validate(cfg: Config) -> None:
         need(cfg.train.inner_state == "reset", "verify.replay_probability > 0 needs train.inner_state = 'reset' (a round must be replayable from public data)")
         need(cfg.topology.stages == 1 or v.replay_match == "exact",
              "verify.replay_match = 'distance' needs topology.stages = 1 (pipelined rounds replay in exact mode only)")
-    need(cfg.topology.stages == 1 or v.loss_gain_batches == 0,
-         "verify.loss_gain_batches > 0 needs topology.stages = 1 (the loss-gain screen of pipelined workers is not implemented)")
     if v.replay_probability > 0 and v.replay_match == "exact" and v.trace_every:
         # an exact replay checks whole segments of k steps, and the packet only when the last one ends the round
         need(cfg.train.inner_steps % v.trace_every == 0,

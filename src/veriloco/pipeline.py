@@ -266,6 +266,24 @@ class EmulatedPipeline:
     def worker_state_hash(self) -> str:
         return combine_stage_hashes([loop.state_hash() for loop in self.loops])
 
+    def eval_loss(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """`pipeline_eval_loss` of the stages' params, with the same arithmetic: per batch, the
+        mean of the micro-batch losses, weighted by the batch's target tokens."""
+        total = torch.zeros(2, dtype=torch.float64)  # [sum of loss * tokens, tokens]
+        with torch.no_grad():
+            for x, y in batches:
+                _check_split(y.shape[0], self.microbatches)
+                mb_losses = []
+                for xm, ym in zip(torch.tensor_split(x, self.microbatches), torch.tensor_split(y, self.microbatches),
+                                  strict=True):
+                    h = xm
+                    for m in self.models:
+                        h = m(h)
+                    mb_losses.append(self.loss_fn(h, ym))
+                total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
+                total[1] += y.numel()
+        return float(total[0] / total[1])
+
 
 def pipeline_eval_loss(
     stage_model: nn.Module,

@@ -522,10 +522,41 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
     return gain
 
 
-def loss_gain_checkers(v: VerifyConfig) -> int:
+def loss_gain_checkers(v: VerifyConfig, stages: int = 1) -> int:
     """How many checkers compute each packet's loss gain this run (lossgain.py); 0 = every worker
-    computes every gain, as when a failed test rejects (a checker's word must then not matter)."""
-    return v.loss_gain_checkers if v.loss_gain_batches and loss_gain_action(v) == "audit" else 0
+    computes every gain, as when a failed test rejects (a checker's word must then not matter),
+    and with pipeline stages (StageLossGains)."""
+    return v.loss_gain_checkers if v.loss_gain_batches and loss_gain_action(v) == "audit" and stages == 1 else 0
+
+
+class StageLossGains:
+    """check_round's `loss_gains_of` for a pipelined worker (`[topology] stages > 1`): each gain is
+    the whole model's, the losses of G_r and of G_r - delta on the sender's first n batches
+    computed through this worker's pipeline (pipeline_eval_loss: every stage takes part, each
+    with its slice of G_r and of the delta), so all of a worker's stages get the same numbers.
+    Gains are computed for the senders whose every slice this worker decoded (pooled over its
+    stages, so the stages run the same collectives in the same order); any other sender's update
+    is refused whole (check.take_whole_workers), so its slices need none. Every worker computes
+    every gain (no checkers)."""
+
+    def __init__(self, w: Worker, r: int, seconds: list[float]) -> None:
+        self.w, self.r, self.seconds = w, r, seconds
+        self.n = min(w.cfg.verify.loss_gain_batches, w.cfg.train.inner_steps)
+
+    def loss(self, params: dict[str, torch.Tensor], j: int) -> float:
+        w = self.w
+        load_params(w.model, params)
+        return pipeline_eval_loss(w.model, [w.task.batch(j, self.r, s) for s in range(self.n)], w.worker_group,
+                                  stage=w.stage, stages=w.topo.stages, microbatches=w.cfg.topology.microbatches)
+
+    def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
+        t0, G_r = time.perf_counter(), self.w.bases[self.r]
+        pooled = _gather_json({"decoded": sorted(decoded)}, self.w.worker_group)
+        everywhere = set.intersection(*(set(p["decoded"]) for p in pooled))
+        gains = {j: LossGain.on_own_batches(self.loss(G_r, j), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j))
+                 for j in sorted(everywhere)}
+        self.seconds[0] += time.perf_counter() - t0
+        return Settled(gains)
 
 
 class SharedLossGains:
@@ -674,7 +705,9 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     base_hash = w.base_hashes.pop(r)
     lg_time = [0.0]  # seconds this worker spent computing loss gains
     gain = timed_loss_gain(w, r, lg_time) if cfg.verify.loss_gain_batches else None
-    shared = SharedLossGains(w, r, part, gain) if loss_gain_checkers(cfg.verify) else None
+    shared = SharedLossGains(w, r, part, gain) if loss_gain_checkers(cfg.verify, w.topo.stages) else None
+    if cfg.verify.loss_gain_batches and w.topo.stages > 1:
+        gain, shared = None, StageLossGains(w, r, lg_time)
     check = check_round(
         packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
         admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,

@@ -108,17 +108,41 @@ def check_round(
     banned: set[int] | frozenset[int] = frozenset(),
 ) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id; a dict when only some
-    workers took part, as under elastic membership). The loss-gain test: `loss_gain_of(w, delta)`
+    workers took part, as under elastic membership): `check_bundles`, then `screen_checked`.
+    The loss-gain test: `loss_gain_of(w, delta)`
     computes each gain here; or `loss_gains_of(decoded, seed)` settles them from the assigned
     checkers' reports (lossgain.py; `seed`: the round's commitments), and a checker whose report
     does not reproduce gets FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the
     loss-gain test, or "audit" it (RoundCheck.suspects); `banned`: workers refused."""
+    check = check_bundles(bundles, run_id=run_id, round=round, base_hash=base_hash, admitted_keys=admitted_keys,
+                          shapes=shapes, max_packet_bytes=max_packet_bytes, batch_root_of=batch_root_of,
+                          equivocation=equivocation, trace_entries=trace_entries, banned=banned)
+    return screen_checked(check, base_hash=base_hash, screen=screen, previous=previous, loss_gain_of=loss_gain_of,
+                          loss_gains_of=loss_gains_of, loss_gain_action=loss_gain_action)
+
+
+def check_bundles(
+    bundles: list[bytes] | dict[int, bytes],
+    *,
+    run_id: str,
+    round: int,
+    base_hash: str,
+    admitted_keys: dict[int, str],
+    shapes: dict[str, tuple[int, ...]],
+    max_packet_bytes: int,
+    batch_root_of: Callable[[int], str],
+    equivocation: EquivocationDetector,
+    trace_entries: int | None = None,
+    banned: set[int] | frozenset[int] = frozenset(),
+) -> RoundCheck:
+    """Everything before the screen (check_round): bundle format, signature, commitment, packet
+    hash, assigned data, trace shape, equivocation, decoding. `decoded` holds the deltas that
+    passed; they are ACCEPT so far, and `accepted` is empty until `screen_checked`."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
     decoded: dict[int, dict[str, torch.Tensor]] = {}
     evidence: dict[int, Any] = {}
-    suspects: dict[int, dict] = {}
     for w, data in (bundles.items() if isinstance(bundles, dict) else enumerate(bundles)):
         commitments[w] = None
         packet_hashes[w] = sha256_hex(data)
@@ -160,6 +184,23 @@ def check_round(
             except PacketError as e:
                 reason, evidence[w] = MALFORMED, {"error": str(e)[:200]}
         verdicts[w] = reason or ACCEPT
+    return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded)
+
+
+def screen_checked(
+    check: RoundCheck,
+    *,
+    base_hash: str,
+    screen: bool = True,
+    previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
+    loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
+    loss_gains_of: Callable[[dict[int, dict[str, torch.Tensor]], str], Settled] | None = None,
+    loss_gain_action: str = "reject",
+) -> RoundCheck:
+    """The screen of `check_bundles`' decoded deltas (norm, cosine, duplicates, loss gains; see
+    check_round), and the accepted deltas."""
+    verdicts, commitments, decoded = dict(check.verdicts), check.commitments, check.decoded
+    packet_hashes, evidence, suspects = check.packet_hashes, dict(check.evidence), {}
     settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
