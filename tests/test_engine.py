@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,8 +66,9 @@ def test_four_workers_loss_falls_and_params_agree(tmp_path):
         assert key in s
 
 
-def test_same_seed_same_hashes_and_resume_equals_uninterrupted(tmp_path):
-    cfg = tiny("--train.rounds=4")
+def uninterrupted_and_resumed(cfg, tmp_path: Path, keys: tuple[str, ...] = HASHED) -> tuple[list[dict], list[dict]]:
+    """The records of a 4-round run, and of the same run stopped after 2 rounds and resumed;
+    asserts that `keys` of every round agree."""
     run_a, _ = train(cfg, str(tmp_path / "a"), quiet=True)
     run_b, _ = train(cfg, str(tmp_path / "b"), quiet=True, stop_after=2)
     assert len(rounds_of(run_b.root)) == 2
@@ -74,7 +76,12 @@ def test_same_seed_same_hashes_and_resume_equals_uninterrupted(tmp_path):
     a, b = rounds_of(run_a.root), rounds_of(run_b.root)
     assert len(a) == len(b) == 4
     for ra, rb in zip(a, b, strict=True):
-        assert {k: ra[k] for k in HASHED} == {k: rb[k] for k in HASHED}
+        assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}
+    return a, b
+
+
+def test_same_seed_same_hashes_and_resume_equals_uninterrupted(tmp_path):
+    a, _ = uninterrupted_and_resumed(tiny("--train.rounds=4"), tmp_path)
     other_seed, _ = train(tiny("--train.rounds=1", "--run.seed=1"), str(tmp_path / "c"), quiet=True)
     assert rounds_of(other_seed.root)[0]["params_hash"] != a[0]["params_hash"]
 
@@ -85,14 +92,7 @@ def test_delay_1_stop_and_resume_equals_uninterrupted(tmp_path):
     cfg = tiny("--train.rounds=4", "--topology.workers=3", "--outer.delay=1", "--outer.momentum=0.5",
                "--outer.lookahead=true", "--train.inner_state=reset", "--verify.replay_probability=1.0",
                "--verify.trace_every=5")
-    run_a, _ = train(cfg, str(tmp_path / "a"), quiet=True)
-    run_b, _ = train(cfg, str(tmp_path / "b"), quiet=True, stop_after=2)
-    assert len(rounds_of(run_b.root)) == 2
-    resume(str(run_b.root), quiet=True)
-    a, b = rounds_of(run_a.root), rounds_of(run_b.root)
-    assert len(a) == len(b) == 4
-    for ra, rb in zip(a, b, strict=True):
-        assert {k: ra[k] for k in (*HASHED, "verdicts", "evidence")} == {k: rb[k] for k in (*HASHED, "verdicts", "evidence")}
+    _, b = uninterrupted_and_resumed(cfg, tmp_path, (*HASHED, "verdicts", "evidence"))
     assert all(rec["verdicts"] == ["accept"] * 3 and "replayed" in rec["evidence"]["0"] for rec in b)
 
 

@@ -102,6 +102,7 @@ from .verify.replay import (
     plan_audits,
     replay_evidence,
     replay_failed,
+    replay_run,
     replay_score,
     segments_to_sample,
 )
@@ -612,11 +613,11 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         t0 = time.perf_counter()
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
         signed = check.commitments[a.worker].commitment
+        start = start_point(cfg, G_r, own, w.workers, w.base_momenta.get(r))
         score = replay_score(
-            cfg.verify, replayer, cfg.train,
-            start_point(cfg, G_r, own, w.workers, w.base_momenta.get(r)), r,
-            lambda step, j=a.worker: w.task.batch(j, r, step), a, list(signed.trace), check.decoded[a.worker],
-            replay_codecs(cfg, signed),
+            cfg.verify, lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,
+                                           lambda step, j=a.worker: w.task.batch(j, r, step), a),
+            list(signed.trace), check.decoded[a.worker], replay_codecs(cfg, signed),
         )
         if w.topo.stages > 1:  # the trace is the worker's, the packet check each stage's slice: worst of them
             worst = torch.tensor([score], dtype=torch.float64)

@@ -88,37 +88,20 @@ def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) ->
         check.suspects.pop(j, None)
 
 
-def check_round(
-    bundles: list[bytes] | dict[int, bytes],
-    *,
-    run_id: str,
-    round: int,
-    base_hash: str,
-    admitted_keys: dict[int, str],
-    shapes: dict[str, tuple[int, ...]],
-    max_packet_bytes: int,
-    batch_root_of: Callable[[int], str],
-    equivocation: EquivocationDetector,
-    screen: bool = True,
-    previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
-    trace_entries: int | None = None,
-    loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
-    loss_gains_of: Callable[[dict[int, dict[str, torch.Tensor]], str], Settled] | None = None,
-    loss_gain_action: str = "reject",
-    banned: set[int] | frozenset[int] = frozenset(),
-) -> RoundCheck:
+SCREEN_ARGS = ("screen", "previous", "loss_gain_of", "loss_gains_of", "loss_gain_action")  # screen_checked's
+
+
+def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id; a dict when only some
-    workers took part, as under elastic membership): `check_bundles`, then `screen_checked`.
-    The loss-gain test: `loss_gain_of(w, delta)`
-    computes each gain here; or `loss_gains_of(decoded, seed)` settles them from the assigned
-    checkers' reports (lossgain.py; `seed`: the round's commitments), and a checker whose report
-    does not reproduce gets FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the
-    loss-gain test, or "audit" it (RoundCheck.suspects); `banned`: workers refused."""
-    check = check_bundles(bundles, run_id=run_id, round=round, base_hash=base_hash, admitted_keys=admitted_keys,
-                          shapes=shapes, max_packet_bytes=max_packet_bytes, batch_root_of=batch_root_of,
-                          equivocation=equivocation, trace_entries=trace_entries, banned=banned)
-    return screen_checked(check, base_hash=base_hash, screen=screen, previous=previous, loss_gain_of=loss_gain_of,
-                          loss_gains_of=loss_gains_of, loss_gain_action=loss_gain_action)
+    workers took part, as under elastic membership): `check_bundles` with the `checks` it takes
+    (run id, round, base hash, keys, shapes, ...), then `screen_checked` with those it takes
+    (SCREEN_ARGS). The loss-gain test: `loss_gain_of(w, delta)` computes each gain here; or
+    `loss_gains_of(decoded, seed)` settles them from the assigned checkers' reports (lossgain.py;
+    `seed`: the round's commitments), and a checker whose report does not reproduce gets
+    FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the loss-gain test, or "audit"
+    it (RoundCheck.suspects)."""
+    screen = {k: checks.pop(k) for k in SCREEN_ARGS if k in checks}
+    return screen_checked(check_bundles(bundles, **checks), base_hash=checks["base_hash"], **screen)
 
 
 def check_bundles(
@@ -136,8 +119,9 @@ def check_bundles(
     banned: set[int] | frozenset[int] = frozenset(),
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
-    hash, assigned data, trace shape, equivocation, decoding. `decoded` holds the deltas that
-    passed; they are ACCEPT so far, and `accepted` is empty until `screen_checked`."""
+    hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
+    `decoded` holds the deltas that passed; they are ACCEPT so far, and `accepted` is empty until
+    `screen_checked`."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}

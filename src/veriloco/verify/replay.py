@@ -297,24 +297,14 @@ def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], c
     return relative_distance(as_committed({k: replayed.delta[k] for k in committed}, codecs), committed)
 
 
-def replay_score(
-    verify: VerifyConfig,
-    replayer: Replayer,
-    train: TrainConfig,
-    start: dict[str, torch.Tensor],
-    round: int,
-    batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    audit: Audit,
-    trace: list[str],
-    committed: dict[str, torch.Tensor],
-    codecs: dict[str, str],
-) -> float:
-    """`score_replayed` of `replay_run`: the one number round.py and audit.py both compute for an
+def replay_score(verify: VerifyConfig, run: Callable[[], Replayed], trace: list[str],
+                 committed: dict[str, torch.Tensor], codecs: dict[str, str]) -> float:
+    """`score_replayed` of `run()` (a `replay_run`), except that distance mode does not replay a
+    packet it cannot compare with. The one number round.py and audit.py both compute for an
     audit, so both reach the same verdict."""
     if verify.replay_match != "exact" and not packet_replayable(codecs, committed):
-        return math.inf  # nothing to compare with: do not spend the replay
-    return score_replayed(verify, replay_run(verify, replayer, train, start, round, batch_of_step, audit),
-                          trace, committed, codecs)
+        return math.inf
+    return score_replayed(verify, run(), trace, committed, codecs)
 
 
 def replay_failed(verify: VerifyConfig, score: float) -> bool:
