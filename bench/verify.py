@@ -3,6 +3,7 @@
     python bench/verify.py [--quick] [--seeds N] [--rounds R] [--replay-match exact|distance]
                            [--out bench/results/verify.json]
     python bench/verify.py --calibrate-only      # only the replay-distance measurements
+    python bench/verify.py --quick --stages 2 --out bench/results/verify-stages-quick.json   # pipelined workers
 
 Each run: 4 workers train the tiny GPT (configs/tiny.toml, widened to 4 workers) with worker 1
 attacking (`--adversary.1=KIND`), inner state reset per round so replay needs no private state,
@@ -193,6 +194,9 @@ def main() -> None:
                     help="rounds of the clean seed-0 run whose replays are measured (clipped to --rounds; '' = none)")
     ap.add_argument("--attacks", default="",
                     help="comma-separated attacks to run (default: all), e.g. lazy:skip=0.25,lazy:skip=0.5")
+    ap.add_argument("--stages", type=int, default=1,
+                    help="pipeline stages per worker (2 micro-batches); > 1 skips the replay-distance calibration "
+                         "and the default-model overhead rows, which measure unpipelined workers")
     ap.add_argument("--out", default=None, help="default bench/results/verify.json (--calibrate-only: print only)")
     args = ap.parse_args()
     attacks = [a.strip() for a in args.attacks.split(",") if a.strip()] or ATTACKS
@@ -203,6 +207,9 @@ def main() -> None:
             "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", f"--verify.replay_match={args.replay_match}",
             "--train.eval_every=1000"]
+    if args.stages > 1:
+        base += [f"--topology.stages={args.stages}", "--topology.microbatches=2"]
+        args.calibrate_rounds, args.overhead_rounds = "", 0
     calib_rounds = sorted({min(int(x), args.rounds - 1) for x in args.calibrate_rounds.split(",") if x.strip()})
     if args.calibrate_only:
         args.seeds, attacks, args.overhead_rounds = 1, [], 0
@@ -296,7 +303,7 @@ def main() -> None:
                                      "share_of_bundle": round(1 - packet_bytes / bundle_bytes, 4) if bundle_bytes else None,
                                      "replay_bytes": 0},
               "replay_distance": calib,
-              "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay,
+              "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay, "stages": args.stages,
                          "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4,
                          "detect_seeds": args.detect_seeds}}
     if args.replay_match == "distance":
