@@ -231,7 +231,7 @@ def main() -> None:
             clean_recs.append(recs)
             store = LocalStore(Path(tmp) / f"clean-{seed}" / "store")
             for rec in recs:  # what a bundle carries besides the packet: the signed commitment
-                for digest in rec["bundles"]:
+                for digest in (d for part in rec.get("stages", [rec]) for d in part["bundles"]):
                     bundle = store.get(digest)
                     packet_bytes += len(decode_bundle(bundle)[1])
                     bundle_bytes += len(bundle)
