@@ -285,6 +285,32 @@ class EmulatedPipeline:
         return float(total[0] / total[1])
 
 
+class PipelineEval:
+    """Mean loss of the full model over batches (weighted by target tokens), computed forward
+    only through the worker's stages; collective over `worker_group`, the same value on every
+    stage, and every stage passes the same batches. The schedule is built once, for batches of
+    one shape (building a stage costs a set-up and a shape exchange), so keep one per shape."""
+
+    def __init__(self, stage_model: nn.Module, worker_group: dist.ProcessGroup, *, stage: int, stages: int,
+                 microbatches: int = 1, loss_fn: OutputLoss = lm_loss, device: torch.device | str = "cpu") -> None:
+        self.group, self.stage, self.stages, self.microbatches = worker_group, stage, stages, microbatches
+        self.device = torch.device(device)
+        self.sched = _make_schedule(stage_model, stage, stages, worker_group, "gpipe", microbatches, loss_fn, self.device)
+
+    def __call__(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of loss * tokens, tokens]
+        with torch.no_grad():
+            for x, y in batches:
+                _check_split(y.shape[0], self.microbatches)
+                mb_losses: list[torch.Tensor] = []
+                _pipe_step(self.sched, self.stage, self.stages, x, y, mb_losses, forward_only=True)
+                if self.stage == self.stages - 1:
+                    total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
+                total[1] += y.numel()
+        dist.broadcast(total, group=self.group, group_src=self.stages - 1)
+        return float(total[0] / total[1])
+
+
 def pipeline_eval_loss(
     stage_model: nn.Module,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -296,22 +322,9 @@ def pipeline_eval_loss(
     loss_fn: OutputLoss = lm_loss,
     device: torch.device | str = "cpu",
 ) -> float:
-    """Mean loss of the full model over `batches` (weighted by target tokens), computed forward
-    only through the worker's stages; collective over `worker_group`, the same value on every
-    stage. Every stage passes the same batches."""
-    device = torch.device(device)
-    sched = _make_schedule(stage_model, stage, stages, worker_group, "gpipe", microbatches, loss_fn, device)
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of loss * tokens, tokens]
-    with torch.no_grad():
-        for x, y in batches:
-            _check_split(y.shape[0], microbatches)
-            mb_losses: list[torch.Tensor] = []
-            _pipe_step(sched, stage, stages, x, y, mb_losses, forward_only=True)
-            if stage == stages - 1:
-                total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
-            total[1] += y.numel()
-    dist.broadcast(total, group=worker_group, group_src=stages - 1)
-    return float(total[0] / total[1])
+    """One PipelineEval of `batches` (a schedule built for this call)."""
+    return PipelineEval(stage_model, worker_group, stage=stage, stages=stages, microbatches=microbatches,
+                        loss_fn=loss_fn, device=device)(batches)
 
 
-__all__ = ["EmulatedPipeline", "PipelineInnerLoop", "pipeline_eval_loss", "combine_stage_hashes", "SCHEDULES"]
+__all__ = ["EmulatedPipeline", "PipelineEval", "PipelineInnerLoop", "pipeline_eval_loss", "combine_stage_hashes", "SCHEDULES"]

@@ -81,7 +81,7 @@ from .link import Link
 from .membership import GroupComm, PgComm
 from .outer import OuterOptimizer
 from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
-from .pipeline import PipelineInnerLoop, pipeline_eval_loss
+from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import CorpusTask, Task
@@ -137,6 +137,7 @@ class Worker:
     bases: dict = field(default_factory=dict)  # round -> G when its inner steps began (replay)
     base_momenta: dict = field(default_factory=dict)  # round -> the outer momentum then (replay)
     own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
+    pipe_evals: dict = field(default_factory=dict)  # stages > 1: batch shape -> PipelineEval (pipeline_eval)
     start_states: dict = field(default_factory=dict)  # delay 1: round -> private state as it began (resume)
     resumed_outer: OuterOptimizer | None = None  # delay 1, resumed: G of the last recorded round, set after
     # the first resumed round's inner steps (which began from the G before it), as the interrupted run did
@@ -387,12 +388,21 @@ def evaluate(w: Worker, part: Participants | None = None) -> float:
                 total[0] += float(w.task.loss(w.model, x, y)) * y.numel()
                 total[1] += y.numel()
     elif w.eval_set:  # forward through the worker's pipeline; every stage gets the worker's loss
-        loss = pipeline_eval_loss(w.model, w.eval_set, w.worker_group, stage=w.stage, stages=w.topo.stages,
-                                  microbatches=w.cfg.topology.microbatches)
+        loss = pipeline_eval(w, w.eval_set)
         tokens = sum(y.numel() for _, y in w.eval_set)
         total += torch.tensor([loss * tokens, tokens], dtype=torch.float64)
     part.comm.all_reduce(total)  # over the workers (each stage sums the same numbers)
     return float(total[0] / total[1])
+
+
+def pipeline_eval(w: Worker, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The whole model's mean loss over `batches` through this worker's pipeline, at the params its
+    stage model holds (collective over the worker's stages); one schedule per batch shape, kept."""
+    shape = tuple(batches[0][0].shape) if batches else ()
+    if shape not in w.pipe_evals:
+        w.pipe_evals[shape] = PipelineEval(w.model, w.worker_group, stage=w.stage, stages=w.topo.stages,
+                                           microbatches=w.cfg.topology.microbatches)
+    return w.pipe_evals[shape](batches)
 
 
 def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
@@ -533,7 +543,7 @@ def loss_gain_checkers(v: VerifyConfig, stages: int = 1) -> int:
 class StageLossGains:
     """check_round's `loss_gains_of` for a pipelined worker (`[topology] stages > 1`): each gain is
     the whole model's, the losses of G_r and of G_r - delta on the sender's first n batches
-    computed through this worker's pipeline (pipeline_eval_loss: every stage takes part, each
+    computed through this worker's pipeline (pipeline_eval: every stage takes part, each
     with its slice of G_r and of the delta), so all of a worker's stages get the same numbers.
     Gains are computed for the senders whose every slice this worker decoded (pooled over its
     stages, so the stages run the same collectives in the same order); any other sender's update
@@ -547,8 +557,7 @@ class StageLossGains:
     def loss(self, params: dict[str, torch.Tensor], j: int) -> float:
         w = self.w
         load_params(w.model, params)
-        return pipeline_eval_loss(w.model, [w.task.batch(j, self.r, s) for s in range(self.n)], w.worker_group,
-                                  stage=w.stage, stages=w.topo.stages, microbatches=w.cfg.topology.microbatches)
+        return pipeline_eval(w, [w.task.batch(j, self.r, s) for s in range(self.n)])
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
         t0, G_r = time.perf_counter(), self.w.bases[self.r]
