@@ -139,3 +139,30 @@ def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
     assert any("no_loss_gain" in rec["stages"][0]["evidence"]["1"]["flags"] for rec in recs)
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
+
+
+def test_a_pipelined_delay_1_run_resumes_as_it_would_have_run(tmp_path):
+    """Stopped after 2 of 4 rounds and resumed: the same records, slice by slice, as uninterrupted
+    (each stage restores its slice of the G before the last committed round and its own delta)."""
+    from veriloco.run import resume
+
+    cfg = tiny(*BASE, "--train.rounds=4", "--outer.delay=1", "--outer.momentum=0.5")
+    a, _ = train(cfg, str(tmp_path / "a"), quiet=True)
+    b, _ = train(cfg, str(tmp_path / "b"), quiet=True, stop_after=2)
+    resume(str(b.root), quiet=True)
+    keys = ("params_hash", "checkpoint", "verdicts", "stages", "train_loss", "eval_loss")
+    ra, rb = rounds_of(a.root), rounds_of(b.root)
+    assert len(ra) == len(rb) == 4
+    for x, y in zip(ra, rb, strict=True):
+        assert {k: x[k] for k in keys if k != "stages"} == {k: y[k] for k in keys if k != "stages"}
+        assert [p["evidence"] for p in x["stages"]] == [p["evidence"] for p in y["stages"]]
+
+
+def test_a_false_accuser_among_pipelined_workers_is_convicted(tmp_path):
+    run, _ = train(tiny(*BASE, "--adversary.2=false_accuser"), str(tmp_path / "f"), quiet=True)
+    verdicts = verdicts_of(run.root, 2)
+    first = verdicts.index("false_report")  # every member replayed what it accused, and it passed
+    assert verdicts[first + 1:] == ["banned"] * (2 - first)
+    for j in (0, 1):
+        assert verdicts_of(run.root, j) == ["accept"] * 3
+    assert audit_run(run.root, replay=100).ok
