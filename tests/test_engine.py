@@ -86,6 +86,12 @@ def test_same_seed_same_hashes_and_resume_equals_uninterrupted(tmp_path):
     assert rounds_of(other_seed.root)[0]["params_hash"] != a[0]["params_hash"]
 
 
+def test_resume_keeps_the_encoders_state(tmp_path):
+    """PowerSGD's warm start and error feedback's residuals carry over a resume."""
+    uninterrupted_and_resumed(tiny("--train.rounds=4", "--compress.codec=lowrank:rank=2",
+                                   "--compress.error_feedback=true"), tmp_path)
+
+
 def test_delay_1_stop_and_resume_equals_uninterrupted(tmp_path):
     """Delay 1 (eager, with the lookahead) with every round replayed: stopped after round 1 and
     resumed, the run records what the uninterrupted one does, verdicts and replays included."""

@@ -252,12 +252,27 @@ class DeltaEncoder:
                 self.feedback.update(k, delta[k], decoded[k])
         return packet, decoded, log
 
+    def _stateful(self) -> dict[tuple[str, str], Codec]:
+        """(tensor, spec) -> the codec objects that keep sender state (PowerSGD's warm start)."""
+        codecs = self.controller._codecs if self.controller is not None else {(k, c.spec()): c for k, c in self.codecs.items()}
+        return {ks: c for ks, c in codecs.items() if hasattr(c, "state_dict")}
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"feedback/{k}": v for k, v in self.feedback.state_dict().items()} if self.feedback else {}
+        """What the encoder carries from round to round (a resume restores it): error feedback's
+        residuals and the codecs' warm starts."""
+        out = {f"feedback/{k}": v for k, v in self.feedback.state_dict().items()} if self.feedback else {}
+        for (key, spec), codec in self._stateful().items():
+            out |= {f"codec/{spec}/{k}": v for k, v in codec.state_dict().items() if k == key}
+        return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.feedback is not None:
             self.feedback.load_state_dict({k[len("feedback/"):]: v for k, v in tensors.items() if k.startswith("feedback/")})
+        for name, v in tensors.items():
+            if name.startswith("codec/"):
+                spec, key = name[len("codec/"):].split("/", 1)
+                codec = self.controller.codec(key, spec) if self.controller is not None else self.codecs[key]
+                codec.load_state_dict({key: v})
 
 
 def check_splittable(task: Task, stages: int) -> None:
