@@ -302,7 +302,7 @@ def heal(w: Worker, to_round: int) -> int:
         w.encoder.load_state_tensors(state)
     w.own_decoded, w.own_packet = [], None
     w.history, w.previous, w.bases, w.base_hashes = {}, ({}, {}), {}, {}
-    w.base_momenta = {}
+    w.base_momenta, w.start_states = {}, {}  # (start states: delay 1, for rounds it will not finish)
     done = w.run.rounds()[:to_round]  # the bans in force: the last record it can see
     w.banned = set(done[-1].get("banned", [])) if done else set()
     return to_round
