@@ -36,8 +36,6 @@ def test_override_types():
         ("--model.d_model=31", "divisible"),
         ("train.rounds", "--section.key=value"),
         ("--train.inner_state=reset --verify.replay_probability=0.5", "verify.trace_every (10) must divide train.inner_steps (5)"),
-        ("--topology.stages=2 --train.inner_state=reset --verify.replay_probability=0.5 --verify.replay_match=distance",
-         "pipelined rounds replay in exact mode only"),
     ],
 )
 def test_bad_override_names_the_key(override, needle):

@@ -166,3 +166,21 @@ def test_a_false_accuser_among_pipelined_workers_is_convicted(tmp_path):
     for j in (0, 1):
         assert verdicts_of(run.root, j) == ["accept"] * 3
     assert audit_run(run.root, replay=100).ok
+
+
+def test_distance_mode_replays_pipelined_workers(tmp_path):
+    """replay_match = "distance" (for kernels that are not bit-reproducible, e.g. GPUs): the whole
+    round is replayed through the auditor's pipeline and each stage's slice of the distance is
+    summed in stage order; on CPU an honest worker's distance is exactly 0."""
+    run, _ = train(tiny(*BASE, "--train.rounds=2", "--verify.replay_match=distance", "--adversary.1=lazy:skip=0.5"),
+                   str(tmp_path / "d"), quiet=True)
+    assert verdicts_of(run.root, 1) == ["replay_mismatch", "banned"]
+    for rec in rounds_of(run.root):
+        first, second = (part["evidence"] for part in rec["stages"])
+        assert first == second
+        for j in ("0", "2"):
+            assert first[j]["replayed"]["distance"] == 0.0
+    lazy = rounds_of(run.root)[0]["stages"][0]["evidence"]["1"]
+    assert lazy["distance"] > 10 * lazy["tolerance"]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure

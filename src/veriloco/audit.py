@@ -88,11 +88,13 @@ from .verify.lossgain import Settled, assign_checkers, misreports, reports_from_
 from .verify.replay import (
     PlanInputs,
     Replayer,
+    distance_of,
     judge_reported,
     plain_replayer,
     plan_audits,
     replay_failed,
     replay_run,
+    replayed_parts,
     score_replayed,
     segments_to_sample,
 )
@@ -797,9 +799,13 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
                 start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
             replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
                                   lambda step, j=a.worker: t.batch(j, r, step), a)
-            score = max(score_replayed(cfg.verify, replayed, list(c.check.commitments[a.worker].commitment.trace),
-                                       c.check.decoded[a.worker], replay_codecs(cfg, c.check.commitments[a.worker].commitment))
-                        for c in checks)
+            signed = [c.check.commitments[a.worker].commitment for c in checks]
+            if cfg.verify.replay_match == "exact":  # as the stages combined theirs (round.stage_replay_score)
+                score = max(score_replayed(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
+                                           replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True))
+            else:
+                score = distance_of([replayed_parts(replayed, c.check.decoded[a.worker], replay_codecs(cfg, x))
+                                     for c, x in zip(checks, signed, strict=True)])
             for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
                 if replay_failed(cfg.verify, score) and mine.get(a.worker) == ACCEPT:
                     _fail(f"{where}worker {a.worker}'s replay fails, but the round accepted it: its auditor, "

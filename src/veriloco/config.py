@@ -196,8 +196,7 @@ class VerifyConfig:
     replay_probability: float = _f(
         0.0,
         "chance that a worker's round is replayed by another worker; needs "
-        "train.inner_state = 'reset' (with topology.stages > 1: replay_match = 'exact'; the auditor's "
-        "pipeline replays)",
+        "train.inner_state = 'reset' (with topology.stages > 1 the auditor's pipeline replays)",
     )
     replay_match: str = _f(
         "exact",
@@ -410,8 +409,6 @@ def validate(cfg: Config) -> None:
     need(0 < v.replay_tolerance < 1, f"verify.replay_tolerance must be in (0, 1), got {v.replay_tolerance}")
     if v.replay_probability > 0:
         need(cfg.train.inner_state == "reset", "verify.replay_probability > 0 needs train.inner_state = 'reset' (a round must be replayable from public data)")
-        need(cfg.topology.stages == 1 or v.replay_match == "exact",
-             "verify.replay_match = 'distance' needs topology.stages = 1 (pipelined rounds replay in exact mode only)")
     if v.replay_probability > 0 and v.replay_match == "exact" and v.trace_every:
         # an exact replay checks whole segments of k steps, and the packet only when the last one ends the round
         need(cfg.train.inner_steps % v.trace_every == 0,

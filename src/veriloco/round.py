@@ -96,7 +96,9 @@ from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle
 from .verify.replay import (
     Audit,
     PlanInputs,
+    Replayed,
     Replayer,
+    distance_of,
     judge_reported,
     plain_replayer,
     plan_audits,
@@ -104,6 +106,8 @@ from .verify.replay import (
     replay_failed,
     replay_run,
     replay_score,
+    replayed_parts,
+    score_replayed,
     segments_to_sample,
 )
 from .verify.screen import LossGain
@@ -638,15 +642,13 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
         signed = check.commitments[a.worker].commitment
         start = start_point(cfg, G_r, own, w.workers, w.base_momenta.get(r))
-        score = replay_score(
-            cfg.verify, lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,
-                                           lambda step, j=a.worker: w.task.batch(j, r, step), a),
-            list(signed.trace), check.decoded[a.worker], replay_codecs(cfg, signed),
-        )
-        if w.topo.stages > 1:  # the trace is the worker's, the packet check each stage's slice: worst of them
-            worst = torch.tensor([score], dtype=torch.float64)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=w.worker_group)
-            score = float(worst)
+        run = lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,  # noqa: E731
+                                 lambda step, j=a.worker: w.task.batch(j, r, step), a)
+        committed, codecs = check.decoded[a.worker], replay_codecs(cfg, signed)
+        if w.topo.stages == 1:
+            score = replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
+        else:
+            score = stage_replay_score(w, run(), list(signed.trace), committed, codecs)
         spent += time.perf_counter() - t0
         return score
 
@@ -666,6 +668,21 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score)
     return spent
+
+
+def stage_replay_score(w: Worker, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
+                       codecs: dict[str, str]) -> float:
+    """A pipelined worker's number for one replay, the same on each of its stages: exact mode,
+    the worst of the stages' (the trace is the worker's, the packet check each stage's slice);
+    distance mode, the whole model's distance from every stage's parts, summed in stage order."""
+    if w.cfg.verify.replay_match == "exact":
+        worst = torch.tensor([score_replayed(w.cfg.verify, replayed, trace, committed, codecs)], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=w.worker_group)
+        return float(worst)
+    mine = torch.tensor(replayed_parts(replayed, committed, codecs), dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(w.topo.stages)]
+    dist.all_gather(every, mine, group=w.worker_group)
+    return distance_of([(float(t[0]), float(t[1])) for t in every])
 
 
 def replayer_of(w: Worker) -> Replayer:

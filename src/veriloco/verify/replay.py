@@ -229,13 +229,25 @@ def relative_distance(replayed: dict[str, torch.Tensor], committed: dict[str, to
     """||replayed - committed|| / ||committed|| over all tensors (L2, float64, keys in sorted
     order, so every machine gets the same bits from the same inputs); inf when the committed
     delta is zero or not finite (nothing honest commits that)."""
+    return distance_of([distance_parts(replayed, committed)])
+
+
+def distance_parts(replayed: dict[str, torch.Tensor], committed: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(||replayed - committed||^2, ||committed||^2) over `committed`'s tensors, keys in sorted order."""
     num = torch.zeros((), dtype=torch.float64)
     den = torch.zeros((), dtype=torch.float64)
     for k in sorted(committed):
         c = committed[k].double()
         num += ((replayed[k].double() - c) ** 2).sum()
         den += (c**2).sum()
-    d = math.sqrt(float(num)) / math.sqrt(float(den)) if float(den) > 0 else math.inf
+    return float(num), float(den)
+
+
+def distance_of(parts: list[tuple[float, float]]) -> float:
+    """The relative distance from the `distance_parts` of a model's slices, summed in slice
+    (stage) order; inf when the committed delta is zero or anything is not finite."""
+    num, den = sum(n for n, _ in parts), sum(d for _, d in parts)
+    d = math.sqrt(num) / math.sqrt(den) if den > 0 else math.inf
     return d if math.isfinite(d) else math.inf
 
 
@@ -292,9 +304,16 @@ def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], c
             if any(not torch.equal(mine[name], committed[name]) for name in committed):
                 return float(len(trace))
         return -1.0
+    return distance_of([replayed_parts(replayed, committed, codecs)])
+
+
+def replayed_parts(replayed: Replayed, committed: dict[str, torch.Tensor], codecs: dict[str, str]) -> tuple[float, float]:
+    """Distance mode: the `distance_parts` of the replayed delta, re-encoded with the packet's
+    codecs, against `committed` (a slice of the model, or all of it); (inf, 1) for a packet
+    distance mode cannot reproduce (config keeps honest workers off it)."""
     if replayed.delta is None or not packet_replayable(codecs, committed):
-        return math.inf  # a packet distance mode cannot reproduce; config keeps honest workers off it
-    return relative_distance(as_committed({k: replayed.delta[k] for k in committed}, codecs), committed)
+        return math.inf, 1.0
+    return distance_parts(as_committed({k: replayed.delta[k] for k in committed}, codecs), committed)
 
 
 def replay_score(verify: VerifyConfig, run: Callable[[], Replayed], trace: list[str],
