@@ -301,7 +301,7 @@ def heal(w: Worker, to_round: int) -> int:
         w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
         w.encoder.load_state_tensors(state)
     w.own_decoded, w.own_packet = [], None
-    w.history, w.previous, w.bases, w.base_hashes = {}, ({}, {}), {}, {}
+    w.history, w.history_rounds, w.previous, w.bases, w.base_hashes = {}, {}, ({}, {}), {}, {}
     w.base_momenta, w.start_states = {}, {}  # (start states: delay 1, for rounds it will not finish)
     done = w.run.rounds()[:to_round]  # the bans in force: the last record it can see
     w.banned = set(done[-1].get("banned", [])) if done else set()
@@ -344,7 +344,8 @@ def _snapshot(w: Worker) -> dict:
     return {
         "params": {k: v.clone() for k, v in w.outer.params.items()},
         "outer": {k: v.clone() for k, v in w.outer.state_tensors().items()},
-        "history": dict(w.history), "previous": w.previous, "bases": dict(w.bases),
+        "history": dict(w.history), "history_rounds": dict(w.history_rounds), "previous": w.previous,
+        "bases": dict(w.bases),
         "base_hashes": dict(w.base_hashes), "banned": set(w.banned), "base_momenta": dict(w.base_momenta),
     }
 
@@ -353,7 +354,7 @@ def _restore(w: Worker, saved: dict) -> None:
     w.outer = OuterOptimizer(saved["params"], w.cfg.outer)
     w.outer.load_state_tensors(saved["outer"])
     w.history, w.previous, w.bases, w.base_hashes = saved["history"], saved["previous"], saved["bases"], saved["base_hashes"]
-    w.banned, w.base_momenta = saved["banned"], saved["base_momenta"]
+    w.banned, w.base_momenta, w.history_rounds = saved["banned"], saved["base_momenta"], saved["history_rounds"]
 
 
 @contextmanager

@@ -138,6 +138,7 @@ class Worker:
     previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (replay screen)
     adversary: Adversary | None = None  # set only when this worker is configured to attack
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (replay starts)
+    history_rounds: dict = field(default_factory=dict)  # worker -> the round of its newest delta in history
     bases: dict = field(default_factory=dict)  # round -> G when its inner steps began (replay)
     base_momenta: dict = field(default_factory=dict)  # round -> the outer momentum then (replay)
     own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
@@ -349,8 +350,9 @@ def restore(w: Worker, next_round: int) -> None:
     next_round-2's checkpoint, or G_0) with the worker's own delta of next_round-1 as the eager
     correction, and G moves on to round next_round-1's checkpoint once those inner steps are
     done (`resumed_outer`). The private state of a delay-1 run is the one saved as round
-    next_round began (finish_round), and the replays of round next_round start from the deltas
-    of next_round-1 that the round decoded (listed in the state's metadata)."""
+    next_round began (finish_round), and the replays of round next_round start from each
+    worker's newest decoded delta, as the interrupted run held them (the state's metadata names
+    their rounds; the store has their bundles)."""
     cfg = w.cfg
     records = w.run.rounds()
     part = lambda rec: rec["stages"][w.stage] if w.topo.stages > 1 else rec  # noqa: E731 (this stage's slice)
@@ -360,8 +362,8 @@ def restore(w: Worker, next_round: int) -> None:
     # the screen's "previous round": its accepted packets, decoded again from the store
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
 
-    def delta_of(j: int) -> dict[str, torch.Tensor]:
-        return decode_packet(decode_bundle(w.store.get(mine["bundles"][j]))[1], shapes, cfg.run.max_packet_bytes)
+    def delta_of(j: int, rec: dict = mine) -> dict[str, torch.Tensor]:
+        return decode_packet(decode_bundle(w.store.get(rec["bundles"][j]))[1], shapes, cfg.run.max_packet_bytes)
 
     accepted = [j for j, v in enumerate(mine["verdicts"]) if v == "accept"]
     deltas = {j: delta_of(j) for j in accepted}
@@ -379,8 +381,10 @@ def restore(w: Worker, next_round: int) -> None:
     w.own_packet = decode_bundle(w.store.get(mine["bundles"][w.worker]))[1]
     w.own_decoded = [decode_packet(w.own_packet, shapes, cfg.run.max_packet_bytes)]
     with safe_open(str(path), "pt") as f:
-        decoded = json.loads((f.metadata() or {}).get("decoded", "[]"))
-    w.history = {j: [deltas[j] if j in deltas else delta_of(j)] for j in decoded}
+        rounds = {int(j): x for j, x in json.loads((f.metadata() or {}).get("history", "{}")).items()}
+    w.history_rounds = rounds
+    w.history = {j: [deltas[j] if j in deltas and x == next_round - 1 else delta_of(j, part(records[x]))]
+                 for j, x in rounds.items()}
 
 
 def _load_checkpoint(w: Worker, mine: dict, r: int) -> OuterOptimizer:
@@ -772,6 +776,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         w.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     for j, d in check.decoded.items():
         w.history[j] = (w.history.get(j, []) + [d])[-2:]
+        w.history_rounds[j] = r
     for r_old in [x for x in w.bases if x <= r]:
         w.bases.pop(r_old)
         w.base_momenta.pop(r_old, None)
@@ -779,6 +784,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     for j in range(W):  # a worker that missed the round has no "last delta" to start from
         if j not in packets:
             w.history.pop(j, None)
+            w.history_rounds.pop(j, None)
     verify_s = time.perf_counter() - verify0
 
     # 5. aggregate the accepted deltas (robustly, if configured) and take the outer step
@@ -794,10 +800,10 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)
     # what a resume at round r+1 starts from: as round r+1 began (delay 1: before its inner steps, which
-    # have run by now; at the run's end none has) and the workers whose round-r deltas were decoded
+    # have run by now; at the run's end none has), and which round each worker's newest delta is from
     state = w.start_states.pop(r + 1, None) or private_state(w)
     atomic_write(state_dir / f"state-{r}.safetensors",
-                 st_save(state, metadata={"decoded": json.dumps(sorted(check.decoded))}))
+                 st_save(state, metadata={"history": json.dumps({str(j): x for j, x in sorted(w.history_rounds.items())})}))
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()
