@@ -470,7 +470,8 @@ def lookahead_momentum(cfg: Config, outer: OuterOptimizer) -> dict[str, torch.Te
 
 
 def private_state(w: Worker) -> dict[str, torch.Tensor]:
-    """This process's private state (inner AdamW, error feedback), copied: what a resume needs."""
+    """This process's private state (inner AdamW, error feedback, codec warm starts), copied:
+    what a resume needs."""
     return {k: v.clone() for k, v in (w.inner.state_tensors() | w.encoder.state_tensors()).items()}
 
 
@@ -883,8 +884,9 @@ def combine_stages(parts: list[dict], store: LocalStore | None) -> dict:
     """The record of a round of S > 1 stages from each stage's own (`parts`, in stage order).
 
     A worker's verdict is "accept" when every stage accepted its slice, else the first stage's
-    own reason (not other_stage, which only says another stage rejected it); `checkpoint` is the digest of a JSON manifest of the stage checkpoints (put into
-    `store` when given), `params_hash` and `aggregate_hash` hash the stages' lists of them."""
+    own reason (not other_stage, which only says another stage rejected it); `checkpoint` is
+    the digest of a JSON manifest of the stage checkpoints (put into `store` when given),
+    `params_hash` and `aggregate_hash` hash the stages' lists of them."""
     n = len(parts[0]["verdicts"])
     verdicts, evidence = [], {}
     for j in range(n):
