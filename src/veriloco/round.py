@@ -380,11 +380,24 @@ def restore(w: Worker, next_round: int) -> None:
         w.outer = _load_checkpoint(w, part(records[next_round - 2]), next_round - 2)
     w.own_packet = decode_bundle(w.store.get(mine["bundles"][w.worker]))[1]
     w.own_decoded = [decode_packet(w.own_packet, shapes, cfg.run.max_packet_bytes)]
-    with safe_open(str(path), "pt") as f:
-        rounds = {int(j): x for j, x in json.loads((f.metadata() or {}).get("history", "{}")).items()}
+    rounds = state_history(path, w.workers, next_round)
     w.history_rounds = rounds
     w.history = {j: [deltas[j] if j in deltas and x == next_round - 1 else delta_of(j, part(records[x]))]
                  for j, x in rounds.items()}
+
+
+def state_history(path: Path, workers: int, next_round: int) -> dict[int, int]:
+    """worker -> the round of its newest decoded delta, from a private state file's metadata
+    (finish_round); ValueError naming the file when it is not that (run.resume checks it first)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("history", "{}")
+        rounds = {int(j): int(x) for j, x in json.loads(raw).items()}
+    except Exception as e:  # a torn or foreign file: say which, in one line
+        raise ValueError(f"{path} is not a private state file veriloco wrote ({type(e).__name__})") from None
+    if any(not (0 <= j < workers and 0 <= x < next_round) for j, x in rounds.items()):
+        raise ValueError(f"{path}: its 'history' metadata is not a map of worker -> earlier round: {raw[:80]!r}")
+    return rounds
 
 
 def _load_checkpoint(w: Worker, mine: dict, r: int) -> OuterOptimizer:

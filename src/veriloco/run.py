@@ -22,7 +22,7 @@ from .hashing import canonical_json, json_hash
 from .model import build_model
 from .procs import start_workers
 from .records import RunDir, RunDirError
-from .round import init_distributed, train_worker
+from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, run_ref
 from .task import CorpusTask, Task, model_init_hash
 
@@ -176,8 +176,14 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
     if done >= cfg.train.rounds:
         raise RunDirError(f"{run.root} is already complete ({done}/{cfg.train.rounds} rounds)")
     for rank in range(cfg.topology.workers * cfg.topology.stages):  # private state is per process
-        if cfg.run.membership == "static" and done and not (run.worker_dir(rank) / f"state-{done - 1}.safetensors").exists():
+        state = run.worker_dir(rank) / f"state-{done - 1}.safetensors"
+        if cfg.run.membership == "static" and done and not state.exists():
             raise RunDirError(f"process {rank} has no saved state for round {done - 1} in {run.root}")
+        if cfg.run.membership == "static" and done:
+            try:
+                state_history(state, cfg.topology.workers, done)
+            except ValueError as e:
+                raise RunDirError(str(e)) from None
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after)
