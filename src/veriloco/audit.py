@@ -88,15 +88,14 @@ from .verify.lossgain import Settled, assign_checkers, misreports, reports_from_
 from .verify.replay import (
     PlanInputs,
     Replayer,
-    distance_of,
     judge_reported,
     plain_replayer,
     plan_audits,
     replay_failed,
     replay_run,
-    replayed_parts,
-    score_replayed,
     segments_to_sample,
+    slice_result,
+    worker_score,
 )
 from .verify.screen import LossGain
 
@@ -485,19 +484,14 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
         results = [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
                    for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres,
                                                                    strict=True)]
-        if stages == 1:
+        for where, (_, digest, _) in zip(wheres, claims, strict=True):  # each slice's checkpoint is stored
             try:
-                store.get(claimed)
-            except StoreError as e:
-                _fail(f"round {r}: checkpoint: {e}")
-            counts["checkpoints"] += 1
-            continue
-        for where, want in zip(wheres, p["stages"], strict=True):
-            try:
-                store.get(want["checkpoint"])
+                store.get(digest)
             except StoreError as e:
                 _fail(f"{where}checkpoint: {e}")
             counts["checkpoints"] += 1
+        if stages == 1:
+            continue
         # the stage checkpoints make the manifest the entry names, the stages' hashes its hashes
         stage_manifest = canonical_json({"stages": [{"checkpoint": x.checkpoint, "params_hash": x.params_hash}
                                                     for x in results]})
@@ -800,12 +794,8 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
             replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
                                   lambda step, j=a.worker: t.batch(j, r, step), a)
             signed = [c.check.commitments[a.worker].commitment for c in checks]
-            if cfg.verify.replay_match == "exact":  # as the stages combined theirs (round.stage_replay_score)
-                score = max(score_replayed(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
-                                           replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True))
-            else:
-                score = distance_of([replayed_parts(replayed, c.check.decoded[a.worker], replay_codecs(cfg, x))
-                                     for c, x in zip(checks, signed, strict=True)])
+            score = worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
+                                                           replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])
             for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
                 if replay_failed(cfg.verify, score) and mine.get(a.worker) == ACCEPT:
                     _fail(f"{where}worker {a.worker}'s replay fails, but the round accepted it: its auditor, "

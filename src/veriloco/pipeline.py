@@ -97,6 +97,13 @@ def _step_loss(mb_losses: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(mb_losses).detach().mean().double()
 
 
+def _tally(total: torch.Tensor, mb_losses: list[torch.Tensor], y: torch.Tensor) -> None:
+    """Add one batch to total = [sum of loss * target tokens, tokens]: the mean of its micro-batch
+    losses, weighted by its tokens (pipeline evals and the emulated ones alike)."""
+    total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
+    total[1] += y.numel()
+
+
 def _clip(cfg: TrainConfig, grads: list[torch.Tensor], stage_sq: list[float]) -> None:
     """Clip a slice's grads by the GLOBAL norm, from every stage's squared norm in stage order
     (summed in that order on every stage, so all stages get the same coefficient); the same rule
@@ -280,8 +287,7 @@ class EmulatedPipeline:
                     for m in self.models:
                         h = m(h)
                     mb_losses.append(self.loss_fn(h, ym))
-                total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
-                total[1] += y.numel()
+                _tally(total, mb_losses, y)
         return float(total[0] / total[1])
 
 
@@ -305,8 +311,9 @@ class PipelineEval:
                 mb_losses: list[torch.Tensor] = []
                 _pipe_step(self.sched, self.stage, self.stages, x, y, mb_losses, forward_only=True)
                 if self.stage == self.stages - 1:
-                    total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
-                total[1] += y.numel()
+                    _tally(total, mb_losses, y)
+                else:
+                    total[1] += y.numel()
         dist.broadcast(total, group=self.group, group_src=self.stages - 1)
         return float(total[0] / total[1])
 

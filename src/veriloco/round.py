@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,7 +99,6 @@ from .verify.replay import (
     PlanInputs,
     Replayed,
     Replayer,
-    distance_of,
     judge_reported,
     plain_replayer,
     plan_audits,
@@ -106,9 +106,9 @@ from .verify.replay import (
     replay_failed,
     replay_run,
     replay_score,
-    replayed_parts,
-    score_replayed,
     segments_to_sample,
+    slice_result,
+    worker_score,
 )
 from .verify.screen import LossGain
 
@@ -259,7 +259,7 @@ class DeltaEncoder:
 
     def _stateful(self) -> dict[tuple[str, str], Codec]:
         """(tensor, spec) -> the codec objects that keep sender state (PowerSGD's warm start)."""
-        codecs = self.controller._codecs if self.controller is not None else {(k, c.spec()): c for k, c in self.codecs.items()}
+        codecs = self.controller.kept() if self.controller is not None else {(k, c.spec()): c for k, c in self.codecs.items()}
         return {ks: c for ks, c in codecs.items() if hasattr(c, "state_dict")}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -570,11 +570,23 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
     return gain
 
 
-def loss_gain_checkers(v: VerifyConfig, stages: int = 1) -> int:
+def loss_gain_checkers(v: VerifyConfig) -> int:
     """How many checkers compute each packet's loss gain this run (lossgain.py); 0 = every worker
-    computes every gain, as when a failed test rejects (a checker's word must then not matter),
-    and with pipeline stages (StageLossGains)."""
-    return v.loss_gain_checkers if v.loss_gain_batches and loss_gain_action(v) == "audit" and stages == 1 else 0
+    computes every gain, as when a failed test rejects (a checker's word must then not matter).
+    Pipeline stages have no checkers (StageLossGains; loss_gains_for)."""
+    return v.loss_gain_checkers if v.loss_gain_batches and loss_gain_action(v) == "audit" else 0
+
+
+def loss_gains_for(w: Worker, r: int, part: Participants, seconds: list[float]) -> tuple[Any, Any]:
+    """check_round's (loss_gain_of, loss_gains_of) for round r on this process: none without the
+    loss-gain screen; through the worker's pipeline with stages; shared among checkers when
+    there are checkers; else every gain computed here. Adds the seconds spent to seconds[0]."""
+    if not w.cfg.verify.loss_gain_batches:
+        return None, None
+    if w.topo.stages > 1:
+        return None, StageLossGains(w, r, seconds)
+    gain = timed_loss_gain(w, r, seconds)
+    return (None, SharedLossGains(w, r, part, gain)) if loss_gain_checkers(w.cfg.verify) else (gain, None)
 
 
 class StageLossGains:
@@ -690,17 +702,12 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
 
 def stage_replay_score(w: Worker, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
                        codecs: dict[str, str]) -> float:
-    """A pipelined worker's number for one replay, the same on each of its stages: exact mode,
-    the worst of the stages' (the trace is the worker's, the packet check each stage's slice);
-    distance mode, the whole model's distance from every stage's parts, summed in stage order."""
-    if w.cfg.verify.replay_match == "exact":
-        worst = torch.tensor([score_replayed(w.cfg.verify, replayed, trace, committed, codecs)], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=w.worker_group)
-        return float(worst)
-    mine = torch.tensor(replayed_parts(replayed, committed, codecs), dtype=torch.float64)
+    """A pipelined worker's number for one replay, the same on each of its stages: every stage's
+    `slice_result`, gathered over the worker's stages and combined by `worker_score`."""
+    mine = torch.tensor(slice_result(w.cfg.verify, replayed, trace, committed, codecs), dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(w.topo.stages)]
     dist.all_gather(every, mine, group=w.worker_group)
-    return distance_of([(float(t[0]), float(t[1])) for t in every])
+    return worker_score(w.cfg.verify, [(float(t[0]), float(t[1])) for t in every])
 
 
 def replayer_of(w: Worker) -> Replayer:
@@ -764,18 +771,14 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     verify0 = time.perf_counter()
     base_hash = w.base_hashes.pop(r)
     lg_time = [0.0]  # seconds this worker spent computing loss gains
-    gain = timed_loss_gain(w, r, lg_time) if cfg.verify.loss_gain_batches else None
-    shared = SharedLossGains(w, r, part, gain) if loss_gain_checkers(cfg.verify, w.topo.stages) else None
-    if cfg.verify.loss_gain_batches and w.topo.stages > 1:
-        gain, shared = None, StageLossGains(w, r, lg_time)
+    gain, gains = loss_gains_for(w, r, part, lg_time)
     check = check_round(
         packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
         admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
         trace_entries=trace_entries(cfg),
-        loss_gain_of=gain if shared is None else None,
-        loss_gains_of=shared,
+        loss_gain_of=gain, loss_gains_of=gains,
         loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
     )
     check_s = time.perf_counter() - verify0

@@ -175,15 +175,15 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
     done = len(run.rounds())
     if done >= cfg.train.rounds:
         raise RunDirError(f"{run.root} is already complete ({done}/{cfg.train.rounds} rounds)")
-    for rank in range(cfg.topology.workers * cfg.topology.stages):  # private state is per process
+    processes = cfg.topology.workers * cfg.topology.stages if cfg.run.membership == "static" and done else 0
+    for rank in range(processes):  # private state is per process (elastic workers heal instead)
         state = run.worker_dir(rank) / f"state-{done - 1}.safetensors"
-        if cfg.run.membership == "static" and done and not state.exists():
+        if not state.exists():
             raise RunDirError(f"process {rank} has no saved state for round {done - 1} in {run.root}")
-        if cfg.run.membership == "static" and done:
-            try:
-                state_history(state, cfg.topology.workers, done)
-            except ValueError as e:
-                raise RunDirError(str(e)) from None
+        try:
+            state_history(state, cfg.topology.workers, done)
+        except ValueError as e:
+            raise RunDirError(str(e)) from None
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after)

@@ -194,6 +194,10 @@ class AdaptiveController:
         self.overhead_bytes_per_tensor = overhead_bytes_per_tensor
         self._codecs: dict[tuple[str, str], Codec] = {}
 
+    def kept(self) -> dict[tuple[str, str], Codec]:
+        """(tensor, spec) -> every codec object kept so far (some hold sender state)."""
+        return dict(self._codecs)
+
     def codec(self, key: str, spec: str) -> Codec:
         """The codec object kept for tensor `key` on rung `spec`."""
         if (key, spec) not in self._codecs:

@@ -316,6 +316,24 @@ def replayed_parts(replayed: Replayed, committed: dict[str, torch.Tensor], codec
     return distance_parts(as_committed({k: replayed.delta[k] for k in committed}, codecs), committed)
 
 
+def slice_result(verify: VerifyConfig, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
+                 codecs: dict[str, str]) -> tuple[float, float]:
+    """One pipeline stage's part of a replay's number (its slice of `committed`): exact mode,
+    (its `score_replayed`, 0); distance mode, its `replayed_parts`. `worker_score` combines them."""
+    if verify.replay_match == "exact":
+        return score_replayed(verify, replayed, trace, committed, codecs), 0.0
+    return replayed_parts(replayed, committed, codecs)
+
+
+def worker_score(verify: VerifyConfig, results: list[tuple[float, float]]) -> float:
+    """A pipelined worker's number from every stage's `slice_result`, in stage order: exact mode,
+    the worst (the trace is the worker's, the packet check each slice's); distance mode, the whole
+    model's relative distance. round.py (gathered from the stages) and audit.py both use it."""
+    if verify.replay_match == "exact":
+        return max(score for score, _ in results)
+    return distance_of(results)
+
+
 def replay_score(verify: VerifyConfig, run: Callable[[], Replayed], trace: list[str],
                  committed: dict[str, torch.Tensor], codecs: dict[str, str]) -> float:
     """`score_replayed` of `run()` (a `replay_run`), except that distance mode does not replay a
