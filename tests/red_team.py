@@ -1,6 +1,7 @@
 """A user-defined attacker loaded by import path in tests (`--adversary.2=red_team:Halve`)."""
 
 from veriloco.verify.adversary import Adversary
+from veriloco.verify.screen import LossGain
 
 
 class Halve(Adversary):
@@ -69,3 +70,19 @@ class SpoilStage0(Adversary):
 
     def bundle(self, r, bundle, view):
         return bundle[: len(bundle) // 2] if b"tok_emb" in bundle else bundle
+
+
+class SplitReports(Adversary):
+    """Pipelined loss-gain checker that reports the truth from its stage 0 and a failing gain from
+    its other stages: if each stage of an honest worker settled from the reports it gathered
+    itself, that worker's stages would recompute different gains, run different pipelines and
+    hang."""
+
+    kind = "split_reports"
+
+    def loss_gain_report(self, r, worker, gain):
+        import torch.distributed as dist
+
+        if dist.get_rank() % 2 == 0:  # stage 0 of 2 (ranks are worker-major)
+            return gain
+        return LossGain.on_own_batches(gain.own_before, gain.own_before + 1.0)

@@ -141,6 +141,50 @@ def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
     assert report.ok, report.first_failure
 
 
+LG_CHECKERS = ("--verify.loss_gain_batches=1", "--verify.loss_gain_checkers=1", "--verify.replay_probability=0.25")
+
+
+def test_pipelined_loss_gains_are_shared_among_checkers_and_a_false_one_is_convicted(tmp_path):
+    """With checkers, each packet's gain is computed by one drawn worker's pipeline; the false
+    accuser reports every gain it checks as failing, every member recomputes it and convicts it
+    (false_report, evidence: the loss gain) in round 0; the audit settles the recorded reports again."""
+    run, _ = train(tiny(*BASE, *LG_CHECKERS, "--adversary.2=false_accuser"), str(tmp_path / "c"), quiet=True)
+    recs = rounds_of(run.root)
+    for rec in recs:
+        reports = [part["loss_gain_reports"] for part in rec["stages"]]
+        assert reports[0] == reports[1]  # one table for the worker's stages
+    first = recs[0]["stages"][0]
+    assert sorted(first["loss_gain_reports"]) == ["0", "1", "2"]
+    assert all(len(rows) == 1 for rows in first["loss_gain_reports"].values())  # one checker each
+    assert verdicts_of(run.root, 2) == ["false_report", "banned", "banned"]
+    assert "loss_gain" in first["evidence"]["2"]
+    for j in (0, 1):
+        assert verdicts_of(run.root, j) == ["accept"] * 3
+    # checkers compute a packet's gain, the others only what they must: less than every gain
+    assert sum(recs[1]["loss_gain_s"]) < sum(recs[0]["loss_gain_s"])
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
+def test_a_checker_that_tells_stages_apart_cannot_split_a_pipelined_worker(tmp_path, monkeypatch):
+    """red_team:SplitReports reports the truth to stage 0's processes and a failing gain to stage 1's:
+    every stage settles from its stage 0's table, so the run goes on (a split would hang it) and
+    nobody is convicted on the lie stage 0 never heard."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny(*BASE, *LG_CHECKERS, "--train.rounds=2", "--adversary.1=red_team:SplitReports"),
+                   str(tmp_path / "s"), quiet=True)
+    checked_by_1 = 0
+    for rec in rounds_of(run.root):
+        assert rec["verdicts"] == ["accept"] * 3
+        assert rec["stages"][0]["loss_gain_reports"] == rec["stages"][1]["loss_gain_reports"]
+        checked_by_1 += sum(row[0] == 1 for rows in rec["stages"][0]["loss_gain_reports"].values() for row in rows)
+    assert checked_by_1 > 0  # the splitter was drawn as a checker
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
 def test_a_pipelined_delay_1_run_resumes_as_it_would_have_run(tmp_path):
     """Stopped after 2 of 4 rounds and resumed: the same records, slice by slice, as uninterrupted
     (each stage restores its slice of the G before the last committed round and its own delta)."""

@@ -82,9 +82,16 @@ from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, load_stored_corpus, model_init_hash
 from .topology import build_stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
-from .verify.check import RoundCheck, check_bundles, screen_checked, take_whole_workers
+from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
 from .verify.commitment import EquivocationDetector
-from .verify.lossgain import Settled, assign_checkers, misreports, reports_from_json, settle
+from .verify.lossgain import (
+    Settled,
+    assign_checkers,
+    misreports,
+    reports_from_json,
+    settle,
+    stage_seed,
+)
 from .verify.replay import (
     PlanInputs,
     Replayer,
@@ -472,7 +479,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
             claims = [(x["aggregate_hash"], x["checkpoint"], x["params_hash"]) for x in p["stages"]]
         checks = [_check_slice(cfg, task, store, G0, sl, r, part, mine, where, admitted, manifest["run_id"], counts)
                   for sl, part, mine, where in zip(slices, parts, recorded, wheres, strict=True)]
-        gains = _stage_gains(cfg, task, slices, checks, r) if stages > 1 and cfg.verify.loss_gain_batches else None
+        gains = _stage_settled(cfg, task, slices, checks, parts, r) if stages > 1 and cfg.verify.loss_gain_batches else None
         checks = [_screen_slice(cfg, task, G0, sl, r, part, where, c, gains)
                   for sl, part, where, c in zip(slices, parts, wheres, checks, strict=True)]
         if stages > 1:  # a worker's update is taken whole or not at all, as its stages agreed
@@ -606,16 +613,16 @@ def _check_slice(
 
 
 def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, where: str,
-                  checked: _Checked, stage_gains: dict[int, LossGain] | None) -> _Checked:
+                  checked: _Checked, stage_gains: Settled | None) -> _Checked:
     """The screen of one slice's checked bundles, as that slice's processes ran it; with stages,
-    the loss gains are the worker-wide ones `_stage_gains` computed."""
+    the loss gains are the worker-wide ones `_stage_settled` settled."""
     back, v = r - 1 - cfg.outer.delay, cfg.verify
     n = min(v.loss_gain_batches, cfg.train.inner_steps)
     if stage_gains is not None:
-        gains_of = lambda decoded, seed: Settled({j: stage_gains[j] for j in sorted(decoded) if j in stage_gains})  # noqa: E731
+        gains_of = lambda decoded, seed: stage_gains  # noqa: E731
     elif loss_gain_checkers(v):
-        gains_of = _AuditLossGains(cfg, task, G0, sl.start_of(back), r, sorted(checked.present), sl.banned,
-                                   part.get("loss_gain_reports"), where)
+        gains_of = _AuditLossGains(cfg, make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n),
+                                   sorted(checked.present), sl.banned, part.get("loss_gain_reports"), where)
     else:
         gains_of = None
     check = screen_checked(
@@ -625,6 +632,23 @@ def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int
         loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v),
     )
     return checked._replace(check=check)
+
+
+def _stage_settled(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], parts: list[dict],
+                   r: int) -> Settled:
+    """The loss gains of a pipelined round as its workers settled them (round.StageLossGains): the
+    audit's own numbers (_stage_gains), or with checkers the recorded reports settled as the
+    workers did, from the seed and the banned their stages pooled."""
+    gains = _stage_gains(cfg, task, slices, checked, r)
+    if not loss_gain_checkers(cfg.verify):
+        return Settled(gains)
+    where, recorded = f"round {r}: ", [p.get("loss_gain_reports") for p in parts]
+    if any(x != recorded[0] for x in recorded[1:]):
+        _fail(f"{where}the stages' records hold different loss_gain_reports (every stage settles from stage 0's)")
+    seed = stage_seed([screen_seed(c.check, c.base) for c in checked])
+    banned = set().union(*(sl.banned for sl in slices))
+    settle_ = _AuditLossGains(cfg, lambda j, _: gains[j], sorted(checked[0].present), banned, recorded[0], where)
+    return settle_(dict.fromkeys(gains), seed)
 
 
 def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], r: int) -> dict[int, LossGain]:
@@ -705,10 +729,8 @@ class _AuditLossGains:
     the round did (with the audit's own numbers where the round recomputed), and names a checker
     whose report the audit's own computation does not reproduce."""
 
-    def __init__(self, cfg, task: CorpusTask, G0: torch.nn.Module, G_r: dict, r: int, members: list[int],
-                 banned: set[int], recorded: Any, where: str) -> None:
-        n = min(cfg.verify.loss_gain_batches, cfg.train.inner_steps)
-        self.gain = make_loss_gain(task.as_task(), G0, G_r, r, n)
+    def __init__(self, cfg, gain, members: list[int], banned: set[int], recorded: Any, where: str) -> None:
+        self.gain = gain  # (worker, delta) -> the audit's own LossGain
         self.cfg, self.members, self.banned, self.recorded, self.where = cfg, members, set(banned), recorded, where
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:

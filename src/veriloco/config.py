@@ -186,8 +186,8 @@ class VerifyConfig:
         "others take their number, and recompute it themselves only when it fails, is missing or "
         "the checkers disagree (a checker whose number does not reproduce is convicted false_report). "
         "0 = every worker computes every packet's gain (2 forward passes per batch per packet per "
-        "worker). Only with loss_gain_action = 'audit', replays on and topology.stages = 1; otherwise every "
-        "worker computes all",
+        "worker). Only with loss_gain_action = 'audit' and replays on; otherwise every worker computes "
+        "all. With stages a checker computes the gain through its whole pipeline",
     )
     ban: bool = _f(
         True,

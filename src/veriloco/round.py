@@ -93,7 +93,7 @@ from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root, take_whole_workers
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
-from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle
+from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle, stage_seed
 from .verify.replay import (
     Audit,
     PlanInputs,
@@ -572,8 +572,7 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
 
 def loss_gain_checkers(v: VerifyConfig) -> int:
     """How many checkers compute each packet's loss gain this run (lossgain.py); 0 = every worker
-    computes every gain, as when a failed test rejects (a checker's word must then not matter).
-    Pipeline stages have no checkers (StageLossGains; loss_gains_for)."""
+    computes every gain, as when a failed test rejects (a checker's word must then not matter)."""
     return v.loss_gain_checkers if v.loss_gain_batches and loss_gain_action(v) == "audit" else 0
 
 
@@ -584,9 +583,39 @@ def loss_gains_for(w: Worker, r: int, part: Participants, seconds: list[float]) 
     if not w.cfg.verify.loss_gain_batches:
         return None, None
     if w.topo.stages > 1:
-        return None, StageLossGains(w, r, seconds)
+        return None, StageLossGains(w, r, part, seconds)
     gain = timed_loss_gain(w, r, seconds)
     return (None, SharedLossGains(w, r, part, gain)) if loss_gain_checkers(w.cfg.verify) else (gain, None)
+
+
+def shared_gains(w: Worker, r: int, part: Participants, gain, workers: list[int], seed: str, banned: set[int],
+                 agree=None) -> Settled:
+    """The gains of `workers`' packets settled among checkers (lossgain.py): the checkers drawn from
+    `seed` among the members not in `banned` compute theirs with `gain(j)`, every member gathers
+    the reports (over this stage's processes; `agree(table)` may then replace the gathered
+    [member, worker, 3] table in place), and settles them, computing with `gain` what it must."""
+    members = part.members
+    checkers = assign_checkers(seed, workers, [m for m in members if m not in banned], loss_gain_checkers(w.cfg.verify))
+    mine = torch.zeros((w.workers, 3), dtype=torch.float64)  # [reported?, own_before, own_after]
+    for j in workers:
+        if w.worker not in checkers[j]:
+            continue
+        g: LossGain | None = gain(j)
+        if w.adversary is not None:
+            g = w.adversary.loss_gain_report(r, j, g)
+        if g is not None:
+            mine[j] = torch.tensor([1.0, g.own_before, g.own_after], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in members]
+    part.comm.all_gather(gathered, mine)
+    table = torch.stack(gathered)
+    if agree is not None:
+        agree(table)
+    reports = {c: {j: LossGain.on_own_batches(float(t[j, 1]), float(t[j, 2]))
+                   for j in workers if c in checkers[j] and t[j, 0] == 1.0}
+               for c, t in zip(members, table, strict=True)}
+    settled = settle(workers, checkers, reports, gain)
+    settled.record = reports_to_json(checkers, reports)
+    return settled
 
 
 class StageLossGains:
@@ -594,13 +623,18 @@ class StageLossGains:
     the whole model's, the losses of G_r and of G_r - delta on the sender's first n batches
     computed through this worker's pipeline (pipeline_eval: every stage takes part, each
     with its slice of G_r and of the delta), so all of a worker's stages get the same numbers.
-    Gains are computed for the senders whose every slice this worker decoded (pooled over its
-    stages, so the stages run the same collectives in the same order); any other sender's update
-    is refused whole (check.take_whole_workers), so its slices need none. Every worker computes
-    every gain (no checkers)."""
+    Gains are computed for the senders whose every slice this worker decoded; any other
+    sender's update is refused whole (check.take_whole_workers), so its slices need none.
 
-    def __init__(self, w: Worker, r: int, seconds: list[float]) -> None:
-        self.w, self.r, self.seconds = w, r, seconds
+    With checkers (`loss_gain_checkers` > 0) they are shared as without stages (shared_gains).
+    A worker's stages must run the same pipelines in the same order, so they pool what decides
+    which: the senders (as above), the screen seed (each stage's, in stage order:
+    lossgain.stage_seed), the banned (any stage's) and the reports, which every stage takes as
+    its stage 0 gathered them (a checker that tells another worker's stages different numbers
+    cannot split them). Without checkers every worker computes every gain."""
+
+    def __init__(self, w: Worker, r: int, part: Participants, seconds: list[float]) -> None:
+        self.w, self.r, self.part, self.seconds = w, r, part, seconds
         self.n = min(w.cfg.verify.loss_gain_batches, w.cfg.train.inner_steps)
 
     def loss(self, params: dict[str, torch.Tensor], j: int) -> float:
@@ -609,45 +643,37 @@ class StageLossGains:
         return pipeline_eval(w, [w.task.batch(j, self.r, s) for s in range(self.n)])
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
-        t0, G_r = time.perf_counter(), self.w.bases[self.r]
-        pooled = _gather_json({"decoded": sorted(decoded)}, self.w.worker_group)
-        everywhere = set.intersection(*(set(p["decoded"]) for p in pooled))
-        gains = {j: LossGain.on_own_batches(self.loss(G_r, j), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j))
-                 for j in sorted(everywhere)}
+        t0, w, G_r = time.perf_counter(), self.w, self.w.bases[self.r]
+        pooled = _gather_json({"decoded": sorted(decoded), "seed": seed, "banned": sorted(w.banned)}, w.worker_group)
+        workers = sorted(set.intersection(*(set(p["decoded"]) for p in pooled)))
+
+        def gain(j: int) -> LossGain:
+            return LossGain.on_own_batches(self.loss(G_r, j), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j))
+
+        def agree(table: torch.Tensor) -> None:
+            dist.broadcast(table, group=w.worker_group, group_src=0)
+
+        if loss_gain_checkers(w.cfg.verify):
+            banned = set().union(*(p["banned"] for p in pooled))
+            settled = shared_gains(w, self.r, self.part, gain, workers, stage_seed([p["seed"] for p in pooled]),
+                                   banned, agree)
+        else:
+            settled = Settled({j: gain(j) for j in workers})
         self.seconds[0] += time.perf_counter() - t0
-        return Settled(gains)
+        return settled
 
 
 class SharedLossGains:
     """check_round's `loss_gains_of` for round r on this worker: computes with `gain` (j, delta)
     the gains of the packets it is drawn to check, gathers every member's reports, settles them
-    (lossgain.py)."""
+    (shared_gains)."""
 
     def __init__(self, w: Worker, r: int, part: Participants, gain) -> None:
         self.w, self.r, self.part, self.gain = w, r, part, gain
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
-        w, members = self.w, self.part.members
-        workers = sorted(decoded)
-        eligible = [m for m in members if m not in w.banned]
-        checkers = assign_checkers(seed, workers, eligible, loss_gain_checkers(w.cfg.verify))
-        mine = torch.zeros((w.workers, 3), dtype=torch.float64)  # [reported?, own_before, own_after]
-        for j in workers:
-            if w.worker not in checkers[j]:
-                continue
-            g: LossGain | None = self.gain(j, decoded[j])
-            if w.adversary is not None:
-                g = w.adversary.loss_gain_report(self.r, j, g)
-            if g is not None:
-                mine[j] = torch.tensor([1.0, g.own_before, g.own_after], dtype=torch.float64)
-        gathered = [torch.zeros_like(mine) for _ in members]
-        self.part.comm.all_gather(gathered, mine)
-        reports = {c: {j: LossGain.on_own_batches(float(t[j, 1]), float(t[j, 2]))
-                       for j in workers if c in checkers[j] and t[j, 0] == 1.0}
-                   for c, t in zip(members, gathered, strict=True)}
-        settled = settle(workers, checkers, reports, lambda j: self.gain(j, decoded[j]))
-        settled.record = reports_to_json(checkers, reports)
-        return settled
+        return shared_gains(self.w, self.r, self.part, lambda j: self.gain(j, decoded[j]), sorted(decoded), seed,
+                            self.w.banned)
 
 
 def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> float:

@@ -171,6 +171,12 @@ def check_bundles(
     return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded)
 
 
+def screen_seed(check: RoundCheck, base_hash: str) -> str:
+    """The seed of the round's loss-gain checker draw: the base and the checked commitments,
+    which no sender knows before all have committed."""
+    return base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
+
+
 def screen_checked(
     check: RoundCheck,
     *,
@@ -189,8 +195,7 @@ def screen_checked(
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
         if loss_gains_of is not None:
-            seed = base_hash + "".join(sorted(c.digest for c in commitments.values() if c is not None))
-            settled = loss_gains_of(decoded, seed)
+            settled = loss_gains_of(decoded, screen_seed(check, base_hash))
             gains: dict[int, LossGain] | None = settled.gains
         else:
             gains = {w: loss_gain_of(w, d) for w, d in decoded.items()} if loss_gain_of else None

@@ -64,6 +64,12 @@ def assign_checkers(seed: str, workers: list[int], eligible: list[int], n: int) 
     return out
 
 
+def stage_seed(seeds: list[str]) -> str:
+    """The checker draw's seed of a pipelined worker's round: its stages' screen seeds (each
+    stage signs its own commitment), in stage order, so that all its stages draw alike."""
+    return "|".join(seeds)
+
+
 def same(a: LossGain, b: LossGain) -> bool:
     """Whether two computations of one gain agree: within LOSS_TOLERANCE, or both not finite
     (a delta that breaks the model breaks it for everyone)."""
