@@ -1,10 +1,10 @@
 """Communication bench: DDP vs DiLoCo vs DiLoCoX (veriloco) vs torchft DiLoCo on a slow link.
 
     python bench/comm.py --quick                        # ~3-4 min: small GPT, 7 rows
-    python bench/comm.py                                # ~17 min on 2 shared cores: 10 rows
+    python bench/comm.py                                # ~22 min on 2 shared cores: 13 rows
     python bench/comm.py --out bench/results/comm.json --rounds 6 --inner-steps 30
     python bench/comm.py --only ddp,fp32-d0             # a subset of the rows (names below)
-    python bench/comm.py --quick --set outer.momentum=0.5   # an override for every row
+    python bench/comm.py --quick --set outer.momentum=0.9   # an override for every row
 
 Every row trains the same GPT (configs/default.toml's model; --quick: a 2-layer d64 one) on the
 same batches (`data.batch(seed, worker, round, step)`), the same number of tokens, with the same
@@ -22,6 +22,9 @@ the same emulated link (`[link] bandwidth = 1gbit, latency = 50ms`, veriloco.lin
                    budgets codec payload only, so the measured ratio lands below 1000x
     lowrank-r4, lowrank-r1, topk-0.01, topk-0.002
                    delay 1 eager with a fixed low-byte codec + error feedback: the frontier
+    topk-0.01-local  topk-0.01 with the local correction and the lookahead (the best delay-1
+                   start point in bench/delay.py)
+    topk-0.01-d0   topk-0.01 with delay 0: what the codec alone costs
     torchft        torchft 0.2.0's DiLoCo (bench/torchft_diloco.py), fp32 allreduce, same link
 
 Columns: eval_loss on the same held-out batches after the last round; bytes_per_worker, what
@@ -73,6 +76,10 @@ LOSS_TOLERANCE_PCT = 2.0  # ... with eval loss within 2% of DDP's
 UTILISATION_TARGET = 0.97  # delay 1 on the 1 Gbit/s 50 ms link
 DELAY_COST_PCT = 0.5  # delay-1 eager vs delay 0 eval loss
 EQUAL_LOSS_PCT = 0.5  # "at equal loss" when comparing with torchft
+# DiLoCo's 0.9 is tuned for thousands of rounds; in these 6-10 round runs 0.5 is the best of
+# 0.9 / 0.5 / none for DiLoCo itself (bench/diloco_gap.py), and 0.9 with delay 1 and the eager
+# correction was unstable (bench/delay_stability.py). torchft's row gets the same.
+OUTER_MOMENTUM = 0.5
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,10 @@ def row_specs() -> list[RowSpec]:
         RowSpec("lowrank-r1", "veriloco", (*eager, "--compress.codec=lowrank:rank=1")),
         RowSpec("topk-0.01", "veriloco", (*eager, "--compress.codec=topk:density=0.01,bits=8")),
         RowSpec("topk-0.002", "veriloco", (*eager, "--compress.codec=topk:density=0.002,bits=8")),
+        RowSpec("topk-0.01-local", "veriloco", ("--outer.delay=1", "--outer.correction=local", "--outer.lookahead=true",
+                                                "--compress.error_feedback=true", "--compress.codec=topk:density=0.01,bits=8")),
+        RowSpec("topk-0.01-d0", "veriloco", ("--outer.delay=0", "--compress.error_feedback=true",
+                                             "--compress.codec=topk:density=0.01,bits=8")),
     ]
 
 
@@ -111,10 +122,12 @@ QUICK_ROWS = ("ddp", "fp32-d0", "torchft", "eager", "naive", "lowrank-r1", "topk
 
 
 def shared_overrides(quick: bool, rounds: int, inner_steps: int, workers: int) -> list[str]:
-    """The config every row shares: model, run length, link, eval only after the last round."""
+    """The config every row shares: model, run length, link, eval only after the last round, and
+    outer Nesterov momentum 0.5 (OUTER_MOMENTUM)."""
     out = [
         f"--topology.workers={workers}", f"--train.rounds={rounds}", f"--train.inner_steps={inner_steps}",
         f"--train.eval_every={rounds}", f"--link.bandwidth={BANDWIDTH}", f"--link.latency={LATENCY}",
+        f"--outer.momentum={OUTER_MOMENTUM}",
     ]
     if quick:  # a 2-layer d64 GPT on 4 MB of the corpus: the same rows in a few minutes
         out += ["--model.n_layer=2", "--model.n_head=2", "--model.d_model=64", "--model.ctx=64",

@@ -10,6 +10,7 @@ each worker's link. Records have the same shape as DiLoCo's, one line per H step
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 
@@ -60,7 +61,11 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
         torch.set_num_threads(cfg.train.threads)
         run = RunDir(run_dir)
         model = task.make_model()
-        ddp = DDP(model, broadcast_buffers=False)  # no buffers in the GPT
+        # buffers are not synced every step (the GPT has none); torch >= 2.13 names that
+        # forward_sync_buffers and warns on the older broadcast_buffers
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else "broadcast_buffers"
+        ddp = DDP(model, **{no_sync: False})
         counter = _CommCounter(world, link)
         ddp.register_comm_hook(counter, _counting_allreduce)
         inner = InnerLoop(ddp, cfg.train, cfg.train.rounds * cfg.train.inner_steps, task.loss)
