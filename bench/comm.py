@@ -181,6 +181,10 @@ def _veriloco_row(spec: RowSpec, cfg: Config, out: str) -> dict:
         "tokens_per_s": s["tokens_per_s"],
         "inner_s": round(s["utilisation"] * s["wall_s"], 3),
         "exchange_wait_s": round(sum(sum(r.get("wait_s", [])) for r in recs) / w, 3),
+        # per round, the slowest worker's inner-step seconds minus the workers' mean, summed: what
+        # the mean worker waits for the slowest (W processes sharing this machine's cores)
+        "straggler_s": round(sum(max(r["inner_s"]) - sum(r["inner_s"]) / len(r["inner_s"]) for r in recs
+                                 if r.get("inner_s")), 3),
         "verify_s": round(sum(sum(r.get("verify_s", [])) for r in recs) / w, 3),  # checks + replays
         # signed commitment + packet as sent (bundle), averaged over rounds and workers
         "bundle_bytes_mean": round(sum(map(sum, sizes)) / max(sum(map(len, sizes)), 1), 1),
