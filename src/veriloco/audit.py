@@ -613,13 +613,13 @@ def _check_slice(
 
 
 def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, where: str,
-                  checked: _Checked, stage_gains: Settled | None) -> _Checked:
+                  checked: _Checked, stage_settled: Settled | None) -> _Checked:
     """The screen of one slice's checked bundles, as that slice's processes ran it; with stages,
     the loss gains are the worker-wide ones `_stage_settled` settled."""
     back, v = r - 1 - cfg.outer.delay, cfg.verify
     n = min(v.loss_gain_batches, cfg.train.inner_steps)
-    if stage_gains is not None:
-        gains_of = lambda decoded, seed: stage_gains  # noqa: E731
+    if stage_settled is not None:
+        gains_of = lambda decoded, seed: stage_settled  # noqa: E731
     elif loss_gain_checkers(v):
         gains_of = _AuditLossGains(cfg, make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n),
                                    sorted(checked.present), sl.banned, part.get("loss_gain_reports"), where)
