@@ -67,6 +67,7 @@ from .pipeline import EmulatedPipeline
 from .records import RunDir, RunDirError
 from .round import (
     aggregate_deltas,
+    base_lag,
     batch_root,
     lookahead_momentum,
     loss_gain_action,
@@ -395,7 +396,7 @@ class _Slice:
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
     banned: set = field(default_factory=set)  # workers convicted so far (verify.OFFENCES)
 
-    def start_of(self, back: int) -> dict:  # G when round (back + 1 + delay)'s inner steps began
+    def start_of(self, back: int) -> dict:  # G after round `back` (G_0 before round 0)
         return self.bases[back] if back >= 0 else self.init
 
     def momentum_of(self, back: int) -> dict | None:  # the outer momentum then
@@ -600,7 +601,7 @@ def _check_slice(
         _fail(f"{where}bundles are stored for workers {sorted(bundles)}, the entry has commitments of "
               f"{sorted(c['worker'] for c in present)}")
     counts["bundles"] += len(bundles)
-    back = r - 1 - cfg.outer.delay
+    back = r - 1 - base_lag(cfg)
     base = sl.params_after[back] if back >= 0 else tensors_hash(sl.init)
     shapes = {k: tuple(v.shape) for k, v in sl.outer.params.items()}
     check = check_bundles(
@@ -616,7 +617,7 @@ def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int
                   checked: _Checked, stage_settled: Settled | None) -> _Checked:
     """The screen of one slice's checked bundles, as that slice's processes ran it; with stages,
     the loss gains are the worker-wide ones `_stage_settled` settled."""
-    back, v = r - 1 - cfg.outer.delay, cfg.verify
+    back, v = r - 1 - base_lag(cfg), cfg.verify
     n = min(v.loss_gain_batches, cfg.train.inner_steps)
     if stage_settled is not None:
         gains_of = lambda decoded, seed: stage_settled  # noqa: E731
@@ -654,7 +655,7 @@ def _stage_settled(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_C
 def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], r: int) -> dict[int, LossGain]:
     """The loss gains a pipelined run's workers computed (round.StageLossGains), in this one
     process: the whole model through the emulated stages, for the senders every slice decoded."""
-    back, t = r - 1 - cfg.outer.delay, task.as_task()
+    back, t = r - 1 - base_lag(cfg), task.as_task()
     n = min(cfg.verify.loss_gain_batches, cfg.train.inner_steps)
     G_r = {k: v for sl in slices for k, v in sl.start_of(back).items()}
     stages = [build_stage_model(cfg.model, cfg.run.seed, s, len(slices)) for s in range(len(slices))]
@@ -813,8 +814,11 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
             for sl in slices:
                 own = sl.history.get(a.worker, []) if cfg.outer.delay else []
                 start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
+            land = None
+            if cfg.outer.overlap_steps:  # round r-1's update landed before this step of round r
+                land = (cfg.outer.overlap_steps, {k: v for sl in slices for k, v in sl.start_of(r - 1).items()})
             replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
-                                  lambda step, j=a.worker: t.batch(j, r, step), a)
+                                  lambda step, j=a.worker: t.batch(j, r, step), a, land)
             signed = [c.check.commitments[a.worker].commitment for c in checks]
             score = worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
                                                            replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])

@@ -102,6 +102,13 @@ class OuterConfig:
         "G still lacks is known exactly). Measured (bench/delay.py, README): helps local (+2.28% vs "
         "+2.65% at momentum 0.9), hurts eager (+48.9% vs +29.9%); off by default for eager's sake",
     )
+    overlap_steps: int = _f(
+        0,
+        "delay 1: the exchange of round r runs under only this many of round r+1's inner steps; then "
+        "round r's update lands: G moves, and the worker's params move by as much (Streaming DiLoCo's "
+        "tau, arXiv 2501.18512), so round r+1's delta is taken from the new G. 0: under the whole "
+        "round (it lands one round late). Must be < train.inner_steps",
+    )
 
 
 @dataclass
@@ -389,6 +396,10 @@ def validate(cfg: Config) -> None:
     need(cfg.outer.delay in (0, 1), f"outer.delay must be 0 or 1, got {cfg.outer.delay}")
     need(cfg.outer.correction in ("eager", "local", "naive"),
          f"outer.correction must be 'eager', 'local' or 'naive', got {cfg.outer.correction!r}")
+    need(0 <= cfg.outer.overlap_steps < t.inner_steps,
+         f"outer.overlap_steps must be in [0, train.inner_steps = {t.inner_steps}), got {cfg.outer.overlap_steps}")
+    need(not cfg.outer.overlap_steps or cfg.outer.delay == 1,
+         f"outer.overlap_steps = {cfg.outer.overlap_steps} needs outer.delay = 1")
     need(0 < cfg.compress.safety <= 1, f"compress.safety must be in (0, 1], got {cfg.compress.safety}")
     need(cfg.compress.budget_bytes >= 0, f"compress.budget_bytes must be >= 0, got {cfg.compress.budget_bytes}")
     _check_link_and_codec(cfg)
@@ -447,6 +458,7 @@ def validate(cfg: Config) -> None:
     need(r.heartbeat_timeout_s > 0, f"run.heartbeat_timeout_s must be > 0, got {r.heartbeat_timeout_s}")
     if r.membership == "elastic":
         need(cfg.topology.stages == 1, "run.membership = 'elastic' needs topology.stages = 1 (pipelined workers are not elastic yet)")
+        need(not cfg.outer.overlap_steps, "run.membership = 'elastic' needs outer.overlap_steps = 0 (not supported yet)")
         need(cfg.ledger.backend != "evm", "run.membership = 'elastic' records with whichever worker commits first: use ledger.backend 'sqlite' or 'none'")
     else:
         need(r.round_deadline == 0 and r.min_workers == 0,

@@ -47,21 +47,51 @@ def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
+@dataclass
+class Landing:
+    """Where a late outer update lands inside a round (`[outer] overlap_steps`, Streaming DiLoCo's
+    tau): `move()` runs once before inner step `step` (after the trace hash of the steps before
+    it), or after the last step when a round has no more than `step` steps. It may move the
+    params; its seconds are not the loop's."""
+
+    step: int
+    move: Callable[[], None]
+
+
+def shift_params(model: nn.Module, to: dict[str, torch.Tensor], frm: dict[str, torch.Tensor]) -> None:
+    """Move the model's params by to - frm (a landing: the worker's params follow G from the start
+    point it began from to the G that landed). One op order, so a replay moves the same bits."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.add_(to[k] - frm[k])
+
+
 def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: Callable[[], str],
-              batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
+              batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
     """`steps` calls of step(*batch_of_step(s)); trace_hash() at the start and every trace_every
-    steps (the loops' shared `run`)."""
+    steps; `land.move()` before step land.step (the loops' shared `run`)."""
     t0 = time.perf_counter()
-    losses, trace, tokens = [], [], 0
+    losses, trace, tokens, landing_s = [], [], 0, 0.0
+
+    def move() -> None:
+        nonlocal landing_s
+        t1 = time.perf_counter()
+        land.move()
+        landing_s += time.perf_counter() - t1
+
     if trace_every:
         trace.append(trace_hash())
     for s in range(steps):
+        if land is not None and s == land.step:
+            move()
         x, y = batch_of_step(s)
         losses.append(step(x, y))
         tokens += y.numel()
         if trace_every and (s + 1) % trace_every == 0:
             trace.append(trace_hash())
-    return InnerResult(losses, time.perf_counter() - t0, tokens, trace)
+    if land is not None and steps <= land.step:
+        move()
+    return InnerResult(losses, time.perf_counter() - t0 - landing_s, tokens, trace)
 
 
 class InnerLoop:
@@ -94,9 +124,10 @@ class InnerLoop:
         self.step_count += 1
         return float(loss.detach())
 
-    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
-        """`steps` inner steps on batch_of_step(0..steps-1); trace hashes every trace_every."""
-        return run_steps(self.step, self.state_hash, batch_of_step, steps, trace_every)
+    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
+        """`steps` inner steps on batch_of_step(0..steps-1); trace hashes every trace_every; a late
+        update lands before step land.step."""
+        return run_steps(self.step, self.state_hash, batch_of_step, steps, trace_every, land)
 
     def reset_state(self) -> None:
         """Forget the AdamW moments (the step counter, which drives the LR schedule, stays).

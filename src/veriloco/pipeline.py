@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from .config import TrainConfig
-from .inner import BatchFn, InnerLoop, InnerResult, lr_at, run_steps
+from .inner import BatchFn, InnerLoop, InnerResult, Landing, lr_at, run_steps
 from .model import lm_loss
 
 OutputLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage output, targets)
@@ -182,10 +182,11 @@ class PipelineInnerLoop(InnerLoop):
         self.step_count += 1
         return float(every[-1][1])
 
-    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
+    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
         """`steps` pipelined inner steps on batch_of_step(0..steps-1); worker-wide trace hashes
-        every trace_every steps. Every stage calls it with the same batches (each uses x or y)."""
-        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every)
+        every trace_every steps; a late update lands before step land.step (on every stage).
+        Every stage calls it with the same batches (each uses x or y)."""
+        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land)
 
     def worker_state_hash(self) -> str:
         """`combine_stage_hashes` of every stage's `state_hash()` (collective over the worker)."""
@@ -266,9 +267,9 @@ class EmulatedPipeline:
             loop.step_count += 1
         return float(_step_loss(mb_losses))
 
-    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0) -> InnerResult:
+    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
         """As `PipelineInnerLoop.run`: worker-wide trace entries every trace_every steps."""
-        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every)
+        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land)
 
     def worker_state_hash(self) -> str:
         return combine_stage_hashes([loop.state_hash() for loop in self.loops])

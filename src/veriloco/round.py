@@ -75,7 +75,7 @@ from .config import Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
-from .inner import InnerLoop
+from .inner import InnerLoop, Landing, shift_params
 from .ledger import Ledger, SqliteLedger
 from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
 from .link import Link
@@ -139,7 +139,8 @@ class Worker:
     adversary: Adversary | None = None  # set only when this worker is configured to attack
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (replay starts)
     history_rounds: dict = field(default_factory=dict)  # worker -> the round of its newest delta in history
-    bases: dict = field(default_factory=dict)  # round -> G when its inner steps began (replay)
+    bases: dict = field(default_factory=dict)  # round -> G its delta is measured from (replay, loss gains)
+    starts: dict = field(default_factory=dict)  # overlap_steps: round -> G when its inner steps began (replay)
     base_momenta: dict = field(default_factory=dict)  # round -> the outer momentum then (replay)
     own_packet: bytes | None = None  # this worker's previous packet (an adversary's view)
     pipe_evals: dict = field(default_factory=dict)  # stages > 1: batch shape -> PipelineEval (pipeline_eval)
@@ -475,6 +476,13 @@ def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int
     return out
 
 
+def base_lag(cfg: Config) -> int:
+    """How many rounds older than round r-1's update the G is that round r's delta is measured from
+    (its base): the delay, unless the update lands inside round r (`overlap_steps`), where the
+    base is the G after round r-1 as with delay 0 (the start point S_r still lags by the delay)."""
+    return 0 if cfg.outer.overlap_steps else cfg.outer.delay
+
+
 def lookahead_momentum(cfg: Config, outer: OuterOptimizer) -> dict[str, torch.Tensor] | None:
     """A copy of the outer momentum when start_point's lookahead needs it (delay 1, lookahead on,
     momentum > 0), else None: a model-sized copy per round is not made for nothing."""
@@ -488,30 +496,60 @@ def private_state(w: Worker) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in (w.inner.state_tensors() | w.encoder.state_tensors()).items()}
 
 
-def run_inner_and_send(w: Worker, r: int) -> Sent:
-    """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange."""
+def run_inner_and_send(w: Worker, r: int, land: Any = None) -> Sent:
+    """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange.
+
+    `land(seconds)` (`[outer] overlap_steps` = tau > 0): called before inner step tau with the
+    seconds of the steps so far; it moves G (finishes the round in flight). The params then move
+    by as much as G moved from S_r, and this round's delta is taken from the new G, its base."""
     t0, cfg, adv = time.perf_counter(), w.cfg, w.adversary or Adversary(w.worker, 0)
     if cfg.outer.delay:  # finish_round(r - 1), which runs after this round's inner steps, saves it
         w.start_states[r] = private_state(w)
-    w.base_hashes[r] = tensors_hash(w.outer.params)
+    keep = cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches
     momentum = lookahead_momentum(cfg, w.outer)
-    if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
-        w.bases[r] = {k: v.clone() for k, v in w.outer.params.items()}
+
+    def take_base() -> None:  # what this round's delta is measured from: G now
+        w.base_hashes[r] = tensors_hash(w.outer.params)
+        if keep:
+            w.bases[r] = {k: v.clone() for k, v in w.outer.params.items()}
+
+    if keep:
         w.base_momenta[r] = momentum
     start = start_point(cfg, w.outer.params, w.own_decoded, w.workers, momentum)
+    landing = None
+    if land is None:
+        take_base()
+    else:  # G moves in place when it lands: keep what S_r was
+        start = {k: v.clone() for k, v in start.items()}
+        if keep:
+            w.starts[r] = {k: v.clone() for k, v in w.outer.params.items()}
+
+        def move() -> None:
+            mine = {k: p.detach().clone() for k, p in w.model.named_parameters()}
+            land(time.perf_counter() - t_inner)  # may load other params into w.model (eval, loss gains)
+            load_params(w.model, mine)
+            shift_params(w.model, w.outer.params, start)
+            take_base()
+
+        landing = Landing(cfg.outer.overlap_steps, move)
     load_params(w.model, start)
     if cfg.train.inner_state == "reset":
         w.inner.reset_state()
     k = cfg.verify.trace_every or cfg.train.inner_steps
     steps = adv.inner_steps(r, cfg.train.inner_steps)  # an adversary may skip work ...
-    result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k)
+    t_inner = time.perf_counter()
+    result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
+                         land=landing)
     if steps < cfg.train.inner_steps:  # ... and keep the LR schedule as if it had not
         w.inner.step_count += cfg.train.inner_steps - steps
+    base = start if land is None else w.outer.params
     view = View(w.workers, w.previous[1], w.own_packet, w.own_decoded[-1] if w.own_decoded else None)
     with torch.no_grad():
-        delta = adv.delta(r, {key: start[key] - p.detach() for key, p in w.model.named_parameters()}, view)
-    # the budget hides the exchange under the next round's inner steps (measured: this round's)
-    packet, decoded, codec_log = w.encoder.encode(delta, result.seconds)
+        delta = adv.delta(r, {key: base[key] - p.detach() for key, p in w.model.named_parameters()}, view)
+    # the budget hides the exchange under the next round's inner steps (measured: this round's), or
+    # under the first overlap_steps of them, after which the update must land
+    window_s = result.seconds * (cfg.outer.overlap_steps or steps) / max(steps, 1)
+    packet, decoded, codec_log = w.encoder.encode(delta, window_s)
     packet = adv.packet(r, packet, view)
     if w.adversary is not None:  # what receivers decode is what it really sent
         decoded = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
@@ -691,15 +729,16 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
                          cfg.verify.replay_probability, plan.suspects, plan.banned)
     G_r, spent, mine = w.bases.get(r), 0.0, {}
     replayer = replayer_of(w)
+    land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round
 
     def replay(a: Audit) -> float:  # this worker's own replay of audit a
         nonlocal spent
         t0 = time.perf_counter()
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
         signed = check.commitments[a.worker].commitment
-        start = start_point(cfg, G_r, own, w.workers, w.base_momenta.get(r))
+        start = start_point(cfg, w.starts[r] if land else G_r, own, w.workers, w.base_momenta.get(r))
         run = lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,  # noqa: E731
-                                 lambda step, j=a.worker: w.task.batch(j, r, step), a)
+                                 lambda step, j=a.worker: w.task.batch(j, r, step), a, land)
         committed, codecs = check.decoded[a.worker], replay_codecs(cfg, signed)
         if w.topo.stages == 1:
             score = replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
@@ -823,6 +862,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     for r_old in [x for x in w.bases if x <= r]:
         w.bases.pop(r_old)
         w.base_momenta.pop(r_old, None)
+        w.starts.pop(r_old, None)
     w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
     for j in range(W):  # a worker that missed the round has no "last delta" to start from
         if j not in packets:
@@ -1065,20 +1105,17 @@ def train_worker(
     tokens0 = sum(p["tokens"] for p in prior)
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     pending: Sent | None = None
-    for r in range(start_round, end + cfg.outer.delay):
-        if r < end:
-            sent = run_inner_and_send(w, r)
-            inner_s = sent.result.seconds
-        if cfg.outer.delay == 0:
-            rec = finish_round(w, sent, 0.0)
-        elif pending is None:  # delay 1, first round (of the run or the resume): its exchange runs during the next
-            pending = sent
-            if w.resumed_outer is not None:  # resumed: G moves on to the last recorded round's
-                w.outer, w.resumed_outer = w.resumed_outer, None
-            continue
-        else:  # delay 1: finish round r-1 (its exchange ran under round r's inner steps)
-            done, pending = pending, (sent if r < end else None)
-            rec = finish_round(w, done, inner_s if r < end else 0.0)
+
+    def land(overlapped_s: float) -> None:  # overlap_steps: round r-1's update lands inside round r
+        nonlocal pending
+        if pending is not None:
+            done, pending = pending, None
+            record(finish_round(w, done, overlapped_s))
+        elif w.resumed_outer is not None:  # resumed: G moves on to the last recorded round's
+            w.outer, w.resumed_outer = w.resumed_outer, None
+
+    def record(rec: dict) -> None:
+        nonlocal tokens0
         rec["eval_loss_start"] = eval_start
         if w.is_recorder:
             elapsed = time.perf_counter() - wall0
@@ -1093,6 +1130,22 @@ def train_worker(
             })
             if not quiet:
                 print(progress_line(rec, cfg.train.rounds, elapsed, tokens0 / elapsed), flush=True)
+
+    for r in range(start_round, end + cfg.outer.delay):
+        if r < end:
+            sent = run_inner_and_send(w, r, land if cfg.outer.overlap_steps else None)
+            inner_s = sent.result.seconds
+        if cfg.outer.delay == 0:
+            record(finish_round(w, sent, 0.0))
+        elif cfg.outer.overlap_steps and r < end:  # round r-1 landed inside round r (land)
+            pending = sent
+        elif pending is None:  # delay 1, first round (of the run or the resume): its exchange runs during the next
+            pending = sent
+            if w.resumed_outer is not None:  # resumed: G moves on to the last recorded round's
+                w.outer, w.resumed_outer = w.resumed_outer, None
+        else:  # delay 1: finish round r-1 (its exchange ran under round r's inner steps)
+            done, pending = pending, (sent if r < end else None)
+            record(finish_round(w, done, inner_s if r < end else 0.0))
     if not w.is_recorder:
         return None
     records = w.run.rounds()

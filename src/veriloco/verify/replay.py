@@ -45,7 +45,7 @@ from torch import nn
 
 from ..compress import CodecError, codec_from_spec
 from ..config import TrainConfig, VerifyConfig
-from ..inner import InnerLoop
+from ..inner import InnerLoop, Landing, shift_params
 from ..packet import decode_packet, encode_packet
 from . import FALSE_REPORT, REPLAY_MISMATCH
 from .check import RoundCheck
@@ -268,21 +268,28 @@ def replay_run(
     round: int,
     batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     audit: Audit,
+    land: tuple[int, dict[str, torch.Tensor]] | None = None,
 ) -> Replayed:
     """Replay audit `audit` of round `round` from start point `start` with a loop from
     `replayer` (see `Replayer`: the worker's own kind of loop, or one that computes the same bits,
     pipeline.EmulatedPipeline for a pipelined worker): exact mode through the audited segment,
-    distance mode the whole round."""
+    distance mode the whole round. `land` = (step, G): `[outer] overlap_steps`, the previous
+    round's update landed before that step, moving the params from `start` to G's side, and the
+    delta is taken from G."""
     before = round * train.inner_steps
-    if verify.replay_match != "exact":
-        return Replayed([], _replayed_delta(replayer, train, start, before, batch_of_step))
-    k = verify.trace_every or train.inner_steps
     params, inner = replayer(start, before)
-    trace = inner.run(batch_of_step, (audit.segment + 1) * k, trace_every=k).trace
+    base = land[1] if land is not None else start
+    landing = Landing(land[0], lambda: shift_params(params, land[1], start)) if land is not None else None
+    if verify.replay_match != "exact":
+        inner.run(batch_of_step, train.inner_steps, land=landing)
+        with torch.no_grad():
+            return Replayed([], {name: base[name] - p.detach() for name, p in params.named_parameters()})
+    k = verify.trace_every or train.inner_steps
+    trace = inner.run(batch_of_step, (audit.segment + 1) * k, trace_every=k, land=landing).trace
     if (audit.segment + 1) * k != train.inner_steps:
         return Replayed(trace, None)
     with torch.no_grad():
-        return Replayed(trace, {name: start[name] - p.detach() for name, p in params.named_parameters()})
+        return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()})
 
 
 def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
