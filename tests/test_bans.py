@@ -37,14 +37,17 @@ def accuser_run(tmp_path_factory) -> tuple[Path, dict]:
 def test_a_false_accuser_is_convicted_and_banned_and_its_victims_are_not(accuser_run):
     root, summary = accuser_run
     recs = rounds_of(root)
-    # it audits someone in round 0 (every worker is audited, by one of the three others)
-    assert verdicts_of(root, 2)[0] == "false_report", recs[0]["verdicts"]
-    assert verdicts_of(root, 2)[1:] == ["banned", "banned"]
-    victim = recs[0]["evidence"]["2"]["accused"]
-    assert recs[0]["evidence"][str(victim)]["replayed"]["disputed"] is True
+    # every worker is audited by one of the three others; the draw (seeded by the run id, so by the
+    # config) decides when worker 2 first audits someone: it lies then, and is convicted that round
+    audits = [{e["replayed"]["auditor"] for e in r["evidence"].values() if "replayed" in e} for r in recs]
+    first = next(i for i, a in enumerate(audits) if 2 in a)
+    assert first <= 1, audits  # drawn in round 0 or 1 for this config
+    assert verdicts_of(root, 2) == ["accept"] * first + ["false_report"] + ["banned"] * (2 - first), recs[first]["verdicts"]
+    victim = recs[first]["evidence"]["2"]["accused"]
+    assert recs[first]["evidence"][str(victim)]["replayed"]["disputed"] is True
     for j in (0, 1, 3):  # every honest worker accepted in every round
         assert verdicts_of(root, j) == ["accept"] * 3
-    assert [r.get("banned") for r in recs] == [[2], [2], [2]]
+    assert [r.get("banned") for r in recs] == [None] * first + [[2]] * (3 - first)
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
     report = audit_run(root, replay=100)
     assert report.ok, report.first_failure
