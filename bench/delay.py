@@ -1,11 +1,13 @@
 """What the one-step delay costs: delay 0 vs delay 1 with each correction, fp32 packets, side by side.
 
-    python bench/delay.py [--rounds 10] [--inner-steps 20] [--momentum 0.0,0.5,0.9] [--out bench/results/delay.json]
+    python bench/delay.py [--rounds 10] [--inner-steps 20] [--momentum 0.0,0.5,0.9] [--seeds 0]
+                          [--out bench/results/delay.json]
 
 The communication benchmark's eager row mixes two effects (the delay and the adaptive codec);
 this one isolates the delay. Every row trains bench/comm.py's quick GPT (2 layers, d64) with W = 4
 workers on the same batches, fp32 packets, no link emulation (the loss does not depend on it),
-outer lr 0.7, Nesterov momentum from --momentum; per momentum, six rows:
+outer lr 0.7, Nesterov momentum from --momentum; per momentum and seed (`run.seed`: the model's
+init and the batches), nine rows:
 
     d0          delay 0: DiLoCo, wait for the exchange, then step
     eager       delay 1, S = G - c/W * own newest delta (Kale et al. 2025's eager updates; round.py)
@@ -13,9 +15,13 @@ outer lr 0.7, Nesterov momentum from --momentum; per momentum, six rows:
     eager+la, local+la   the same with `--outer.lookahead=true`: also - lr mu^2 m, the momentum
                 part of the outer step G still lacks
     naive       delay 1, S = G
+    eager/t1, local/t1, naive/t1   the same start points with `--outer.overlap_steps=1`: round r's
+                update lands after the first inner step of round r+1 (Streaming DiLoCo's tau = 1)
+                instead of a whole round late
 
-and reports each delay-1 row's eval loss against d0's (the issue's target: eager within 0.5%).
-Writes `{"rows": [...], "config": {...}}`.
+and reports each delay-1 row's eval loss against d0's of the same momentum and seed (the issue's
+target: eager within 0.5%), then the mean over the seeds. Writes `{"rows": [...], "means": [...],
+"config": {...}}`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ ROWS = {
     "eager+la": ["--outer.delay=1", "--outer.correction=eager", "--outer.lookahead=true"],
     "local+la": ["--outer.delay=1", "--outer.correction=local", "--outer.lookahead=true"],
     "naive": ["--outer.delay=1", "--outer.correction=naive"],
+    "eager/t1": ["--outer.delay=1", "--outer.correction=eager", "--outer.overlap_steps=1"],
+    "local/t1": ["--outer.delay=1", "--outer.correction=local", "--outer.overlap_steps=1"],
+    "naive/t1": ["--outer.delay=1", "--outer.correction=naive", "--outer.overlap_steps=1"],
 }
 
 
@@ -49,26 +58,45 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--momentum", default="0.0,0.5,0.9")
+    ap.add_argument("--seeds", default="0", help="comma-separated run.seed values; means are over them")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows of {', '.join(ROWS)} (d0 always runs)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "delay.json"))
     args = ap.parse_args()
+    names = ["d0", *[n for n in (x.strip() for x in args.rows.split(",")) if n and n != "d0"]]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; rows: {', '.join(ROWS)}")
     base = [o for o in shared_overrides(True, args.rounds, args.inner_steps, 4) if not o.startswith("--link")]
     base += ["--compress.codec=fp32", "--ledger.backend=none"]
     rows = []
-    print(f"{'momentum':>8} | {'row':>10} | {'eval loss':>9} | {'vs d0':>8}", flush=True)
-    for m in [float(x) for x in args.momentum.split(",")]:
-        d0 = None
-        for name, extra in ROWS.items():
-            cfg = load_config(None, [*base, *extra, f"--outer.momentum={m}"])
-            with tempfile.TemporaryDirectory(prefix="veriloco-delay-") as tmp:
-                _, summary = train(cfg, str(Path(tmp) / "run"), quiet=True)
-            loss = summary["eval_loss_end"]
-            d0 = loss if name == "d0" else d0
-            vs = 100 * (loss - d0) / d0
-            rows.append({"momentum": m, "name": name, "eval_loss": loss, "vs_d0_pct": round(vs, 3)})
-            print(f"{m:>8} | {name:>10} | {loss:>9.4f} | {vs:>+7.2f}%", flush=True)
+    print(f"{'momentum':>8} | {'seed':>4} | {'row':>10} | {'eval loss':>9} | {'vs d0':>8}", flush=True)
+    momenta, seeds = [float(x) for x in args.momentum.split(",")], [int(x) for x in args.seeds.split(",")]
+    for m in momenta:
+        for seed in seeds:
+            d0 = None
+            for name in names:
+                cfg = load_config(None, [*base, *ROWS[name], f"--outer.momentum={m}", f"--run.seed={seed}"])
+                with tempfile.TemporaryDirectory(prefix="veriloco-delay-") as tmp:
+                    _, summary = train(cfg, str(Path(tmp) / "run"), quiet=True)
+                loss = summary["eval_loss_end"]
+                d0 = loss if name == "d0" else d0
+                vs = 100 * (loss - d0) / d0
+                rows.append({"momentum": m, "seed": seed, "name": name, "eval_loss": loss, "vs_d0_pct": round(vs, 3)})
+                print(f"{m:>8} | {seed:>4} | {name:>10} | {loss:>9.4f} | {vs:>+7.2f}%", flush=True)
+    means = []
+    print(f"\nmean over seeds {seeds}: eval loss vs d0 of the same seed")
+    print(f"{'momentum':>8} | " + " | ".join(f"{n:>9}" for n in names[1:]))
+    for m in momenta:
+        line = []
+        for name in names[1:]:
+            vs = [r["vs_d0_pct"] for r in rows if r["momentum"] == m and r["name"] == name]
+            means.append({"momentum": m, "name": name, "mean_vs_d0_pct": round(sum(vs) / len(vs), 3),
+                          "max_vs_d0_pct": max(vs), "seeds": len(vs)})
+            line.append(f"{sum(vs) / len(vs):>+8.2f}%")
+        print(f"{m:>8} | " + " | ".join(line))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "config": {"overrides": base, "rounds": args.rounds,
-                                          "inner_steps": args.inner_steps}}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"rows": rows, "means": means, "config": {
+        "overrides": base, "rounds": args.rounds, "inner_steps": args.inner_steps, "seeds": seeds}}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

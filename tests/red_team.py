@@ -86,3 +86,13 @@ class SplitReports(Adversary):
         if dist.get_rank() % 2 == 0:  # stage 0 of 2 (ranks are worker-major)
             return gain
         return LossGain.on_own_batches(gain.own_before, gain.own_before + 1.0)
+
+
+class FalseChecker(Adversary):
+    """Lies only as a loss-gain checker (every gain it checks "raised the loss by a nat") and
+    replays honestly as an auditor, so whatever convicts it is the loss-gain path."""
+
+    kind = "false_checker"
+
+    def loss_gain_report(self, r, worker, gain):
+        return LossGain.on_own_batches(gain.own_before, gain.own_before + 1.0)

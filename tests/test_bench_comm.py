@@ -65,6 +65,14 @@ def test_targets_follow_the_numbers():
     assert (traffic["met"], util["met"], delay["met"], peer["met"]) == (False, False, False, False)
     assert "fp32-d0" in peer["detail"] and "x0.889" in peer["detail"]
 
+    # an eager row whose update lands inside the next round is reported beside the target, not for it
+    landed = {"name": "eager-tau", "kind": "veriloco", "role": "overlap", "overrides": ["--outer.delay=1",
+              "--outer.overlap_steps=2"], "eval_loss": 2.521, "bytes_per_worker": 60_000_000, "wall_s": 190.0,
+              "utilisation": 0.95, "tokens_per_s": 10_500.0}
+    _, util, delay, _ = comm.evaluate_targets(comm.finish_rows([*worse, landed]))
+    assert delay["met"] is False and "after 2 inner step(s) instead of a round (eager-tau): +0.04%" in delay["detail"]
+    assert util["met"] is False and "eager with overlap_steps 2: 95.0%" in util["detail"]
+
 
 def test_missing_rows_give_na_not_a_verdict():
     rows = [r for r in _rows() if r["role"] not in ("ddp", "torchft")]
@@ -87,6 +95,16 @@ def test_budget_for_ratio_matches_the_byte_accounting():
     budget = comm.budget_for_ratio(cfg, 1000.0)
     ddp_bytes_per_round = 30 * 2 * 3 / 4 * comm.model_bytes(cfg)
     assert ddp_bytes_per_round / ((budget + 8) * 3) == pytest.approx(1000.0, rel=1e-3)
+
+
+def test_overlap_for_hides_an_fp32_exchange_under_the_fewest_steps():
+    cfg = tiny("--topology.workers=4", "--train.inner_steps=30")
+    exchange_s = 0.05 + 3 * comm.model_bytes(cfg) * 8 / 1e9  # 1 Gbit/s, 50 ms
+    per_step = exchange_s / cfg.compress.safety / 2.5  # 2.5 steps' worth: 3 steps needed
+    assert comm.overlap_for(cfg, {"inner_s": per_step * 180, "steps": 180}) == 3
+    assert comm.overlap_for(cfg, {"inner_s": 1000.0, "steps": 180}) == 1  # slow steps: one is enough
+    assert comm.overlap_for(cfg, {"inner_s": 1e-6, "steps": 180}) == 29  # never the whole round
+    assert comm.overlap_for(cfg, None) == 1
 
 
 def test_a_real_tiny_veriloco_row(tmp_path):

@@ -66,8 +66,10 @@ def test_the_offline_audit_names_auditors_that_covered_for_a_lazy_pipelined_work
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)  # spawned workers import the user's class
     sys.path.insert(0, tests_dir)
-    run, _ = train(tiny(*BASE, "--train.rounds=2", "--adversary.1=lazy:skip=0.5", "--adversary.0=red_team:Whitewash",
-                        "--adversary.2=red_team:Whitewash"), str(tmp_path / "c"), quiet=True)
+    # one segment per round (trace_every = inner_steps): every replay covers the skipped steps
+    run, _ = train(tiny(*BASE, "--train.rounds=2", "--verify.trace_every=6", "--adversary.1=lazy:skip=0.5",
+                        "--adversary.0=red_team:Whitewash", "--adversary.2=red_team:Whitewash"),
+                   str(tmp_path / "c"), quiet=True)
     assert verdicts_of(run.root, 1) == ["accept", "accept"]  # its auditors cover for it
     report = audit_run(run.root, replay=100)
     assert not report.ok
@@ -144,24 +146,32 @@ def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
 LG_CHECKERS = ("--verify.loss_gain_batches=1", "--verify.loss_gain_checkers=1", "--verify.replay_probability=0.25")
 
 
-def test_pipelined_loss_gains_are_shared_among_checkers_and_a_false_one_is_convicted(tmp_path):
-    """With checkers, each packet's gain is computed by one drawn worker's pipeline; the false
-    accuser reports every gain it checks as failing, every member recomputes it and convicts it
-    (false_report, evidence: the loss gain) in round 0; the audit settles the recorded reports again."""
-    run, _ = train(tiny(*BASE, *LG_CHECKERS, "--adversary.2=false_accuser"), str(tmp_path / "c"), quiet=True)
+def test_pipelined_loss_gains_are_shared_among_checkers_and_a_false_one_is_convicted(tmp_path, monkeypatch):
+    """With checkers, each packet's gain is computed by one drawn worker's pipeline; a false
+    checker (red_team:FalseChecker, honest as an auditor) reports every gain it checks as failing,
+    every member recomputes it and convicts it (false_report, evidence: the loss gain) in the first
+    round the draw makes it a checker; the audit settles the recorded reports again."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    rounds = 4
+    run, _ = train(tiny(*BASE, *LG_CHECKERS, f"--train.rounds={rounds}", "--adversary.2=red_team:FalseChecker"),
+                   str(tmp_path / "c"), quiet=True)
     recs = rounds_of(run.root)
     for rec in recs:
         reports = [part["loss_gain_reports"] for part in rec["stages"]]
         assert reports[0] == reports[1]  # one table for the worker's stages
-    first = recs[0]["stages"][0]
-    assert sorted(first["loss_gain_reports"]) == ["0", "1", "2"]
-    assert all(len(rows) == 1 for rows in first["loss_gain_reports"].values())  # one checker each
-    assert verdicts_of(run.root, 2) == ["false_report", "banned", "banned"]
-    assert "loss_gain" in first["evidence"]["2"]
+    assert sorted(recs[0]["stages"][0]["loss_gain_reports"]) == ["0", "1", "2"]
+    assert all(len(rows) == 1 for rows in recs[0]["stages"][0]["loss_gain_reports"].values())  # one checker each
+    checkers = [{row[0] for rows in rec["stages"][0]["loss_gain_reports"].values() for row in rows} for rec in recs]
+    k = next(i for i, c in enumerate(checkers) if 2 in c)
+    assert k < rounds - 1, checkers  # drawn before the last round for this config
+    assert verdicts_of(run.root, 2) == ["accept"] * k + ["false_report"] + ["banned"] * (rounds - 1 - k)
+    assert "loss_gain" in recs[k]["stages"][0]["evidence"]["2"]
     for j in (0, 1):
-        assert verdicts_of(run.root, j) == ["accept"] * 3
+        assert verdicts_of(run.root, j) == ["accept"] * rounds
     # checkers compute a packet's gain, the others only what they must: less than every gain
-    assert sum(recs[1]["loss_gain_s"]) < sum(recs[0]["loss_gain_s"])
+    assert sum(recs[k + 1]["loss_gain_s"]) < sum(recs[k]["loss_gain_s"])
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
 

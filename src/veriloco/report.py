@@ -670,6 +670,9 @@ def _mode_text(v: RunView, mode: Any, codec: Any) -> str:
     delay = _int(v.cfg("outer", "delay"))
     if delay:
         mode = f"{mode}, outer delay {delay} ({v.cfg('outer', 'correction') or 'naive'})"
+        tau = _int(v.cfg("outer", "overlap_steps"))
+        if tau:
+            mode = f"{mode}, lands after {tau} inner step{'s' if tau > 1 else ''}"
     codec = "–" if codec is None else codec
     if v.cfg("compress", "error_feedback") is True:
         codec = f"{codec} + error feedback"

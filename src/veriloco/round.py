@@ -44,6 +44,11 @@ eager trajectory is the canonical G plus the worker's newest delta, not yet in a
 S_{r+1} = G - c * own_delta_r (an outer step with its own delta as the estimate); measured
 closer to delay 0 than "eager" at our scale (README, Communication). S is derived from G and
 the worker's own (public) packet, so anyone can recompute it.
+`[outer] overlap_steps = tau > 0` (delay 1; Streaming DiLoCo, arXiv 2501.18512): steps 4-6 of
+round r run after tau of round r+1's inner steps (`land`), not after all of them. G moves to
+G_{r+1}, the worker's params move by G_{r+1} - S_{r+1} (inner.shift_params), and round r+1's
+delta is taken from G_{r+1}, its base, as with delay 0; only tau steps ran from the corrected
+start point. A replay makes the same move at the same step (replay_run's `land`).
 """
 
 from __future__ import annotations
