@@ -702,7 +702,7 @@ def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, record
         if (signed.to_dict() if signed else None) != c["signed"]:
             _fail(f"{where}worker {j}'s signed commitment in the ledger is not the one in its bundle")
         counts["signatures"] += signed is not None
-    sl.previous = ({j: check.packet_hashes[j] for j in check.accepted}, check.accepted)
+    sl.previous = (dict(check.packet_hashes), check.accepted)  # as round.finish_round keeps it
     aggregate_hash = None
     if check.accepted:
         agg = aggregate_deltas(check.accepted, cfg.verify)

@@ -373,7 +373,7 @@ def restore(w: Worker, next_round: int) -> None:
 
     accepted = [j for j, v in enumerate(mine["verdicts"]) if v == "accept"]
     deltas = {j: delta_of(j) for j in accepted}
-    w.previous = ({j: mine["packets"][j] for j in accepted}, deltas)
+    w.previous = ({j: h for j, h in enumerate(mine["packets"]) if h is not None}, deltas)
     path = w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors"
     state = st_load(path.read_bytes())
     w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
@@ -868,7 +868,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         w.bases.pop(r_old)
         w.base_momenta.pop(r_old, None)
         w.starts.pop(r_old, None)
-    w.previous = ({j: hashes[j] for j in check.accepted}, check.accepted)
+    # every packet this round decoded (a rejected one resent next round is still a replay), and the accepted deltas
+    w.previous = (dict(check.packet_hashes), check.accepted)
     for j in range(W):  # a worker that missed the round has no "last delta" to start from
         if j not in packets:
             w.history.pop(j, None)
