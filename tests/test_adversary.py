@@ -62,3 +62,15 @@ def test_bad_adversary_spec_is_a_config_error():
     with pytest.raises(ConfigError, match="cannot load"):
         tiny("--adversary.1=no.such.module:Class")
     assert json.dumps(tiny("--adversary.1=lazy:skip=0.3").adversary) == '{"1": "lazy:skip=0.3"}'
+
+
+def test_a_resent_packet_is_refused_every_round_without_replays(tmp_path):
+    """The replay attacker resends the same bytes every round; with no replays drawn, the screen
+    alone must refuse it each time, though its previous copy was itself refused (before, only the
+    previous round's accepted packets counted, and it got through every other round)."""
+    run, _ = train(tiny("--topology.workers=4", "--train.rounds=4", "--adversary.1=replay"), str(tmp_path / "r"),
+                   quiet=True)
+    assert verdicts_of(run.root, 1) == ["accept", "duplicate", "duplicate", "duplicate"]
+    assert all(r["verdicts"][j] == "accept" for r in rounds_of(run.root) for j in (0, 2, 3))
+    report = audit_run(run.root)
+    assert report.ok, report.first_failure
