@@ -74,6 +74,7 @@ from .round import (
     loss_gain_checkers,
     make_loss_gain,
     replay_codecs,
+    screens_earlier,
     start_point,
     trace_entries,
 )
@@ -390,7 +391,8 @@ class _Slice:
     init: dict  # its params before round 0
     detector: EquivocationDetector
     params_after: list = field(default_factory=list)  # params hash after each round
-    previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (screen)
+    previous: tuple = ({}, {})  # last round's decoded packet hashes and accepted deltas (screen)
+    earlier: dict = field(default_factory=dict)  # the round before's accepted deltas (round.screens_earlier)
     bases: list = field(default_factory=list)  # params after each round (replay start points)
     momenta: list = field(default_factory=list)  # the outer momentum after each round (lookahead)
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
@@ -628,6 +630,7 @@ def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int
         gains_of = None
     check = screen_checked(
         checked.check, base_hash=checked.base, screen=v.screen, previous=sl.previous,
+        earlier=sl.earlier if screens_earlier(cfg) else None,
         loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n)
         if v.loss_gain_batches and gains_of is None else None,
         loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v),
@@ -702,7 +705,8 @@ def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, record
         if (signed.to_dict() if signed else None) != c["signed"]:
             _fail(f"{where}worker {j}'s signed commitment in the ledger is not the one in its bundle")
         counts["signatures"] += signed is not None
-    sl.previous = (dict(check.packet_hashes), check.accepted)  # as round.finish_round keeps it
+    sl.earlier = sl.previous[1] if screens_earlier(cfg) else {}  # as round.finish_round keeps them
+    sl.previous = (dict(check.packet_hashes), check.accepted)
     aggregate_hash = None
     if check.accepted:
         agg = aggregate_deltas(check.accepted, cfg.verify)

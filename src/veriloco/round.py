@@ -140,7 +140,9 @@ class Worker:
     ledger: Ledger | None  # the recorder's (rank 0) ledger
     own_decoded: list = field(default_factory=list)  # this worker's last two decoded deltas
     base_hashes: dict = field(default_factory=dict)  # round -> hash of G when its inner steps began
-    previous: tuple = ({}, {})  # last round's accepted packet hashes and deltas (replay screen)
+    previous: tuple = ({}, {})  # last round's decoded packet hashes and accepted deltas (replay screen)
+    earlier: dict = field(default_factory=dict)  # the round before's accepted deltas (screens_earlier)
+    resumed_view: dict | None = None  # delay 1, resumed: the deltas an adversary saw as previous then
     adversary: Adversary | None = None  # set only when this worker is configured to attack
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (replay starts)
     history_rounds: dict = field(default_factory=dict)  # worker -> the round of its newest delta in history
@@ -374,6 +376,11 @@ def restore(w: Worker, next_round: int) -> None:
     accepted = [j for j, v in enumerate(mine["verdicts"]) if v == "accept"]
     deltas = {j: delta_of(j) for j in accepted}
     w.previous = ({j: h for j, h in enumerate(mine["packets"]) if h is not None}, deltas)
+    if screens_earlier(cfg) and next_round >= 2:
+        before = part(records[next_round - 2])
+        w.earlier = {j: delta_of(j, before) for j, v in enumerate(before["verdicts"]) if v == "accept"}
+    if base_lag(cfg) == 1:  # the interrupted run sent round next_round before it had applied next_round-1
+        w.resumed_view = dict(w.earlier) if screens_earlier(cfg) else {}
     path = w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors"
     state = st_load(path.read_bytes())
     w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
@@ -488,6 +495,13 @@ def base_lag(cfg: Config) -> int:
     return 0 if cfg.outer.overlap_steps else cfg.outer.delay
 
 
+def screens_earlier(cfg: Config) -> bool:
+    """Whether the screen also compares a round's deltas with the round before the previous one:
+    with the update a whole round late, a worker sends round r before it has applied round r-1,
+    so the newest deltas it could resubmit (stale) or copy are round r-2's (fixed membership)."""
+    return base_lag(cfg) == 1 and cfg.run.membership == "static"
+
+
 def lookahead_momentum(cfg: Config, outer: OuterOptimizer) -> dict[str, torch.Tensor] | None:
     """A copy of the outer momentum when start_point's lookahead needs it (delay 1, lookahead on,
     momentum > 0), else None: a model-sized copy per round is not made for nothing."""
@@ -548,7 +562,9 @@ def run_inner_and_send(w: Worker, r: int, land: Any = None) -> Sent:
     if steps < cfg.train.inner_steps:  # ... and keep the LR schedule as if it had not
         w.inner.step_count += cfg.train.inner_steps - steps
     base = start if land is None else w.outer.params
-    view = View(w.workers, w.previous[1], w.own_packet, w.own_decoded[-1] if w.own_decoded else None)
+    seen = w.previous[1] if w.resumed_view is None else w.resumed_view
+    w.resumed_view = None
+    view = View(w.workers, seen, w.own_packet, w.own_decoded[-1] if w.own_decoded else None)
     with torch.no_grad():
         delta = adv.delta(r, {key: base[key] - p.detach() for key, p in w.model.named_parameters()}, view)
     # the budget hides the exchange under the next round's inner steps (measured: this round's), or
@@ -847,6 +863,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
         equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
+        earlier=w.earlier if screens_earlier(cfg) else None,
         trace_entries=trace_entries(cfg),
         loss_gain_of=gain, loss_gains_of=gains,
         loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
@@ -869,6 +886,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         w.base_momenta.pop(r_old, None)
         w.starts.pop(r_old, None)
     # every packet this round decoded (a rejected one resent next round is still a replay), and the accepted deltas
+    w.earlier = w.previous[1] if screens_earlier(cfg) else {}
     w.previous = (dict(check.packet_hashes), check.accepted)
     for j in range(W):  # a worker that missed the round has no "last delta" to start from
         if j not in packets:

@@ -88,7 +88,7 @@ def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) ->
         check.suspects.pop(j, None)
 
 
-SCREEN_ARGS = ("screen", "previous", "loss_gain_of", "loss_gains_of", "loss_gain_action")  # screen_checked's
+SCREEN_ARGS = ("screen", "previous", "earlier", "loss_gain_of", "loss_gains_of", "loss_gain_action")  # screen_checked's
 
 
 def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> RoundCheck:
@@ -186,9 +186,12 @@ def screen_checked(
     loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
     loss_gains_of: Callable[[dict[int, dict[str, torch.Tensor]], str], Settled] | None = None,
     loss_gain_action: str = "reject",
+    earlier: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> RoundCheck:
     """The screen of `check_bundles`' decoded deltas (norm, cosine, duplicates, loss gains; see
-    check_round), and the accepted deltas."""
+    check_round), and the accepted deltas. `previous`: the previous round's decoded packet
+    hashes and accepted deltas; `earlier`: the round before's accepted deltas (delay 1, a round
+    late: what a worker holds when it sends; screen_round's earlier_deltas)."""
     verdicts, commitments, decoded = dict(check.verdicts), check.commitments, check.decoded
     packet_hashes, evidence, suspects = check.packet_hashes, dict(check.evidence), {}
     settled = None
@@ -207,6 +210,7 @@ def screen_checked(
             packet_hashes={w: packet_hashes[w] for w in decoded},
             previous_packet_hashes=prev_hashes,
             previous_deltas=prev_deltas,
+            earlier_deltas=earlier,
             loss_gains=gains,
             # only "no gain on its own batches" is decided here: own-vs-random advantage is too
             # noisy over a few batches to reject on without false positives (replay decides data)

@@ -13,7 +13,8 @@ numbers that decided it as JSON-serialisable evidence. Checks, in the order that
    reproduces the packet; the copier's batches cannot.
 4. NEAR_DUPLICATE: cosine >= `near_dup_cosine` (0.999) OR relative distance ||a-b|| / max(||a||,
    ||b||) <= `near_dup_rel_dist` (1e-3) to another delta of this round or of the previous round,
-   or to the mean of the previous round's (a stale worker resubmitting last round's update):
+   or to the mean of the previous round's (a stale worker resubmitting last round's update);
+   with `earlier_deltas`, the same against the round before's deltas and their mean:
    a copy with small noise, a rescaled copy, a replay re-encoded. Either test suffices:
    requiring both would let a rescaled copy (cosine 1, distance large) through, and honest
    workers on different batches are nowhere near cosine 0.999.
@@ -254,12 +255,16 @@ def screen_round(
     previous_deltas: Mapping[int, Delta] | None = None,
     loss_gains: Mapping[int, LossGain] | None = None,
     config: ScreenConfig | None = None,
+    earlier_deltas: Mapping[int, Delta] | None = None,
 ) -> dict[int, Verdict]:
     """Screen one round's deltas; see the module docstring for the checks and thresholds.
 
     deltas: {worker: decoded delta} of this round. packet_hashes: {worker: sha256 of its packet}
     (enables exact-duplicate detection). previous_packet_hashes / previous_deltas: the previous
-    round's packets and decoded deltas (replay detection). loss_gains: {worker: LossGain} for the
+    round's packets and decoded deltas (replay detection). earlier_deltas: the round before's
+    accepted deltas, near-duplicate checked like the previous round's (evidence keys
+    "..._of_earlier"): with the exchange a round late, those are the newest deltas a worker holds
+    when it sends, so a stale or copying worker resubmits them. loss_gains: {worker: LossGain} for the
     workers whose losses the caller measured (others skip the loss check). Returns {worker:
     Verdict} in ascending worker order.
     """
@@ -267,7 +272,9 @@ def screen_round(
     workers = sorted(deltas)
     previous = dict(previous_deltas or {})
     prev_workers = sorted(previous)
-    items = [deltas[w] for w in workers] + [previous[w] for w in prev_workers]
+    earlier = dict(earlier_deltas or {})
+    early_workers = sorted(earlier)
+    items = [deltas[w] for w in workers] + [previous[w] for w in prev_workers] + [earlier[w] for w in early_workers]
     sizes = {_flat_size(d) for d in items}
     if len(sizes) > 1:
         raise ValueError(f"deltas have different sizes {sorted(sizes)[:6]}; decode checks shapes")
@@ -277,6 +284,7 @@ def screen_round(
     rows = _flat_rows(items)
     row = {w: i for i, w in enumerate(workers)}
     prev_row = {w: len(workers) + i for i, w in enumerate(prev_workers)}
+    early_row = {w: len(workers) + len(prev_workers) + i for i, w in enumerate(early_workers)}
     sums = RowSums()  # one scratch buffer for every sum below
     # a finite sum of squares proves every element finite (a NaN or inf would reach the sum);
     # only a row whose sum overflowed or is not finite is looked at element by element
@@ -306,6 +314,7 @@ def screen_round(
             flag(w, NORM_OUTLIER)
             ev[w]["zero"] = True
     prev_norms = {w: math.sqrt(squares[prev_row[w]]) for w in finite_prev}
+    early_norms = {w: math.sqrt(squares[early_row[w]]) for w in early_workers if finite_rows[early_row[w]]}
 
     # 3: exact duplicates by packet hash
     hashes = dict(packet_hashes or {})
@@ -327,19 +336,22 @@ def screen_round(
     # 4: near duplicates, this round (each pair once) and against the previous round
     live = [w for w in workers if w in finite and norms[w] > 0.0]
     pairs = [(row[w], row[o]) for i, w in enumerate(live) for o in live[i + 1 :]]
-    # a previous delta of norm 0 has no cosine: never a near duplicate
-    pairs += [(row[w], prev_row[pw]) for w in live for pw, pn in prev_norms.items() if pn != 0.0]
-    # ... and against the previous round's mean: a stale worker resubmits last round's update
-    mean_row = None
-    if len(prev_norms) >= 2:  # with one previous delta, the mean is that delta (checked above)
-        mean = torch.zeros(rows[0].numel(), dtype=torch.float64)
-        for pw in prev_norms:  # elementwise, in worker order: the same bits everywhere
-            mean += rows[prev_row[pw]]
-        mean /= len(prev_norms)
-        mean_row, mean_norm = len(rows), math.sqrt(sums.dots([mean], [mean], [(0, 0)])[0])
-        rows.append(mean)
-        if mean_norm != 0.0:
-            pairs += [(row[w], mean_row) for w in live]
+    # each earlier round: its deltas and, with two or more, their mean (a stale worker resubmits
+    # a round's update); a delta of norm 0 has no cosine: never a near duplicate
+    back = []  # (evidence suffix, {worker: (row, norm)}, mean row or None, mean norm)
+    for suffix, at, nrm in (("previous", prev_row, prev_norms), ("earlier", early_row, early_norms)):
+        pairs += [(row[w], at[pw]) for w in live for pw, pn in nrm.items() if pn != 0.0]
+        mean_row, mean_norm = None, 0.0
+        if len(nrm) >= 2:  # with one delta, the mean is that delta (checked above)
+            mean = torch.zeros(rows[0].numel(), dtype=torch.float64)
+            for pw in nrm:  # elementwise, in worker order: the same bits everywhere
+                mean += rows[at[pw]]
+            mean /= len(nrm)
+            mean_row, mean_norm = len(rows), math.sqrt(sums.dots([mean], [mean], [(0, 0)])[0])
+            rows.append(mean)
+            if mean_norm != 0.0:
+                pairs += [(row[w], mean_row) for w in live]
+        back.append((suffix, {pw: (at[pw], pn) for pw, pn in nrm.items()}, mean_row, mean_norm))
     dots = dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
     dists = dict(zip(pairs, sums.distances(rows, rows, pairs), strict=True))
 
@@ -359,16 +371,17 @@ def screen_round(
                 for a, b in ((w, o), (o, w)):
                     ev[a].setdefault("near_duplicate_of", []).append({"worker": b, **hit})
                     flag(a, NEAR_DUPLICATE)
-        for pw, pn in prev_norms.items():
-            hit = near(row[w], prev_row[pw], norms[w], pn)
-            if hit is not None:
-                ev[w].setdefault("near_duplicate_of_previous", []).append({"worker": pw, **hit})
-                flag(w, NEAR_DUPLICATE)
-        if mean_row is not None:
-            hit = near(row[w], mean_row, norms[w], mean_norm)
-            if hit is not None:
-                ev[w]["near_duplicate_of_previous_mean"] = hit
-                flag(w, NEAR_DUPLICATE)
+        for suffix, earlier_rows, mean_row, mean_norm in back:
+            for pw, (r_pw, pn) in earlier_rows.items():
+                hit = near(row[w], r_pw, norms[w], pn)
+                if hit is not None:
+                    ev[w].setdefault(f"near_duplicate_of_{suffix}", []).append({"worker": pw, **hit})
+                    flag(w, NEAR_DUPLICATE)
+            if mean_row is not None:
+                hit = near(row[w], mean_row, norms[w], mean_norm)
+                if hit is not None:
+                    ev[w][f"near_duplicate_of_{suffix}_mean"] = hit
+                    flag(w, NEAR_DUPLICATE)
 
     # 5-6: against the robust centre of the workers that are still candidates
     # the previous round's rows are done with: the median's scratch can reuse their memory
