@@ -4,6 +4,7 @@
                            [--out bench/results/verify.json]
     python bench/verify.py --calibrate-only      # only the replay-distance measurements
     python bench/verify.py --quick --stages 2 --out bench/results/verify-stages-quick.json   # pipelined workers
+    python bench/verify.py --quick --set outer.delay=1 --set outer.momentum=0.5 --overhead-rounds 0  # delay 1
 
 Each run: 4 workers train the tiny GPT (configs/tiny.toml, widened to 4 workers) with worker 1
 attacking (`--adversary.1=KIND`), inner state reset per round so replay needs no private state,
@@ -197,6 +198,8 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=1,
                     help="pipeline stages per worker (2 micro-batches); > 1 skips the replay-distance calibration "
                          "and the default-model overhead rows, which measure unpipelined workers")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="config override for every run (e.g. --set outer.delay=1); repeatable")
     ap.add_argument("--out", default=None, help="default bench/results/verify.json (--calibrate-only: print only)")
     args = ap.parse_args()
     attacks = [a.strip() for a in args.attacks.split(",") if a.strip()] or ATTACKS
@@ -207,6 +210,7 @@ def main() -> None:
             "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", f"--verify.replay_match={args.replay_match}",
             "--train.eval_every=1000"]
+    base += [f"--{kv.removeprefix('--')}" for kv in args.set]
     if args.stages > 1:
         base += [f"--topology.stages={args.stages}", "--topology.microbatches=2"]
         args.calibrate_rounds, args.overhead_rounds = "", 0
@@ -305,7 +309,7 @@ def main() -> None:
               "replay_distance": calib,
               "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay, "stages": args.stages,
                          "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4,
-                         "detect_seeds": args.detect_seeds}}
+                         "detect_seeds": args.detect_seeds, "overrides": base}}
     if args.replay_match == "distance":
         result["honest"]["replay_distances"] = _summary(honest_distances) if honest_distances else None
     if args.out is None and not args.calibrate_only:
