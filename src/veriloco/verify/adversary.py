@@ -69,8 +69,13 @@ class Adversary:
     kind = "honest"
 
     def __init__(self, worker: int, seed: int, **params: str) -> None:
-        self.worker, self.params = worker, params
-        self.gen = torch.Generator().manual_seed(seed * 1009 + worker)
+        self.worker, self.params, self.seed = worker, params, seed
+        self.gen = torch.Generator().manual_seed(seed * 1009 + worker)  # one stream for the process's life
+
+    def rng(self, r: int, use: int = 0) -> torch.Generator:
+        """A generator for round r's draws (`use` tells a round's separate draws apart), so an
+        attacker draws the same bits in round r whether or not its run was stopped and resumed."""
+        return torch.Generator().manual_seed(((self.seed * 1009 + self.worker) * 100_003 + r) * 16 + use)
 
     def param(self, key: str, default: float) -> float:
         return float(self.params.get(key, default))
@@ -116,8 +121,9 @@ class _SkipsWork(Adversary):
         c = dict(commitment)
         want = int(self.params.get("_trace_entries", 0))
         trace, losses = list(c["trace"]), list(c["losses"])
+        gen = self.rng(r, 0)
         while want and len(trace) < want:
-            trace.append(bytes(torch.randint(0, 256, (32,), generator=self.gen, dtype=torch.uint8).tolist()).hex())
+            trace.append(bytes(torch.randint(0, 256, (32,), generator=gen, dtype=torch.uint8).tolist()).hex())
             losses.append(losses[-1] * 0.98 if losses else 2.0)
         from .check import hex_root
 
@@ -143,7 +149,8 @@ class Noise(_SkipsWork):
         return 0
 
     def delta(self, r: int, delta: Delta, view: View) -> Delta:
-        noise = {k: torch.randn(v.shape, generator=self.gen) for k, v in delta.items()}
+        gen = self.rng(r, 1)
+        noise = {k: torch.randn(delta[k].shape, generator=gen) for k in sorted(delta)}
         return _scaled_to(noise, _honest_norm(view, {k: torch.ones_like(v) * 1e-3 for k, v in delta.items()}))
 
 
@@ -207,7 +214,8 @@ class Copy(_SkipsWork):
             return delta
         src = others[min(others)]
         eps = self.param("noise", 0.01)
-        return {k: v + eps * v.abs().mean() * torch.randn(v.shape, generator=self.gen) for k, v in src.items()}
+        gen = self.rng(r, 2)  # drawn in name order: a delta decoded from the store lists its tensors in another
+        return {k: src[k] + eps * src[k].abs().mean() * torch.randn(src[k].shape, generator=gen) for k in sorted(src)}
 
 
 class Lazy(_SkipsWork):
