@@ -1,6 +1,6 @@
 """A user-defined attacker loaded by import path in tests (`--adversary.2=red_team:Halve`)."""
 
-from veriloco.verify.adversary import Adversary
+from veriloco.verify.adversary import Adversary, FalseAccuser
 from veriloco.verify.screen import LossGain
 
 
@@ -88,11 +88,11 @@ class SplitReports(Adversary):
         return LossGain.on_own_batches(gain.own_before, gain.own_before + 1.0)
 
 
-class FalseChecker(Adversary):
-    """Lies only as a loss-gain checker (every gain it checks "raised the loss by a nat") and
-    replays honestly as an auditor, so whatever convicts it is the loss-gain path."""
+class FalseChecker(FalseAccuser):
+    """The false accuser's lie as a loss-gain checker only: it replays honestly as an auditor, so
+    whatever convicts it is the loss-gain path."""
 
     kind = "false_checker"
 
-    def loss_gain_report(self, r, worker, gain):
-        return LossGain.on_own_batches(gain.own_before, gain.own_before + 1.0)
+    def audit_report(self, r, worker, score):
+        return score

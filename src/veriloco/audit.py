@@ -807,6 +807,9 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
     t = task.as_task()
     replayer = plain_replayer(t.make_model, t.loss, cfg.train, total) if stages == 1 else _emulated_replayer(cfg, total)
     back = r - 1 - cfg.outer.delay
+    land = None
+    if cfg.outer.overlap_steps:  # round r-1's update landed inside round r, before this step
+        land = (cfg.outer.overlap_steps, {k: v for sl in slices for k, v in sl.start_of(r - 1).items()})
     for a in audits:
         evidence = [part.get("evidence") or {} for part in parts]
         evs = [ev.get(str(a.worker)) if isinstance(ev.get(str(a.worker)), dict) else {} for ev in evidence]
@@ -818,9 +821,6 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
             for sl in slices:
                 own = sl.history.get(a.worker, []) if cfg.outer.delay else []
                 start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
-            land = None
-            if cfg.outer.overlap_steps:  # round r-1's update landed before this step of round r
-                land = (cfg.outer.overlap_steps, {k: v for sl in slices for k, v in sl.start_of(r - 1).items()})
             replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
                                   lambda step, j=a.worker: t.batch(j, r, step), a, land)
             signed = [c.check.commitments[a.worker].commitment for c in checks]

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -376,11 +377,11 @@ def restore(w: Worker, next_round: int) -> None:
     accepted = [j for j, v in enumerate(mine["verdicts"]) if v == "accept"]
     deltas = {j: delta_of(j) for j in accepted}
     w.previous = ({j: h for j, h in enumerate(mine["packets"]) if h is not None}, deltas)
-    if screens_earlier(cfg) and next_round >= 2:
-        before = part(records[next_round - 2])
-        w.earlier = {j: delta_of(j, before) for j, v in enumerate(before["verdicts"]) if v == "accept"}
-    if base_lag(cfg) == 1:  # the interrupted run sent round next_round before it had applied next_round-1
-        w.resumed_view = dict(w.earlier) if screens_earlier(cfg) else {}
+    if base_lag(cfg) == 1:  # the interrupted run sent round next_round before it had applied next_round-1:
+        # round next_round-2's accepted deltas were its newest (an adversary's view, the screen's `earlier`)
+        before = part(records[next_round - 2]) if next_round >= 2 and screens_earlier(cfg) else {"verdicts": []}
+        w.resumed_view = {j: delta_of(j, before) for j, v in enumerate(before["verdicts"]) if v == "accept"}
+        w.earlier = w.resumed_view
     path = w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors"
     state = st_load(path.read_bytes())
     w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
@@ -515,7 +516,7 @@ def private_state(w: Worker) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in (w.inner.state_tensors() | w.encoder.state_tensors()).items()}
 
 
-def run_inner_and_send(w: Worker, r: int, land: Any = None) -> Sent:
+def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None = None) -> Sent:
     """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange.
 
     `land(seconds)` (`[outer] overlap_steps` = tau > 0): called before inner step tau with the
@@ -885,8 +886,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         w.bases.pop(r_old)
         w.base_momenta.pop(r_old, None)
         w.starts.pop(r_old, None)
-    # every packet this round decoded (a rejected one resent next round is still a replay), and the accepted deltas
     w.earlier = w.previous[1] if screens_earlier(cfg) else {}
+    # every packet this round decoded (a rejected one resent next round is still a replay), and the accepted deltas
     w.previous = (dict(check.packet_hashes), check.accepted)
     for j in range(W):  # a worker that missed the round has no "last delta" to start from
         if j not in packets:

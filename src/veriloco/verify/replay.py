@@ -276,17 +276,16 @@ def replay_run(
     distance mode the whole round. `land` = (step, G): `[outer] overlap_steps`, the previous
     round's update landed before that step, moving the params from `start` to G's side, and the
     delta is taken from G."""
-    before = round * train.inner_steps
-    params, inner = replayer(start, before)
-    base = land[1] if land is not None else start
-    landing = Landing(land[0], lambda: shift_params(params, land[1], start)) if land is not None else None
-    if verify.replay_match != "exact":
-        inner.run(batch_of_step, train.inner_steps, land=landing)
-        with torch.no_grad():
-            return Replayed([], {name: base[name] - p.detach() for name, p in params.named_parameters()})
+    exact = verify.replay_match == "exact"
     k = verify.trace_every or train.inner_steps
-    trace = inner.run(batch_of_step, (audit.segment + 1) * k, trace_every=k, land=landing).trace
-    if (audit.segment + 1) * k != train.inner_steps:
+    steps = (audit.segment + 1) * k if exact else train.inner_steps
+    params, inner = replayer(start, round * train.inner_steps)
+    base, landing = start, None
+    if land is not None:
+        base = land[1]
+        landing = Landing(land[0], lambda: shift_params(params, base, start))
+    trace = inner.run(batch_of_step, steps, trace_every=k if exact else 0, land=landing).trace
+    if steps != train.inner_steps:
         return Replayed(trace, None)
     with torch.no_grad():
         return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()})
