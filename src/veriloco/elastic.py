@@ -44,7 +44,7 @@ from safetensors.torch import load as st_load
 from .compress import ErrorFeedback
 from .config import Config
 from .exchange import Exchange, ExchangeError
-from .faults import Fault, Injector
+from .faults import Fault, Injector, first_death
 from .hashing import tensors_hash
 from .membership import Membership, MembershipError, QuorumView
 from .outer import OuterOptimizer
@@ -472,9 +472,9 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                 del procs[j]
                 if code != 0:
                     event("died", j, exitcode=code)
-                    dies = [f for f in left[j] if f.kind == "die"]
-                    if dies:
-                        left[j].remove(dies[0])  # it fired: the restarted worker must not die there again
+                    fired = first_death(left[j])
+                    if fired is not None:
+                        left[j].remove(fired)  # it fired: the restarted worker must not die there again
                     if j in restarts and done < R:
                         pending[j] = time.perf_counter() + restarts[j]
             for j, t in list(pending.items()):

@@ -4,6 +4,8 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
 
     die:W@R.S      worker W kills itself with SIGKILL (kill -9) at inner step S of round R
     die:W@R        ... in the middle of round R's exchange (after the quorum, before its packet is out)
+                   (a worker that healed past that point, left out of an earlier round as late,
+                   dies at the first step or exchange it reaches after it instead)
     late:W@R+T     worker W's round-R packet is T seconds late: it joins the round's quorum T seconds
                    after its inner steps end (with delay 1 that wait overlaps its next round's steps,
                    as a packet late on the wire would)
@@ -84,19 +86,21 @@ class Injector:
         self.faults = [f for f in faults if f.worker == worker]
 
     def at_step(self, round: int, step: int) -> None:
-        if any(f.kind == "die" and f.round == round and f.step == step for f in self.faults):
+        if any(f.kind == "die" and f.step is not None and (f.round, f.step) <= (round, step) for f in self.faults):
             die()
 
     def in_exchange(self, round: int) -> None:
-        if any(f.kind == "die" and f.round == round and f.step is None for f in self.faults):
+        if any(f.kind == "die" and f.step is None and f.round <= round for f in self.faults):
             die()
 
     def late_s(self, round: int) -> float:
         return sum(f.seconds for f in self.faults if f.kind == "late" and f.round == round)
 
-    def forget(self, round: int) -> None:
-        """A restarted worker must not die again at the same place (the launcher restarts it past it)."""
-        self.faults = [f for f in self.faults if not (f.kind == "die" and f.round <= round)]
+
+def first_death(faults: list[Fault]) -> Fault | None:
+    """The die fault that fires first of `faults` (one worker's): a step of round R comes before its exchange."""
+    dies = [f for f in faults if f.kind == "die"]
+    return min(dies, key=lambda f: (f.round, f.step is None, f.step or 0)) if dies else None
 
 
 def die() -> None:
