@@ -1,6 +1,6 @@
 """How far is DiLoCo itself from DDP at this machine's scale, and does it close with length?
 
-    python bench/diloco_gap.py [--lengths 10,40] [--full] [--out bench/results/diloco_gap.json]
+    python bench/diloco_gap.py [--lengths 10,40] [--full] [--sweep] [--out bench/results/diloco_gap.json]
 
 The communication target (>= 1000x less traffic than DDP within 2% of its eval loss) needs
 DiLoCo with fp32 packets and no delay to come within 2% first; this measures that gap. Same
@@ -9,7 +9,9 @@ rows as bench/comm.py's `ddp` and `fp32-d0` (its code: comm.run_row, comm.shared
 (lr 0.7, Nesterov momentum 0.9), momentum 0.5, and plain averaging (lr 1, no momentum).
 `--lengths`: runs of that many rounds of the quick GPT (2 layers, d 64, H = 20), each its own
 DDP row with as many tokens. `--full`: also comm.py's full setting (the default 4-layer GPT,
-6 rounds x H = 30; ~6 more minutes). Eval losses are deterministic on CPU: the same every run.
+6 rounds x H = 30; ~6 more minutes). `--sweep`: also tune both sides on the quick GPT at 10
+rounds: DDP at three inner learning rates, DiLoCo at two inner learning rates x five outer
+optimizers (~3 more minutes), so the gap is best against best. Eval losses are deterministic on CPU: the same every run.
 Writes `{"runs": [{"setting", "rounds", "inner_steps", "rows": [{"name", "outer", "eval_loss",
 "loss_vs_ddp_pct"}]}]}`.
 """
@@ -31,6 +33,36 @@ from comm import RowSpec, run_row, shared_overrides  # noqa: E402
 from veriloco.config import load_config  # noqa: E402
 
 OUTERS = ((0.7, 0.9), (0.7, 0.5), (1.0, 0.0))  # (outer lr, Nesterov momentum)
+SWEEP_DDP_LRS = (1.5e-3, 3e-3, 6e-3)  # train.lr (the configs' is 3e-3)
+SWEEP_DILOCO_LRS = (1.5e-3, 3e-3)
+SWEEP_OUTERS = ((0.7, 0.5), (0.7, 0.3), (0.5, 0.5), (0.7, 0.0), (1.0, 0.5))
+
+
+def run_sweep(workdir: str, rounds: int = 10) -> dict:
+    """Best against best on the quick GPT: DDP and DiLoCo (fp32, delay 0) over a small grid of
+    inner learning rates and outer optimizers; the gap is the best DiLoCo's vs the best DDP's."""
+    base = shared_overrides(True, rounds, 20, 4)
+    specs = [RowSpec(f"ddp-lr{lr:g}", "ddp", (f"--train.lr={lr}",), "ddp") for lr in SWEEP_DDP_LRS]
+    specs += [RowSpec(f"diloco-lr{lr:g}-o{olr}-m{m}", "veriloco", ("--outer.delay=0", "--compress.codec=fp32",
+                      f"--train.lr={lr}", f"--outer.lr={olr}", f"--outer.momentum={m}"), "d0")
+              for lr in SWEEP_DILOCO_LRS for olr, m in SWEEP_OUTERS]
+    rows = []
+    for spec in specs:
+        cfg = load_config(str(ROOT / "configs" / "default.toml"), base + list(spec.overrides))
+        row = run_row(spec, cfg, str(Path(workdir) / f"sweep-{spec.name}"))
+        if "skipped" in row:
+            raise SystemExit(f"sweep, {spec.name}: {row['skipped']}")
+        rows.append({"name": spec.name, "kind": spec.kind, "lr": cfg.train.lr,
+                     "outer": None if spec.kind == "ddp" else {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum},
+                     "eval_loss": row["eval_loss"]})
+        print(f"  sweep {rounds} rounds | {spec.name:28s} eval {row['eval_loss']:.4f} ({row['elapsed_s']:.0f}s)", flush=True)
+    best_ddp = min((r for r in rows if r["kind"] == "ddp"), key=lambda r: r["eval_loss"])
+    best_diloco = min((r for r in rows if r["kind"] != "ddp"), key=lambda r: r["eval_loss"])
+    gap = round(100 * (best_diloco["eval_loss"] - best_ddp["eval_loss"]) / best_ddp["eval_loss"], 2)
+    print(f"  sweep: best DDP {best_ddp['name']} {best_ddp['eval_loss']:.4f}, best DiLoCo {best_diloco['name']} "
+          f"{best_diloco['eval_loss']:.4f} ({gap:+.2f}%)", flush=True)
+    return {"rounds": rounds, "inner_steps": 20, "rows": rows, "best_ddp": best_ddp["name"],
+            "best_diloco": best_diloco["name"], "best_gap_pct": gap}
 
 
 def run_setting(name: str, quick: bool, rounds: int, inner_steps: int, workdir: str) -> dict:
@@ -61,6 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="10,40", help="comma-separated round counts of the quick GPT")
     ap.add_argument("--full", action="store_true", help="also comm.py's full setting (6 rounds x H=30, 0.88M params)")
+    ap.add_argument("--sweep", action="store_true", help="also tune inner lr and outer optimizer on the quick GPT (~3 min)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "diloco_gap.json"))
     args = ap.parse_args()
     try:
@@ -69,11 +102,13 @@ def main() -> None:
         raise SystemExit(f"--lengths: comma-separated integers, got {args.lengths!r}") from None
     if not lengths or min(lengths) < 1:
         raise SystemExit("--lengths: at least one round count, each >= 1")
-    t0, runs = time.perf_counter(), []
+    t0, runs, sweep = time.perf_counter(), [], None
     with tempfile.TemporaryDirectory(prefix="veriloco-bench-gap-") as workdir:
         runs += [run_setting("quick", True, n, 20, workdir) for n in lengths]
         if args.full:
             runs.append(run_setting("full", False, 6, 30, workdir))
+        if args.sweep:
+            sweep = run_sweep(workdir)
     print("\n| setting | rounds x H | " + " | ".join(r["name"] for r in runs[0]["rows"]) + " |")
     print("|---|---|" + "---|" * len(runs[0]["rows"]))
     for run in runs:
@@ -82,7 +117,7 @@ def main() -> None:
         print(f"| {run['setting']} | {run['rounds']} x {run['inner_steps']} | " + " | ".join(cells) + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"runs": runs, "total_s": round(time.perf_counter() - t0, 1)}, indent=2) + "\n")
+    out.write_text(json.dumps({"runs": runs, **({"sweep": sweep} if sweep else {}), "total_s": round(time.perf_counter() - t0, 1)}, indent=2) + "\n")
     print(f"-> {out} ({time.perf_counter() - t0:.0f}s)")
 
 

@@ -164,11 +164,15 @@ def ref_screen(deltas, packet_hashes=None, previous_deltas=None, config=None) ->
             ev[w]["duplicate_of"] = same
             flag(w, DUPLICATE)
 
-    def near(a, b, na, nb):
-        cos = cosine(a, b, na, nb)
-        if cos is None:
+    def near(a, b, na, nb, sq_a=None, sq_b=None, dot=None):
+        # the distance from the sums, as the screen takes it (screen.near_distance)
+        dot = ref_det_dot(a, b) if dot is None else dot
+        if na == 0.0 or nb == 0.0:
             return None
-        rel = ref_det_norm(a - b) / max(na, nb)
+        cos = max(-1.0, min(1.0, dot / (na * nb)))
+        sq_a = ref_det_dot(a, a) if sq_a is None else sq_a
+        sq_b = ref_det_dot(b, b) if sq_b is None else sq_b
+        rel = math.sqrt(max(sq_a + sq_b - 2.0 * dot, 0.0)) / max(na, nb)
         if cos >= cfg.near_dup_cosine or rel <= cfg.near_dup_rel_dist:
             return {"cosine": cos, "rel_dist": rel}
         return None
@@ -186,13 +190,21 @@ def ref_screen(deltas, packet_hashes=None, previous_deltas=None, config=None) ->
             if hit is not None:
                 ev[w].setdefault("near_duplicate_of_previous", []).append({"worker": pw, **hit})
                 flag(w, NEAR_DUPLICATE)
-        if len(prev_norms) >= 2:  # the previous round's mean (a stale resubmission)
-            mean = torch.zeros_like(vecs[w])
-            for pw in prev_norms:
-                mean += prev[pw]
-            mean /= len(prev_norms)
-            mean_norm = ref_det_norm(mean)
-            hit = near(vecs[w], mean, norms[w], mean_norm) if mean_norm != 0.0 else None
+        if len(prev_norms) >= 2:  # the previous round's mean (a stale resubmission), from the sums
+            members = list(prev_norms)
+            mean_sq = 0.0
+            for i_, x in enumerate(members):
+                mean_sq += ref_det_dot(prev[x], prev[x])
+                for y in members[i_ + 1 :]:
+                    mean_sq += 2.0 * ref_det_dot(prev[x], prev[y])
+            mean_sq = max(mean_sq, 0.0) / len(members) ** 2
+            mean_dot = 0.0
+            for x in members:
+                mean_dot += ref_det_dot(vecs[w], prev[x])
+            mean_dot /= len(members)
+            hit = None
+            if mean_sq > 0.0:
+                hit = near(vecs[w], None, norms[w], math.sqrt(mean_sq), sq_b=mean_sq, dot=mean_dot)
             if hit is not None:
                 ev[w]["near_duplicate_of_previous_mean"] = hit
                 flag(w, NEAR_DUPLICATE)

@@ -230,9 +230,14 @@ def stack(deltas: Sequence[Delta] | Mapping[int, Delta]) -> tuple[torch.Tensor, 
             raise ValueError(
                 f"delta {i} has structure {str(got)[:120]}, delta 0 has {str(want)[:120]}"
             )
-    rows = [flatten(d) for d in items]
-    matrix = torch.stack(rows)
-    bad = [i for i, r in enumerate(rows) if not bool(torch.isfinite(r).all())]
+    parts = [[d] if isinstance(d, torch.Tensor) else [d[k] for k in sorted(d)] for d in items]
+    matrix = torch.empty(len(items), sum(t.numel() for t in parts[0]), dtype=torch.float64)
+    for i, p in enumerate(parts):  # flatten(d) of each, written in place (one copy, not two)
+        offset = 0
+        for t in p:
+            matrix[i, offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+    bad = torch.nonzero(~torch.isfinite(matrix).all(dim=1)).flatten().tolist()
     if bad:
         raise ValueError(f"deltas {bad[:8]} have non-finite values")
     return matrix, items[0]

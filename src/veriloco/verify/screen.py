@@ -229,6 +229,30 @@ def _cosine(dot: float, na: float, nb: float) -> float | None:
     return max(-1.0, min(1.0, dot / (na * nb)))
 
 
+def near_distance(sq_a: float, sq_b: float, dot: float) -> float:
+    """||a - b|| from the float64 sums |a|^2, |b|^2 and a.b. For the near-duplicate test only:
+    the cancellation error is ~1e-16 of the squares, so a relative distance is exact to ~1e-8,
+    far below the threshold (1e-3); an exact copy (the same bits: a.b is |a|^2, summed in the
+    same order) comes out 0."""
+    return math.sqrt(max(sq_a + sq_b - 2.0 * dot, 0.0))
+
+
+def mean_terms(members: list[int], squares: list[float], dots: Mapping[tuple[int, int], float], a: int) -> tuple[float, float]:
+    """(|m|^2, a.m) for m the mean of rows `members` (in that order), from their squares and
+    pairwise dots and their dots with row a: |m|^2 = (sum_i |x_i|^2 + 2 sum_{i<j} x_i.x_j) / n^2,
+    a.m = sum_i a.x_i / n, each summed in `members` order (the same bits on every worker)."""
+    n = len(members)
+    total = 0.0
+    for i, x in enumerate(members):
+        total += squares[x]
+        for y in members[i + 1 :]:
+            total += 2.0 * dots[x, y]
+    dot = 0.0
+    for x in members:
+        dot += dots[a, x]
+    return max(total, 0.0) / (n * n), dot / n
+
+
 def _flat_size(delta: Delta) -> int:
     """numel of `flatten(delta)`, without building it."""
     if isinstance(delta, torch.Tensor):
@@ -333,58 +357,58 @@ def screen_round(
             ev[w]["duplicate_of_previous"] = prev_by_hash[h]
             flag(w, DUPLICATE)
 
-    # 4: near duplicates, this round (each pair once) and against the previous round
+    # 4: near duplicates, this round (each pair once) and against the previous round.
+    # Everything comes from the deterministic sums of squares and dot products: a distance is
+    # sqrt(|a|^2 + |b|^2 - 2 a.b) (near_distance), and an earlier round's mean enters through its
+    # members' dots (mean_terms), so no difference vector and no mean vector is ever built
     live = [w for w in workers if w in finite and norms[w] > 0.0]
     pairs = [(row[w], row[o]) for i, w in enumerate(live) for o in live[i + 1 :]]
-    # each earlier round: its deltas and, with two or more, their mean (a stale worker resubmits
-    # a round's update); a delta of norm 0 has no cosine: never a near duplicate
-    back = []  # (evidence suffix, {worker: (row, norm)}, mean row or None, mean norm)
+    back = []  # (evidence suffix, {worker: (row, norm)}, that round's rows for its mean or None)
     for suffix, at, nrm in (("previous", prev_row, prev_norms), ("earlier", early_row, early_norms)):
+        # a delta of norm 0 has no cosine: never a near duplicate, but it still counts in the mean
         pairs += [(row[w], at[pw]) for w in live for pw, pn in nrm.items() if pn != 0.0]
-        mean_row, mean_norm = None, 0.0
-        if len(nrm) >= 2:  # with one delta, the mean is that delta (checked above)
-            mean = torch.zeros(rows[0].numel(), dtype=torch.float64)
-            for pw in nrm:  # elementwise, in worker order: the same bits everywhere
-                mean += rows[at[pw]]
-            mean /= len(nrm)
-            mean_row, mean_norm = len(rows), math.sqrt(sums.dots([mean], [mean], [(0, 0)])[0])
-            rows.append(mean)
-            if mean_norm != 0.0:
-                pairs += [(row[w], mean_row) for w in live]
-        back.append((suffix, {pw: (at[pw], pn) for pw, pn in nrm.items()}, mean_row, mean_norm))
+        members = [at[pw] for pw in nrm]  # worker order
+        if len(members) >= 2:  # with one delta, the mean is that delta (checked above)
+            pairs += [(row[w], m) for w in live for m in members if (row[w], m) not in pairs]
+            pairs += [(a, b) for i, a in enumerate(members) for b in members[i + 1 :]]
+        back.append((suffix, {pw: (at[pw], pn) for pw, pn in nrm.items()}, members if len(members) >= 2 else None))
     dots = dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
-    dists = dict(zip(pairs, sums.distances(rows, rows, pairs), strict=True))
 
-    def near(a: int, b: int, na: float, nb: float) -> dict[str, float] | None:
-        cos = _cosine(dots[a, b], na, nb) if (a, b) in dots else None  # absent: a zero norm
+    def near(sq_a: float, sq_b: float, dot: float, na: float, nb: float) -> dict[str, float] | None:
+        cos = _cosine(dot, na, nb)
         if cos is None:
             return None
-        rel = dists[a, b] / max(na, nb)
+        rel = near_distance(sq_a, sq_b, dot) / max(na, nb)
         if cos >= cfg.near_dup_cosine or rel <= cfg.near_dup_rel_dist:
             return {"cosine": cos, "rel_dist": rel}
         return None
 
     for i, w in enumerate(live):
+        a = row[w]
         for o in live[i + 1 :]:
-            hit = near(row[w], row[o], norms[w], norms[o])
+            hit = near(squares[a], squares[row[o]], dots[a, row[o]], norms[w], norms[o])
             if hit is not None:
-                for a, b in ((w, o), (o, w)):
-                    ev[a].setdefault("near_duplicate_of", []).append({"worker": b, **hit})
-                    flag(a, NEAR_DUPLICATE)
-        for suffix, earlier_rows, mean_row, mean_norm in back:
+                for x, y in ((w, o), (o, w)):
+                    ev[x].setdefault("near_duplicate_of", []).append({"worker": y, **hit})
+                    flag(x, NEAR_DUPLICATE)
+        for suffix, earlier_rows, members in back:
             for pw, (r_pw, pn) in earlier_rows.items():
-                hit = near(row[w], r_pw, norms[w], pn)
+                if pn == 0.0:
+                    continue
+                hit = near(squares[a], squares[r_pw], dots[a, r_pw], norms[w], pn)
                 if hit is not None:
                     ev[w].setdefault(f"near_duplicate_of_{suffix}", []).append({"worker": pw, **hit})
                     flag(w, NEAR_DUPLICATE)
-            if mean_row is not None:
-                hit = near(row[w], mean_row, norms[w], mean_norm)
-                if hit is not None:
-                    ev[w][f"near_duplicate_of_{suffix}_mean"] = hit
-                    flag(w, NEAR_DUPLICATE)
+            if members is not None:
+                mean_sq, mean_dot = mean_terms(members, squares, dots, a)
+                if mean_sq > 0.0:
+                    hit = near(squares[a], mean_sq, mean_dot, norms[w], math.sqrt(mean_sq))
+                    if hit is not None:
+                        ev[w][f"near_duplicate_of_{suffix}_mean"] = hit
+                        flag(w, NEAR_DUPLICATE)
 
     # 5-6: against the robust centre of the workers that are still candidates
-    # the previous round's rows are done with: the median's scratch can reuse their memory
+    # the previous rounds' rows are done with: the median's scratch can reuse their memory
     del rows[len(workers) :]
     candidates = [w for w in workers if not flags[w]]
     ev_common: dict[str, Any] = {"centre": cfg.centre, "consensus_workers": candidates}
