@@ -104,6 +104,8 @@ def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
     from veriloco.store import LocalStore
     from veriloco.task import CorpusTask
     from veriloco.topology import build_stage_model
+    from veriloco.verify.commitment import parse_signed_commitment
+    from veriloco.verify.lossgain import gain_steps, stage_seed
 
     cfg = tiny(*BASE, "--train.rounds=3", "--verify.loss_gain_batches=2", "--verify.replay_probability=0.25",
                "--adversary.1=scaled")
@@ -116,13 +118,20 @@ def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
     G0 = {k: v.detach().clone() for m in models for k, v in m.named_parameters()}
     emu = EmulatedPipeline(models, cfg.train, 1, microbatches=2)
 
-    def loss(params, r):
+    def loss(params, r, at):
         with torch.no_grad():
             for k, p in emu.named_parameters():
                 p.copy_(params[k])
-        return emu.eval_loss([task.batch(1, r, s) for s in range(2)])
+        return emu.eval_loss([task.batch(1, r, s) for s in at])
 
-    checked = 0
+    def tested_steps(rec):  # the batches the round drew: from each stage's screen seed, pooled
+        seeds = []
+        for part in rec["stages"]:
+            signed = [parse_signed_commitment(decode_bundle(store.get(h))[0]) for h in part["bundles"] if h]
+            seeds.append(signed[0].commitment.base_hash + "".join(sorted(c.digest for c in signed)))
+        return gain_steps(stage_seed(seeds), 1, cfg.train.inner_steps, 2)
+
+    checked, drawn = 0, []
     for r, rec in enumerate(recs):
         gains = [part["evidence"].get("1", {}).get("loss_gain") for part in rec["stages"]]
         if gains[0] is None:
@@ -134,10 +143,13 @@ def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
         for s, part in enumerate(rec["stages"]):
             shapes = {k: tuple(v.shape) for k, v in models[s].named_parameters()}
             delta |= decode_packet(decode_bundle(store.get(part["bundles"][1]))[1], shapes, 1 << 30)
-        assert gains[0]["own_before"] == loss(G, r)
-        assert gains[0]["own_after"] == loss({k: G[k] - delta[k] for k in G}, r)
+        at = tested_steps(rec)
+        drawn.append(at)
+        assert gains[0]["own_before"] == loss(G, r, at)
+        assert gains[0]["own_after"] == loss({k: G[k] - delta[k] for k in G}, r, at)
         checked += 1
     assert checked >= 2  # the scaled worker is rejected, with its gain in the evidence, every round
+    assert any(at != [0, 1] for at in drawn)  # drawn, not the first two
     assert any("no_loss_gain" in rec["stages"][0]["evidence"]["1"]["flags"] for rec in recs)
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure

@@ -89,6 +89,7 @@ from .verify.commitment import EquivocationDetector
 from .verify.lossgain import (
     Settled,
     assign_checkers,
+    gain_steps,
     misreports,
     reports_from_json,
     settle,
@@ -620,18 +621,18 @@ def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int
     """The screen of one slice's checked bundles, as that slice's processes ran it; with stages,
     the loss gains are the worker-wide ones `_stage_settled` settled."""
     back, v = r - 1 - base_lag(cfg), cfg.verify
-    n = min(v.loss_gain_batches, cfg.train.inner_steps)
+    n, H = v.loss_gain_batches, cfg.train.inner_steps
     if stage_settled is not None:
         gains_of = lambda decoded, seed: stage_settled  # noqa: E731
     elif loss_gain_checkers(v):
-        gains_of = _AuditLossGains(cfg, make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n),
+        gains_of = _AuditLossGains(cfg, make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n, H),
                                    sorted(checked.present), sl.banned, part.get("loss_gain_reports"), where)
     else:
         gains_of = None
     check = screen_checked(
         checked.check, base_hash=checked.base, screen=v.screen, previous=sl.previous,
         earlier=sl.earlier if screens_earlier(cfg) else None,
-        loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n)
+        loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n, H)
         if v.loss_gain_batches and gains_of is None else None,
         loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v),
     )
@@ -643,23 +644,25 @@ def _stage_settled(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_C
     """The loss gains of a pipelined round as its workers settled them (round.StageLossGains): the
     audit's own numbers (_stage_gains), or with checkers the recorded reports settled as the
     workers did, from the seed and the banned their stages pooled."""
-    gains = _stage_gains(cfg, task, slices, checked, r)
+    seed = stage_seed([screen_seed(c.check, c.base) for c in checked])
+    gains = _stage_gains(cfg, task, slices, checked, r, seed)
     if not loss_gain_checkers(cfg.verify):
         return Settled(gains)
     where, recorded = f"round {r}: ", [p.get("loss_gain_reports") for p in parts]
     if any(x != recorded[0] for x in recorded[1:]):
         _fail(f"{where}the stages' records hold different loss_gain_reports (every stage settles from stage 0's)")
-    seed = stage_seed([screen_seed(c.check, c.base) for c in checked])
     banned = set().union(*(sl.banned for sl in slices))
-    settle_ = _AuditLossGains(cfg, lambda j, _: gains[j], sorted(checked[0].present), banned, recorded[0], where)
+    settle_ = _AuditLossGains(cfg, lambda j, _d, _s: gains[j], sorted(checked[0].present), banned, recorded[0], where)
     return settle_(dict.fromkeys(gains), seed)
 
 
-def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], r: int) -> dict[int, LossGain]:
+def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], r: int,
+                 seed: str) -> dict[int, LossGain]:
     """The loss gains a pipelined run's workers computed (round.StageLossGains), in this one
-    process: the whole model through the emulated stages, for the senders every slice decoded."""
+    process: the whole model through the emulated stages, for the senders every slice decoded,
+    on the batches gain_steps draws from the stages' pooled screen seed."""
     back, t = r - 1 - base_lag(cfg), task.as_task()
-    n = min(cfg.verify.loss_gain_batches, cfg.train.inner_steps)
+    n = cfg.verify.loss_gain_batches
     G_r = {k: v for sl in slices for k, v in sl.start_of(back).items()}
     stages = [build_stage_model(cfg.model, cfg.run.seed, s, len(slices)) for s in range(len(slices))]
     emu = EmulatedPipeline(stages, cfg.train, 1, microbatches=cfg.topology.microbatches)
@@ -668,7 +671,7 @@ def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Che
         with torch.no_grad():
             for k, p in emu.named_parameters():
                 p.copy_(params[k])
-        return emu.eval_loss([t.batch(j, r, s) for s in range(n)])
+        return emu.eval_loss([t.batch(j, r, s) for s in gain_steps(seed, j, cfg.train.inner_steps, n)])
 
     everywhere = set.intersection(*(set(c.check.decoded) for c in checked))
     gains = {}
@@ -750,7 +753,7 @@ class _AuditLossGains:
         expected = assign_checkers(seed, workers, eligible, loss_gain_checkers(self.cfg.verify))
         if checkers != expected:
             _fail(f"{where}the record's loss-gain checkers {checkers} are not the ones the round's seed draws {expected}")
-        true = {j: self.gain(j, decoded[j]) for j in workers}
+        true = {j: self.gain(j, decoded[j], seed) for j in workers}
         settled = settle(workers, checkers, reports, lambda j: true[j])
         for c, j in misreports(checkers, reports, true):
             if c not in settled.false_reports:

@@ -178,8 +178,9 @@ class VerifyConfig:
     clip_tau: float = _f(0.0, "centered_clip: radius; 0 = the median distance to the centre")
     loss_gain_batches: int = _f(
         0,
-        "screen: test that a delta lowers the loss of G on this many of the worker's own batches "
-        "(Templar's Gauntlet; see loss_gain_action); costs 2 forward passes per batch per worker; 0 = off",
+        "screen: test that a delta lowers the loss of G on this many of the worker's own batches of the round, "
+        "drawn after it committed (Templar's Gauntlet; see loss_gain_action); costs 2 forward passes per batch "
+        "per worker; 0 = off",
     )
     loss_gain_action: str = _f(
         "audit",

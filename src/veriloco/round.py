@@ -99,7 +99,14 @@ from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root, take_whole_workers
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
-from .verify.lossgain import Settled, assign_checkers, reports_to_json, settle, stage_seed
+from .verify.lossgain import (
+    Settled,
+    assign_checkers,
+    gain_steps,
+    reports_to_json,
+    settle,
+    stage_seed,
+)
 from .verify.replay import (
     Audit,
     PlanInputs,
@@ -595,36 +602,38 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
 
 def loss_gain_fn(w: Worker, r: int):
     """The screen's loss-gain check for round r on this worker (see make_loss_gain)."""
-    return make_loss_gain(w.task, w.model, w.bases.get(r, w.outer.params), r,
-                          min(w.cfg.verify.loss_gain_batches, w.cfg.train.inner_steps))
+    return make_loss_gain(w.task, w.model, w.bases.get(r, w.outer.params), r, w.cfg.verify.loss_gain_batches,
+                          w.cfg.train.inner_steps)
 
 
 def timed_loss_gain(w: Worker, r: int, seconds: list[float]):
     """loss_gain_fn(w, r) that adds the time each call takes to seconds[0]."""
     gain = loss_gain_fn(w, r)
 
-    def timed(j: int, delta: dict[str, torch.Tensor]) -> LossGain:
+    def timed(j: int, delta: dict[str, torch.Tensor], seed: str) -> LossGain:
         t0 = time.perf_counter()
         try:
-            return gain(j, delta)
+            return gain(j, delta, seed)
         finally:
             seconds[0] += time.perf_counter() - t0
 
     return timed
 
 
-def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tensor], r: int, n: int):
-    """gain(j, delta): loss of G_r and of G_r - delta on worker j's first n batches of round r.
-    Deterministic, so every worker (and the audit) computes the same numbers."""
+def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tensor], r: int, n: int, steps: int):
+    """gain(j, delta, seed): loss of G_r and of G_r - delta on n of worker j's `steps` batches of
+    round r, the ones lossgain.gain_steps draws from the round's screen seed. Deterministic, so
+    every worker (and the audit) computes the same numbers."""
 
-    def loss_at(params: dict[str, torch.Tensor], j: int) -> float:
+    def loss_at(params: dict[str, torch.Tensor], j: int, at: list[int]) -> float:
         load_params(model, params)
         with torch.no_grad():
-            return sum(float(task.loss(model, *task.batch(j, r, s))) for s in range(n)) / n
+            return sum(float(task.loss(model, *task.batch(j, r, s))) for s in at) / len(at)
 
-    def gain(j: int, delta: dict[str, torch.Tensor]) -> LossGain:
-        before = loss_at(G_r, j)
-        after = loss_at({k: G_r[k] - delta[k] for k in G_r}, j)
+    def gain(j: int, delta: dict[str, torch.Tensor], seed: str) -> LossGain:
+        at = gain_steps(seed, j, steps, n)
+        before = loss_at(G_r, j, at)
+        after = loss_at({k: G_r[k] - delta[k] for k in G_r}, j, at)
         return LossGain.on_own_batches(before, after)
 
     return gain
@@ -680,8 +689,8 @@ def shared_gains(w: Worker, r: int, part: Participants, gain, workers: list[int]
 
 class StageLossGains:
     """check_round's `loss_gains_of` for a pipelined worker (`[topology] stages > 1`): each gain is
-    the whole model's, the losses of G_r and of G_r - delta on the sender's first n batches
-    computed through this worker's pipeline (pipeline_eval: every stage takes part, each
+    the whole model's, the losses of G_r and of G_r - delta on the n of the sender's batches that
+    gain_steps draws, computed through this worker's pipeline (pipeline_eval: every stage takes part, each
     with its slice of G_r and of the delta), so all of a worker's stages get the same numbers.
     Gains are computed for the senders whose every slice this worker decoded; any other
     sender's update is refused whole (check.take_whole_workers), so its slices need none.
@@ -695,28 +704,29 @@ class StageLossGains:
 
     def __init__(self, w: Worker, r: int, part: Participants, seconds: list[float]) -> None:
         self.w, self.r, self.part, self.seconds = w, r, part, seconds
-        self.n = min(w.cfg.verify.loss_gain_batches, w.cfg.train.inner_steps)
+        self.n = w.cfg.verify.loss_gain_batches
 
-    def loss(self, params: dict[str, torch.Tensor], j: int) -> float:
+    def loss(self, params: dict[str, torch.Tensor], j: int, at: list[int]) -> float:
         w = self.w
         load_params(w.model, params)
-        return pipeline_eval(w, [w.task.batch(j, self.r, s) for s in range(self.n)])
+        return pipeline_eval(w, [w.task.batch(j, self.r, s) for s in at])
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
         t0, w, G_r = time.perf_counter(), self.w, self.w.bases[self.r]
         pooled = _gather_json({"decoded": sorted(decoded), "seed": seed, "banned": sorted(w.banned)}, w.worker_group)
         workers = sorted(set.intersection(*(set(p["decoded"]) for p in pooled)))
+        pooled_seed = stage_seed([p["seed"] for p in pooled])  # the same batches on every stage
 
         def gain(j: int) -> LossGain:
-            return LossGain.on_own_batches(self.loss(G_r, j), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j))
+            at = gain_steps(pooled_seed, j, w.cfg.train.inner_steps, self.n)
+            return LossGain.on_own_batches(self.loss(G_r, j, at), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j, at))
 
         def agree(table: torch.Tensor) -> None:
             dist.broadcast(table, group=w.worker_group, group_src=0)
 
         if loss_gain_checkers(w.cfg.verify):
             banned = set().union(*(p["banned"] for p in pooled))
-            settled = shared_gains(w, self.r, self.part, gain, workers, stage_seed([p["seed"] for p in pooled]),
-                                   banned, agree)
+            settled = shared_gains(w, self.r, self.part, gain, workers, pooled_seed, banned, agree)
         else:
             settled = Settled({j: gain(j) for j in workers})
         self.seconds[0] += time.perf_counter() - t0
@@ -732,7 +742,7 @@ class SharedLossGains:
         self.w, self.r, self.part, self.gain = w, r, part, gain
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
-        return shared_gains(self.w, self.r, self.part, lambda j: self.gain(j, decoded[j]), sorted(decoded), seed,
+        return shared_gains(self.w, self.r, self.part, lambda j: self.gain(j, decoded[j], seed), sorted(decoded), seed,
                             self.w.banned)
 
 

@@ -95,7 +95,8 @@ def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> Round
     """Verdict per worker for this round's bundles (index = worker id; a dict when only some
     workers took part, as under elastic membership): `check_bundles` with the `checks` it takes
     (run id, round, base hash, keys, shapes, ...), then `screen_checked` with those it takes
-    (SCREEN_ARGS). The loss-gain test: `loss_gain_of(w, delta)` computes each gain here; or
+    (SCREEN_ARGS). The loss-gain test: `loss_gain_of(w, delta, seed)` computes each gain here (on the
+    batches lossgain.gain_steps draws from `seed`); or
     `loss_gains_of(decoded, seed)` settles them from the assigned checkers' reports (lossgain.py;
     `seed`: the round's commitments), and a checker whose report does not reproduce gets
     FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the loss-gain test, or "audit"
@@ -183,7 +184,7 @@ def screen_checked(
     base_hash: str,
     screen: bool = True,
     previous: tuple[dict[int, str], dict[int, dict[str, torch.Tensor]]] | None = None,
-    loss_gain_of: Callable[[int, dict[str, torch.Tensor]], LossGain] | None = None,
+    loss_gain_of: Callable[[int, dict[str, torch.Tensor], str], LossGain] | None = None,
     loss_gains_of: Callable[[dict[int, dict[str, torch.Tensor]], str], Settled] | None = None,
     loss_gain_action: str = "reject",
     earlier: dict[int, dict[str, torch.Tensor]] | None = None,
@@ -197,11 +198,12 @@ def screen_checked(
     settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
+        seed = screen_seed(check, base_hash)  # also draws the batches each loss gain is measured on
         if loss_gains_of is not None:
-            settled = loss_gains_of(decoded, screen_seed(check, base_hash))
+            settled = loss_gains_of(decoded, seed)
             gains: dict[int, LossGain] | None = settled.gains
         else:
-            gains = {w: loss_gain_of(w, d) for w, d in decoded.items()} if loss_gain_of else None
+            gains = {w: loss_gain_of(w, d, seed) for w, d in decoded.items()} if loss_gain_of else None
         # a delta must lower its own batches' loss by a fair share of what the median delta does
         # (with 3+ workers; with fewer, by more than nothing): noise of an honest norm gains ~0
         floor = gain_floor(gains) if gains else 0.0

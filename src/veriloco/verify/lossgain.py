@@ -53,6 +53,15 @@ def passes(gain: LossGain, floor: float) -> bool:
     return loss_gain_verdict(gain, floor, -1e9) is None
 
 
+def gain_steps(seed: str, worker: int, steps: int, n: int) -> list[int]:
+    """Which of `worker`'s `steps` batches of the round its loss-gain test uses: `n` distinct
+    inner steps drawn from the round's screen seed (check.screen_seed: the base and every
+    checked commitment of the round), ascending. Drawn after the worker committed, so a worker cannot train
+    honestly on the tested batches alone (the test once took the first n, which a worker knew)."""
+    rank = sorted(range(steps), key=lambda s: hashlib.sha256(f"veriloco/loss-gain/{seed}/{worker}/{s}".encode()).digest())
+    return sorted(rank[: min(n, steps)])
+
+
 def assign_checkers(seed: str, workers: list[int], eligible: list[int], n: int) -> dict[int, list[int]]:
     """For each worker in `workers`, `n` distinct checkers drawn from `eligible` minus itself
     (all of them when fewer), from `seed`; a worker with no eligible other gets []."""
