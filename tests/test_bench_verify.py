@@ -30,6 +30,18 @@ def test_overhead_splits_into_checks_loss_gains_and_replays():
     assert out["checks"] == pytest.approx((5.0 - 2.0 - 0.8) / 40)
     assert out["replay_cost_per_worker_round"] == pytest.approx(2.0 / 10.0)  # one replay, 10 s per worker-round
     assert out["overhead_expected"] == pytest.approx(out["checks"] + out["loss_gain"] + 0.1)
+    assert "cpu" not in out  # records without CPU seconds
+
+
+def test_the_cpu_split_reads_the_cpu_seconds():
+    recs = [rec([10.0, 10.0], [1.0, 3.0], [2.0, 3.0], [0.0, 2.0], [0.2, 0.2], replayed=[0])
+            | {"inner_cpu_s": [5.0, 5.0], "verify_cpu_s": [0.5, 1.5], "replay_cpu_s": [0.0, 1.0],
+               "loss_gain_cpu_s": [0.1, 0.1]}]
+    cpu = verify.overhead_of([recs], 0.1)["cpu"]
+    assert cpu["overhead"] == pytest.approx(2.0 / 10) and cpu["replay"] == pytest.approx(1.0 / 10)
+    assert cpu["checks"] == pytest.approx((2.0 - 1.0 - 0.2) / 10) and cpu["loss_gain"] == pytest.approx(0.2 / 10)
+    assert cpu["replay_cost_per_worker_round"] == pytest.approx(1.0 / 5.0)
+    assert cpu["overhead_expected"] == pytest.approx(cpu["checks"] + cpu["loss_gain"] + 0.1)
 
 
 def test_the_records_of_a_real_run_have_what_the_split_reads(tmp_path):
@@ -40,3 +52,7 @@ def test_the_records_of_a_real_run_have_what_the_split_reads(tmp_path):
     out = verify.overhead_of([recs], 0.5)
     assert out["worker_rounds"] == 6 and out["inner_s"] > 0
     assert 0 < out["loss_gain"] < out["overhead"] and out["checks"] > 0
+    cpu = out["cpu"]  # CPU seconds: each at most its wall seconds, give or take the clocks' ticks
+    assert 0 < cpu["inner_s"] <= out["inner_s"] + 0.05 and 0 < cpu["loss_gain"] < cpu["overhead"] and cpu["checks"] > 0
+    for r in recs:
+        assert all(c <= s + 0.05 for c, s in zip(r["verify_cpu_s"], r["verify_compute_s"], strict=True))

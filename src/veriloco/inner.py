@@ -31,6 +31,9 @@ class InnerResult:
     seconds: float
     tokens: int
     trace: list[str] = field(default_factory=list)  # state hash every trace_every steps
+    # CPU seconds of this thread in those steps (time.thread_time): the compute, without the
+    # time a process shares its core with others (several workers per machine, as in bench/)
+    cpu_seconds: float = 0.0
 
     @property
     def mean_loss(self) -> float:
@@ -70,14 +73,15 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
               batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
     """`steps` calls of step(*batch_of_step(s)); trace_hash() at the start and every trace_every
     steps; `land.move()` before step land.step (the loops' shared `run`)."""
-    t0 = time.perf_counter()
-    losses, trace, tokens, landing_s = [], [], 0, 0.0
+    t0, c0 = time.perf_counter(), time.thread_time()
+    losses, trace, tokens, landing_s, landing_cpu = [], [], 0, 0.0, 0.0
 
     def move() -> None:
-        nonlocal landing_s
-        t1 = time.perf_counter()
+        nonlocal landing_s, landing_cpu
+        t1, c1 = time.perf_counter(), time.thread_time()
         land.move()
         landing_s += time.perf_counter() - t1
+        landing_cpu += time.thread_time() - c1
 
     if trace_every:
         trace.append(trace_hash())
@@ -91,7 +95,8 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
             trace.append(trace_hash())
     if land is not None and steps <= land.step:
         move()
-    return InnerResult(losses, time.perf_counter() - t0 - landing_s, tokens, trace)
+    return InnerResult(losses, time.perf_counter() - t0 - landing_s, tokens, trace,
+                       time.thread_time() - c0 - landing_cpu)
 
 
 class InnerLoop:

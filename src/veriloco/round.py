@@ -607,15 +607,16 @@ def loss_gain_fn(w: Worker, r: int):
 
 
 def timed_loss_gain(w: Worker, r: int, seconds: list[float]):
-    """loss_gain_fn(w, r) that adds the time each call takes to seconds[0]."""
+    """loss_gain_fn(w, r) that adds the time each call takes to seconds[0] (its CPU time to seconds[1])."""
     gain = loss_gain_fn(w, r)
 
     def timed(j: int, delta: dict[str, torch.Tensor], seed: str) -> LossGain:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return gain(j, delta, seed)
         finally:
             seconds[0] += time.perf_counter() - t0
+            seconds[1] += time.thread_time() - c0
 
     return timed
 
@@ -648,7 +649,8 @@ def loss_gain_checkers(v: VerifyConfig) -> int:
 def loss_gains_for(w: Worker, r: int, part: Participants, seconds: list[float]) -> tuple[Any, Any]:
     """check_round's (loss_gain_of, loss_gains_of) for round r on this process: none without the
     loss-gain screen; through the worker's pipeline with stages; shared among checkers when
-    there are checkers; else every gain computed here. Adds the seconds spent to seconds[0]."""
+    there are checkers; else every gain computed here. Adds the seconds spent to seconds[0], the CPU
+    seconds to seconds[1]."""
     if not w.cfg.verify.loss_gain_batches:
         return None, None
     if w.topo.stages > 1:
@@ -712,7 +714,7 @@ class StageLossGains:
         return pipeline_eval(w, [w.task.batch(j, self.r, s) for s in at])
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
-        t0, w, G_r = time.perf_counter(), self.w, self.w.bases[self.r]
+        t0, c0, w, G_r = time.perf_counter(), time.thread_time(), self.w, self.w.bases[self.r]
         pooled = _gather_json({"decoded": sorted(decoded), "seed": seed, "banned": sorted(w.banned)}, w.worker_group)
         workers = sorted(set.intersection(*(set(p["decoded"]) for p in pooled)))
         pooled_seed = stage_seed([p["seed"] for p in pooled])  # the same batches on every stage
@@ -730,6 +732,7 @@ class StageLossGains:
         else:
             settled = Settled({j: gain(j) for j in workers})
         self.seconds[0] += time.perf_counter() - t0
+        self.seconds[1] += time.thread_time() - c0
         return settled
 
 
@@ -746,26 +749,27 @@ class SharedLossGains:
                             self.w.banned)
 
 
-def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> float:
+def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> tuple[float, float]:
     """Sampled replays of round r (and of the screen's suspects): the assigned auditor redoes the
     worker's round from public data and compares (trace hashes bit for bit, or the delta within a
     distance: `[verify] replay_match`); every worker learns the auditor's number. A reported
     failure convicts no one on one auditor's word: every member replays that round itself and
     judges by its own number, so an honest majority's verdicts agree; if the replay passes, the
-    auditor lied and is convicted (FALSE_REPORT). Returns the seconds this worker spent replaying."""
+    auditor lied and is convicted (FALSE_REPORT). Returns the seconds this worker spent replaying,
+    and their CPU seconds."""
     cfg = w.cfg
     plan = PlanInputs.of_round(base_hash, check, w.banned)
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
         plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
     audits = plan_audits(plan.seed, plan.accepted, part.members, segments_to_sample(cfg.verify, cfg.train),
                          cfg.verify.replay_probability, plan.suspects, plan.banned)
-    G_r, spent, mine = w.bases.get(r), 0.0, {}
+    G_r, spent, spent_cpu, mine = w.bases.get(r), 0.0, 0.0, {}
     replayer = replayer_of(w)
     land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round
 
     def replay(a: Audit) -> float:  # this worker's own replay of audit a
-        nonlocal spent
-        t0 = time.perf_counter()
+        nonlocal spent, spent_cpu
+        t0, c0 = time.perf_counter(), time.thread_time()
         own = w.history.get(a.worker, []) if cfg.outer.delay else []
         signed = check.commitments[a.worker].commitment
         start = start_point(cfg, w.starts[r] if land else G_r, own, w.workers, w.base_momenta.get(r))
@@ -777,6 +781,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         else:
             score = stage_replay_score(w, run(), list(signed.trace), committed, codecs)
         spent += time.perf_counter() - t0
+        spent_cpu += time.thread_time() - c0
         return score
 
     scores = torch.full((w.workers,), -1.0, dtype=torch.float64)  # -1: not replayed here
@@ -794,7 +799,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             continue
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score)
-    return spent
+    return spent, spent_cpu
 
 
 def stage_replay_score(w: Worker, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
@@ -865,9 +870,9 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
     bundle_hashes = {j: w.store.put(data) for j, data in packets.items()}
-    verify0 = time.perf_counter()
+    verify0, verify0_cpu = time.perf_counter(), time.thread_time()
     base_hash = w.base_hashes.pop(r)
-    lg_time = [0.0]  # seconds this worker spent computing loss gains
+    lg_time = [0.0, 0.0]  # seconds (and CPU seconds) this worker spent computing loss gains
     gain, gains = loss_gains_for(w, r, part, lg_time)
     check = check_round(
         packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
@@ -879,14 +884,14 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         loss_gain_of=gain, loss_gains_of=gains,
         loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
     )
-    check_s = time.perf_counter() - verify0
-    loss_gain_s = lg_time[0]
+    check_s, check_cpu = time.perf_counter() - verify0, time.thread_time() - verify0_cpu
+    loss_gain_s, loss_gain_cpu = lg_time
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])
     hashes = [check.packet_hashes.get(j) for j in range(W)]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
-    replay_s = replay_audits(w, r, check, base_hash, part) if cfg.verify.replay_probability > 0 else 0.0
+    replay_s, replay_cpu = replay_audits(w, r, check, base_hash, part) if cfg.verify.replay_probability > 0 else (0.0, 0.0)
     if cfg.verify.ban:
         w.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     for j, d in check.decoded.items():
@@ -954,7 +959,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     res = sent.result
     mine = torch.tensor(
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
-         check_s + replay_s, replay_s, loss_gain_s],
+         check_s + replay_s, replay_s, loss_gain_s, res.cpu_seconds, check_cpu + replay_cpu, replay_cpu, loss_gain_cpu],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
@@ -985,6 +990,10 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "verify_compute_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 8].amax(1), here, strict=True)],
         "replay_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 9].amax(1), here, strict=True)],  # of which replays
         "loss_gain_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 10].amax(1), here, strict=True)],  # of which loss gains
+        # the same in CPU seconds of the worker's thread (time.thread_time): compute, not time spent
+        # waiting or descheduled; a pipelined worker's stages summed
+        **{key: [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, i].sum(1), here, strict=True)]
+           for key, i in (("inner_cpu_s", 11), ("verify_cpu_s", 12), ("replay_cpu_s", 13), ("loss_gain_cpu_s", 14))},
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }
