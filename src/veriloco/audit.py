@@ -671,7 +671,7 @@ def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Che
         with torch.no_grad():
             for k, p in emu.named_parameters():
                 p.copy_(params[k])
-        return emu.eval_loss([t.batch(j, r, s) for s in gain_steps(seed, j, cfg.train.inner_steps, n)])
+        return emu.eval_loss([t.batch(j, r, s) for s in gain_steps(seed, cfg.train.inner_steps, n)])
 
     everywhere = set.intersection(*(set(c.check.decoded) for c in checked))
     gains = {}

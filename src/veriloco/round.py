@@ -632,7 +632,7 @@ def make_loss_gain(task: Task, model: torch.nn.Module, G_r: dict[str, torch.Tens
             return sum(float(task.loss(model, *task.batch(j, r, s))) for s in at) / len(at)
 
     def gain(j: int, delta: dict[str, torch.Tensor], seed: str) -> LossGain:
-        at = gain_steps(seed, j, steps, n)
+        at = gain_steps(seed, steps, n)
         before = loss_at(G_r, j, at)
         after = loss_at({k: G_r[k] - delta[k] for k in G_r}, j, at)
         return LossGain.on_own_batches(before, after)
@@ -720,7 +720,7 @@ class StageLossGains:
         pooled_seed = stage_seed([p["seed"] for p in pooled])  # the same batches on every stage
 
         def gain(j: int) -> LossGain:
-            at = gain_steps(pooled_seed, j, w.cfg.train.inner_steps, self.n)
+            at = gain_steps(pooled_seed, w.cfg.train.inner_steps, self.n)
             return LossGain.on_own_batches(self.loss(G_r, j, at), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j, at))
 
         def agree(table: torch.Tensor) -> None:
