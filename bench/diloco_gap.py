@@ -38,6 +38,19 @@ SWEEP_DILOCO_LRS = (1.5e-3, 3e-3)
 SWEEP_OUTERS = ((0.7, 0.5), (0.7, 0.3), (0.5, 0.5), (0.7, 0.0), (1.0, 0.5))
 
 
+def _run(specs: list[RowSpec], base: list[str], workdir: str, label: str) -> list[tuple]:
+    """(spec, config, comm.run_row's row) for each spec, one after another, each printed."""
+    out = []
+    for spec in specs:
+        cfg = load_config(str(ROOT / "configs" / "default.toml"), base + list(spec.overrides))
+        row = run_row(spec, cfg, str(Path(workdir) / f"{label.replace(' ', '')}-{spec.name}"))
+        if "skipped" in row:
+            raise SystemExit(f"{label}, {spec.name}: {row['skipped']}")
+        print(f"  {label} | {spec.name:28s} eval {row['eval_loss']:.4f} ({row['elapsed_s']:.0f}s)", flush=True)
+        out.append((spec, cfg, row))
+    return out
+
+
 def run_sweep(workdir: str, rounds: int = 10) -> dict:
     """Best against best on the quick GPT: DDP and DiLoCo (fp32, delay 0) over a small grid of
     inner learning rates and outer optimizers; the gap is the best DiLoCo's vs the best DDP's."""
@@ -46,16 +59,10 @@ def run_sweep(workdir: str, rounds: int = 10) -> dict:
     specs += [RowSpec(f"diloco-lr{lr:g}-o{olr}-m{m}", "veriloco", ("--outer.delay=0", "--compress.codec=fp32",
                       f"--train.lr={lr}", f"--outer.lr={olr}", f"--outer.momentum={m}"), "d0")
               for lr in SWEEP_DILOCO_LRS for olr, m in SWEEP_OUTERS]
-    rows = []
-    for spec in specs:
-        cfg = load_config(str(ROOT / "configs" / "default.toml"), base + list(spec.overrides))
-        row = run_row(spec, cfg, str(Path(workdir) / f"sweep-{spec.name}"))
-        if "skipped" in row:
-            raise SystemExit(f"sweep, {spec.name}: {row['skipped']}")
-        rows.append({"name": spec.name, "kind": spec.kind, "lr": cfg.train.lr,
-                     "outer": None if spec.kind == "ddp" else {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum},
-                     "eval_loss": row["eval_loss"]})
-        print(f"  sweep {rounds} rounds | {spec.name:28s} eval {row['eval_loss']:.4f} ({row['elapsed_s']:.0f}s)", flush=True)
+    rows = [{"name": spec.name, "kind": spec.kind, "lr": cfg.train.lr,
+             "outer": None if spec.kind == "ddp" else {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum},
+             "eval_loss": row["eval_loss"]}
+            for spec, cfg, row in _run(specs, base, workdir, f"sweep {rounds} rounds")]
     best_ddp = min((r for r in rows if r["kind"] == "ddp"), key=lambda r: r["eval_loss"])
     best_diloco = min((r for r in rows if r["kind"] != "ddp"), key=lambda r: r["eval_loss"])
     gap = round(100 * (best_diloco["eval_loss"] - best_ddp["eval_loss"]) / best_ddp["eval_loss"], 2)
@@ -73,16 +80,9 @@ def run_setting(name: str, quick: bool, rounds: int, inner_steps: int, workdir: 
                 ("--outer.delay=0", "--compress.codec=fp32", f"--outer.lr={lr}", f"--outer.momentum={m}"), "d0")
         for lr, m in OUTERS
     ]
-    rows = []
-    for spec in specs:
-        cfg = load_config(str(ROOT / "configs" / "default.toml"), base + list(spec.overrides))
-        row = run_row(spec, cfg, str(Path(workdir) / f"{name}-{rounds}"))
-        if "skipped" in row:
-            raise SystemExit(f"{name}, {rounds} rounds, {spec.name}: {row['skipped']}")
-        rows.append({"name": spec.name, "outer": None if spec.kind == "ddp" else {"lr": cfg.outer.lr,
-                     "momentum": cfg.outer.momentum}, "eval_loss": row["eval_loss"], "tokens": row["tokens"]})
-        print(f"  {name} {rounds:3d} rounds | {spec.name:22s} eval {row['eval_loss']:.4f} "
-              f"({row['elapsed_s']:.0f}s)", flush=True)
+    rows = [{"name": spec.name, "outer": None if spec.kind == "ddp" else {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum},
+             "eval_loss": row["eval_loss"], "tokens": row["tokens"]}
+            for spec, cfg, row in _run(specs, base, workdir, f"{name} {rounds:3d} rounds")]
     ddp = rows[0]["eval_loss"]
     for r in rows:
         r["loss_vs_ddp_pct"] = round(100 * (r["eval_loss"] - ddp) / ddp, 2)
