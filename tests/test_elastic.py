@@ -159,14 +159,16 @@ def test_with_delay_1_a_straggler_has_a_round_of_slack(tmp_path):
     """The same late packet (worker 1's, 0.7 s late in round 1) side by side: with delay 0 the others
     wait for it; with delay 1 the wait runs under their next round's inner steps (~0.7 s here)."""
     common = ("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=80", "--run.round_deadline=3", *ELASTIC)
-    waits = {}
+    waits, hidden = {}, 0.0
     for delay in (0, 1):
         run_dir = tmp_path / f"d{delay}"
         train(tiny(*common, f"--outer.delay={delay}"), str(run_dir), quiet=True, faults=["late:1@1+0.7"])
         recs = rounds_of(run_dir)
         assert recs[1]["verdicts"] == ["accept"] * 3  # within the deadline: not late
         waits[delay] = recs[1]["wait_s"][0]  # worker 0's idle time waiting for round 1's packets
+        hidden = recs[2]["inner_s"][0]  # delay 1: round 1's exchange runs under round 2's steps
         report = audit_run(run_dir)
         assert report.ok, report.first_failure
     assert waits[0] > 0.5, waits
-    assert waits[1] < 0.35, waits
+    # what the steps did not cover is left to wait (how long 80 steps take depends on the machine)
+    assert waits[1] < max(0.0, 0.7 - hidden) + 0.3 and waits[1] < waits[0] - 0.2, (waits, hidden)
