@@ -10,7 +10,8 @@ inner step's batch: a table [round, worker, step]. Then the screen's rule (a gai
 quarter of the median gain of the round's deltas, tested at the same step: lossgain.gain_floor)
 is applied two ways: at step 0 for every round (what the test did until the eighth session) and
 at a step drawn uniformly (what it does now: `lossgain.gain_steps`; the expected count is the
-mean over the H steps, since the draw is uniform). Each failing honest delta is a suspect: it is
+mean over the H steps, since the draw is uniform), and at two drawn steps (`loss_gain_batches =
+2`: the mean gain over every pair of steps). Each failing honest delta is a suspect: it is
 replayed (and passes), so the counts are replays the screen costs. Prints the mean gain by step
 and both counts; deterministic on CPU.
 """
@@ -18,6 +19,7 @@ and both counts; deterministic on CPU.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -72,9 +74,11 @@ def gains_of_run(rounds: int, seed: int, tmp: Path) -> torch.Tensor:
     return out
 
 
-def suspects_at(gains: torch.Tensor, step: int) -> int:
-    """Honest deltas of one round failing the screen's rule when every worker is tested at `step`."""
-    tested = {j: LossGain.on_own_batches(float(g), 0.0) for j, g in enumerate(gains[:, step])}
+def suspects_at(gains: torch.Tensor, step: int | tuple[int, ...]) -> int:
+    """Honest deltas of one round failing the screen's rule when every worker is tested at `step`
+    (several steps: on their mean gain, as a test of `loss_gain_batches` > 1 averages the losses)."""
+    steps = (step,) if isinstance(step, int) else step
+    tested = {j: LossGain.on_own_batches(float(g), 0.0) for j, g in enumerate(gains[:, list(steps)].mean(dim=1))}
     floor = gain_floor(tested)
     return sum(t.own_gain <= floor for t in tested.values())
 
@@ -92,17 +96,21 @@ def main() -> None:
         tables = [gains_of_run(args.rounds, seed, Path(tmp)) for seed in range(args.seeds)]
     first = sum(suspects_at(t[r], 0) for t in tables for r in range(args.rounds))
     drawn = sum(suspects_at(t[r], s) for t in tables for r in range(args.rounds) for s in range(H)) / H
+    pairs = list(itertools.combinations(range(H), 2))  # loss_gain_batches = 2: two drawn steps
+    drawn2 = sum(suspects_at(t[r], p) for t in tables for r in range(args.rounds) for p in pairs) / len(pairs)
     honest = args.seeds * args.rounds * WORKERS
     by_step = torch.stack(tables).mean(dim=(0, 1, 2))
     late = torch.stack(tables)[:, args.rounds // 4:].mean(dim=(0, 1, 2))  # past the LR warmup's rounds
     print("mean own-batch gain by step (nats), all rounds:", [round(x, 4) for x in by_step.tolist()])
     print(f"the same from round {args.rounds // 4} on:", [round(x, 4) for x in late.tolist()])
     print(f"honest suspects in {honest} honest worker-rounds: tested at step 0: {first}; "
-          f"at a uniformly drawn step: {drawn:.1f} expected")
+          f"at a uniformly drawn step: {drawn:.1f} expected; at two drawn steps (loss_gain_batches = 2, "
+          f"twice the forward passes): {drawn2:.1f} expected")
     result = {"seeds": args.seeds, "rounds": args.rounds, "workers": WORKERS, "inner_steps": H,
               "gain_by_step": [round(x, 6) for x in by_step.tolist()],
               "gain_by_step_from_round": {"round": args.rounds // 4, "gains": [round(x, 6) for x in late.tolist()]},
               "honest_worker_rounds": honest, "suspects_first_batch": first, "suspects_drawn_batch": round(drawn, 2),
+              "suspects_two_drawn_batches": round(drawn2, 2),
               "total_s": round(time.perf_counter() - t0, 1)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -16,6 +16,7 @@ def test_suspects_are_the_gains_at_or_below_a_quarter_of_the_median():
     gains = torch.tensor([[0.40, 0.10], [0.40, 0.02], [0.40, 0.08], [0.09, 0.09]], dtype=torch.float64)  # [worker, step]
     assert lossgain_profile.suspects_at(gains, 0) == 1  # floor 0.25 x 0.40 = 0.10: 0.09 fails
     assert lossgain_profile.suspects_at(gains, 1) == 1  # floor 0.25 x 0.09 = 0.0225: 0.02 fails
+    assert lossgain_profile.suspects_at(gains, (0, 1)) == 0  # on the mean of both steps: 0.09 passes 0.0625
 
 
 def test_the_gain_table_of_a_real_run(tmp_path):
