@@ -157,8 +157,9 @@ def test_partition_minority_commits_nothing_then_rejoins_with_the_same_params(tm
 
 def test_with_delay_1_a_straggler_has_a_round_of_slack(tmp_path):
     """The same late packet (worker 1's, 0.7 s late in round 1) side by side: with delay 0 the others
-    wait for it; with delay 1 the wait runs under their next round's inner steps (~0.7 s here)."""
-    common = ("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=80", "--run.round_deadline=3", *ELASTIC)
+    wait for it; with delay 1 the wait runs under their next round's inner steps."""
+    # 200 tiny steps (~0.3-1 s, by the machine's load) to hide most of the 0.7 s under
+    common = ("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=200", "--run.round_deadline=3", *ELASTIC)
     waits, hidden = {}, 0.0
     for delay in (0, 1):
         run_dir = tmp_path / f"d{delay}"
@@ -169,6 +170,8 @@ def test_with_delay_1_a_straggler_has_a_round_of_slack(tmp_path):
         hidden = recs[2]["inner_s"][0]  # delay 1: round 1's exchange runs under round 2's steps
         report = audit_run(run_dir)
         assert report.ok, report.first_failure
-    assert waits[0] > 0.5, waits
-    # what the steps did not cover is left to wait (how long 80 steps take depends on the machine)
-    assert waits[1] < max(0.0, 0.7 - hidden) + 0.3 and waits[1] < waits[0] - 0.2, (waits, hidden)
+    assert waits[0] > 0.4, waits  # the others wait for most of the 0.7 s (less if they were slower)
+    # with delay 1 only what round 2's steps did not cover is left to wait (how long they take
+    # depends on the machine and its load: measured, not assumed)
+    assert waits[1] <= max(0.0, waits[0] - hidden) + 0.25, (waits, hidden)
+    assert waits[1] < waits[0] - 0.5 * min(hidden, waits[0]), (waits, hidden)
