@@ -95,3 +95,16 @@ def test_overlap_stop_and_resume_equals_uninterrupted(tmp_path):
                "--verify.replay_probability=1.0", "--verify.trace_every=1")
     _, b = uninterrupted_and_resumed(cfg, tmp_path, (*HASHED, "verdicts", "evidence"))
     assert all(rec["verdicts"] == ["accept"] * 3 and "replayed" in rec["evidence"]["0"] for rec in b)
+
+
+def test_spent_sums_wall_and_cpu_seconds_over_its_blocks():
+    from veriloco.inner import Spent
+
+    spent = Spent()
+    with spent.timing():
+        time.sleep(0.1)  # wall, no CPU
+    with spent.timing():
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:  # CPU
+            pass
+    assert spent.wall >= 0.15 and 0.05 <= spent.cpu < 0.1 + 0.05

@@ -662,7 +662,7 @@ def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Che
     process: the whole model through the emulated stages, for the senders every slice decoded,
     on the batches gain_steps draws from the stages' pooled screen seed."""
     back, t = r - 1 - base_lag(cfg), task.as_task()
-    n = cfg.verify.loss_gain_batches
+    at = gain_steps(seed, cfg.train.inner_steps, cfg.verify.loss_gain_batches)
     G_r = {k: v for sl in slices for k, v in sl.start_of(back).items()}
     stages = [build_stage_model(cfg.model, cfg.run.seed, s, len(slices)) for s in range(len(slices))]
     emu = EmulatedPipeline(stages, cfg.train, 1, microbatches=cfg.topology.microbatches)
@@ -671,7 +671,7 @@ def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Che
         with torch.no_grad():
             for k, p in emu.named_parameters():
                 p.copy_(params[k])
-        return emu.eval_loss([t.batch(j, r, s) for s in gain_steps(seed, cfg.train.inner_steps, n)])
+        return emu.eval_loss([t.batch(j, r, s) for s in at])
 
     everywhere = set.intersection(*(set(c.check.decoded) for c in checked))
     gains = {}

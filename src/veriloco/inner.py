@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,25 @@ BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
+class Spent:
+    """Seconds spent, summed over the `timing()` blocks: wall clock, and CPU seconds of the
+    calling thread (time.thread_time: the compute, without the time the process waited or shared
+    its core with other workers, as 4 workers on this machine's 2 cores do in bench/)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.wall += time.perf_counter() - t0
+            self.cpu += time.thread_time() - c0
+
+
+@dataclass
 class InnerResult:
     """What one round of inner steps produced."""
 
@@ -31,9 +51,7 @@ class InnerResult:
     seconds: float
     tokens: int
     trace: list[str] = field(default_factory=list)  # state hash every trace_every steps
-    # CPU seconds of this thread in those steps (time.thread_time): the compute, without the
-    # time a process shares its core with others (several workers per machine, as in bench/)
-    cpu_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this thread's CPU seconds in those steps (see Spent)
 
     @property
     def mean_loss(self) -> float:
@@ -74,14 +92,11 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
     """`steps` calls of step(*batch_of_step(s)); trace_hash() at the start and every trace_every
     steps; `land.move()` before step land.step (the loops' shared `run`)."""
     t0, c0 = time.perf_counter(), time.thread_time()
-    losses, trace, tokens, landing_s, landing_cpu = [], [], 0, 0.0, 0.0
+    losses, trace, tokens, landing = [], [], 0, Spent()
 
     def move() -> None:
-        nonlocal landing_s, landing_cpu
-        t1, c1 = time.perf_counter(), time.thread_time()
-        land.move()
-        landing_s += time.perf_counter() - t1
-        landing_cpu += time.thread_time() - c1
+        with landing.timing():
+            land.move()
 
     if trace_every:
         trace.append(trace_hash())
@@ -95,8 +110,8 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
             trace.append(trace_hash())
     if land is not None and steps <= land.step:
         move()
-    return InnerResult(losses, time.perf_counter() - t0 - landing_s, tokens, trace,
-                       time.thread_time() - c0 - landing_cpu)
+    return InnerResult(losses, time.perf_counter() - t0 - landing.wall, tokens, trace,
+                       time.thread_time() - c0 - landing.cpu)
 
 
 class InnerLoop:

@@ -81,7 +81,7 @@ from .config import Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
-from .inner import InnerLoop, Landing, shift_params
+from .inner import InnerLoop, Landing, Spent, shift_params
 from .ledger import Ledger, SqliteLedger
 from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
 from .link import Link
@@ -606,17 +606,13 @@ def loss_gain_fn(w: Worker, r: int):
                           w.cfg.train.inner_steps)
 
 
-def timed_loss_gain(w: Worker, r: int, seconds: list[float]):
-    """loss_gain_fn(w, r) that adds the time each call takes to seconds[0] (its CPU time to seconds[1])."""
+def timed_loss_gain(w: Worker, r: int, spent: Spent):
+    """loss_gain_fn(w, r) that adds the time each call takes to `spent`."""
     gain = loss_gain_fn(w, r)
 
     def timed(j: int, delta: dict[str, torch.Tensor], seed: str) -> LossGain:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
+        with spent.timing():
             return gain(j, delta, seed)
-        finally:
-            seconds[0] += time.perf_counter() - t0
-            seconds[1] += time.thread_time() - c0
 
     return timed
 
@@ -646,16 +642,15 @@ def loss_gain_checkers(v: VerifyConfig) -> int:
     return v.loss_gain_checkers if v.loss_gain_batches and loss_gain_action(v) == "audit" else 0
 
 
-def loss_gains_for(w: Worker, r: int, part: Participants, seconds: list[float]) -> tuple[Any, Any]:
+def loss_gains_for(w: Worker, r: int, part: Participants, spent: Spent) -> tuple[Any, Any]:
     """check_round's (loss_gain_of, loss_gains_of) for round r on this process: none without the
     loss-gain screen; through the worker's pipeline with stages; shared among checkers when
-    there are checkers; else every gain computed here. Adds the seconds spent to seconds[0], the CPU
-    seconds to seconds[1]."""
+    there are checkers; else every gain computed here. Adds the time they take to `spent`."""
     if not w.cfg.verify.loss_gain_batches:
         return None, None
     if w.topo.stages > 1:
-        return None, StageLossGains(w, r, part, seconds)
-    gain = timed_loss_gain(w, r, seconds)
+        return None, StageLossGains(w, r, part, spent)
+    gain = timed_loss_gain(w, r, spent)
     return (None, SharedLossGains(w, r, part, gain)) if loss_gain_checkers(w.cfg.verify) else (gain, None)
 
 
@@ -704,8 +699,8 @@ class StageLossGains:
     its stage 0 gathered them (a checker that tells another worker's stages different numbers
     cannot split them). Without checkers every worker computes every gain."""
 
-    def __init__(self, w: Worker, r: int, part: Participants, seconds: list[float]) -> None:
-        self.w, self.r, self.part, self.seconds = w, r, part, seconds
+    def __init__(self, w: Worker, r: int, part: Participants, spent: Spent) -> None:
+        self.w, self.r, self.part, self.spent = w, r, part, spent
         self.n = w.cfg.verify.loss_gain_batches
 
     def loss(self, params: dict[str, torch.Tensor], j: int, at: list[int]) -> float:
@@ -714,13 +709,17 @@ class StageLossGains:
         return pipeline_eval(w, [w.task.batch(j, self.r, s) for s in at])
 
     def __call__(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
-        t0, c0, w, G_r = time.perf_counter(), time.thread_time(), self.w, self.w.bases[self.r]
+        with self.spent.timing():
+            return self._settle(decoded, seed)
+
+    def _settle(self, decoded: dict[int, dict[str, torch.Tensor]], seed: str) -> Settled:
+        w, G_r = self.w, self.w.bases[self.r]
         pooled = _gather_json({"decoded": sorted(decoded), "seed": seed, "banned": sorted(w.banned)}, w.worker_group)
         workers = sorted(set.intersection(*(set(p["decoded"]) for p in pooled)))
-        pooled_seed = stage_seed([p["seed"] for p in pooled])  # the same batches on every stage
+        pooled_seed = stage_seed([p["seed"] for p in pooled])
+        at = gain_steps(pooled_seed, w.cfg.train.inner_steps, self.n)  # the same batches on every stage
 
         def gain(j: int) -> LossGain:
-            at = gain_steps(pooled_seed, w.cfg.train.inner_steps, self.n)
             return LossGain.on_own_batches(self.loss(G_r, j, at), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j, at))
 
         def agree(table: torch.Tensor) -> None:
@@ -728,12 +727,8 @@ class StageLossGains:
 
         if loss_gain_checkers(w.cfg.verify):
             banned = set().union(*(p["banned"] for p in pooled))
-            settled = shared_gains(w, self.r, self.part, gain, workers, pooled_seed, banned, agree)
-        else:
-            settled = Settled({j: gain(j) for j in workers})
-        self.seconds[0] += time.perf_counter() - t0
-        self.seconds[1] += time.thread_time() - c0
-        return settled
+            return shared_gains(w, self.r, self.part, gain, workers, pooled_seed, banned, agree)
+        return Settled({j: gain(j) for j in workers})
 
 
 class SharedLossGains:
@@ -749,40 +744,34 @@ class SharedLossGains:
                             self.w.banned)
 
 
-def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> tuple[float, float]:
+def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Participants) -> Spent:
     """Sampled replays of round r (and of the screen's suspects): the assigned auditor redoes the
     worker's round from public data and compares (trace hashes bit for bit, or the delta within a
     distance: `[verify] replay_match`); every worker learns the auditor's number. A reported
     failure convicts no one on one auditor's word: every member replays that round itself and
     judges by its own number, so an honest majority's verdicts agree; if the replay passes, the
-    auditor lied and is convicted (FALSE_REPORT). Returns the seconds this worker spent replaying,
-    and their CPU seconds."""
+    auditor lied and is convicted (FALSE_REPORT). Returns the time this worker spent replaying."""
     cfg = w.cfg
     plan = PlanInputs.of_round(base_hash, check, w.banned)
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
         plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
     audits = plan_audits(plan.seed, plan.accepted, part.members, segments_to_sample(cfg.verify, cfg.train),
                          cfg.verify.replay_probability, plan.suspects, plan.banned)
-    G_r, spent, spent_cpu, mine = w.bases.get(r), 0.0, 0.0, {}
+    G_r, spent, mine = w.bases.get(r), Spent(), {}
     replayer = replayer_of(w)
     land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round
 
     def replay(a: Audit) -> float:  # this worker's own replay of audit a
-        nonlocal spent, spent_cpu
-        t0, c0 = time.perf_counter(), time.thread_time()
-        own = w.history.get(a.worker, []) if cfg.outer.delay else []
-        signed = check.commitments[a.worker].commitment
-        start = start_point(cfg, w.starts[r] if land else G_r, own, w.workers, w.base_momenta.get(r))
-        run = lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,  # noqa: E731
-                                 lambda step, j=a.worker: w.task.batch(j, r, step), a, land)
-        committed, codecs = check.decoded[a.worker], replay_codecs(cfg, signed)
-        if w.topo.stages == 1:
-            score = replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
-        else:
-            score = stage_replay_score(w, run(), list(signed.trace), committed, codecs)
-        spent += time.perf_counter() - t0
-        spent_cpu += time.thread_time() - c0
-        return score
+        with spent.timing():
+            own = w.history.get(a.worker, []) if cfg.outer.delay else []
+            signed = check.commitments[a.worker].commitment
+            start = start_point(cfg, w.starts[r] if land else G_r, own, w.workers, w.base_momenta.get(r))
+            run = lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,  # noqa: E731
+                                     lambda step, j=a.worker: w.task.batch(j, r, step), a, land)
+            committed, codecs = check.decoded[a.worker], replay_codecs(cfg, signed)
+            if w.topo.stages == 1:
+                return replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
+            return stage_replay_score(w, run(), list(signed.trace), committed, codecs)
 
     scores = torch.full((w.workers,), -1.0, dtype=torch.float64)  # -1: not replayed here
     for a in audits:
@@ -799,7 +788,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             continue
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score)
-    return spent, spent_cpu
+    return spent
 
 
 def stage_replay_score(w: Worker, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
@@ -870,28 +859,27 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
     bundle_hashes = {j: w.store.put(data) for j, data in packets.items()}
-    verify0, verify0_cpu = time.perf_counter(), time.thread_time()
+    verify0 = time.perf_counter()
     base_hash = w.base_hashes.pop(r)
-    lg_time = [0.0, 0.0]  # seconds (and CPU seconds) this worker spent computing loss gains
-    gain, gains = loss_gains_for(w, r, part, lg_time)
-    check = check_round(
-        packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
-        admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
-        batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
-        equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
-        earlier=w.earlier if screens_earlier(cfg) else None,
-        trace_entries=trace_entries(cfg),
-        loss_gain_of=gain, loss_gains_of=gains,
-        loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
-    )
-    check_s, check_cpu = time.perf_counter() - verify0, time.thread_time() - verify0_cpu
-    loss_gain_s, loss_gain_cpu = lg_time
+    checks, loss_gains = Spent(), Spent()  # this worker's time in check_round, of which loss gains
+    gain, gains = loss_gains_for(w, r, part, loss_gains)
+    with checks.timing():
+        check = check_round(
+            packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
+            admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
+            batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
+            equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
+            earlier=w.earlier if screens_earlier(cfg) else None,
+            trace_entries=trace_entries(cfg),
+            loss_gain_of=gain, loss_gains_of=gains,
+            loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
+        )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])
     hashes = [check.packet_hashes.get(j) for j in range(W)]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
-    replay_s, replay_cpu = replay_audits(w, r, check, base_hash, part) if cfg.verify.replay_probability > 0 else (0.0, 0.0)
+    replays = replay_audits(w, r, check, base_hash, part) if cfg.verify.replay_probability > 0 else Spent()
     if cfg.verify.ban:
         w.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     for j, d in check.decoded.items():
@@ -959,7 +947,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     res = sent.result
     mine = torch.tensor(
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
-         check_s + replay_s, replay_s, loss_gain_s, res.cpu_seconds, check_cpu + replay_cpu, replay_cpu, loss_gain_cpu],
+         checks.wall + replays.wall, replays.wall, loss_gains.wall,
+         res.cpu_seconds, checks.cpu + replays.cpu, replays.cpu, loss_gains.cpu],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]

@@ -179,13 +179,19 @@ def det_norm(a: torch.Tensor) -> float:
     return math.sqrt(det_dot(a, a))
 
 
-def flatten(delta: Delta) -> torch.Tensor:
-    """One float64 vector: a tensor flattened, or a dict's tensors concatenated in name order."""
+def flat_parts(delta: Delta) -> list[torch.Tensor]:
+    """The tensors of `delta` in the order `flatten` concatenates them: the tensor itself, or a
+    dict's tensors in name order."""
     if isinstance(delta, torch.Tensor):
-        return delta.detach().reshape(-1).to(torch.float64)
+        return [delta]
     if not delta:
         raise ValueError("a delta dict must have at least one tensor")
-    return torch.cat([delta[k].detach().reshape(-1).to(torch.float64) for k in sorted(delta)])
+    return [delta[k] for k in sorted(delta)]
+
+
+def flatten(delta: Delta) -> torch.Tensor:
+    """One float64 vector: a tensor flattened, or a dict's tensors concatenated in name order."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in flat_parts(delta)])
 
 
 def unflatten(vec: torch.Tensor, template: Delta) -> Delta:
@@ -230,7 +236,7 @@ def stack(deltas: Sequence[Delta] | Mapping[int, Delta]) -> tuple[torch.Tensor, 
             raise ValueError(
                 f"delta {i} has structure {str(got)[:120]}, delta 0 has {str(want)[:120]}"
             )
-    parts = [[d] if isinstance(d, torch.Tensor) else [d[k] for k in sorted(d)] for d in items]
+    parts = [flat_parts(d) for d in items]
     matrix = torch.empty(len(items), sum(t.numel() for t in parts[0]), dtype=torch.float64)
     for i, p in enumerate(parts):  # flatten(d) of each, written in place (one copy, not two)
         offset = 0

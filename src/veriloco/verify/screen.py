@@ -80,6 +80,7 @@ from .aggregate import (
     Delta,
     RowSums,
     coordinate_median,
+    flat_parts,
     geometric_median,
     median_of,
 )
@@ -237,35 +238,27 @@ def near_distance(sq_a: float, sq_b: float, dot: float) -> float:
     return math.sqrt(max(sq_a + sq_b - 2.0 * dot, 0.0))
 
 
-def mean_terms(members: list[int], squares: list[float], dots: Mapping[tuple[int, int], float], a: int) -> tuple[float, float]:
-    """(|m|^2, a.m) for m the mean of rows `members` (in that order), from their squares and
-    pairwise dots and their dots with row a: |m|^2 = (sum_i |x_i|^2 + 2 sum_{i<j} x_i.x_j) / n^2,
-    a.m = sum_i a.x_i / n, each summed in `members` order (the same bits on every worker)."""
-    n = len(members)
+def mean_square(members: list[int], squares: list[float], dots: Mapping[tuple[int, int], float]) -> float:
+    """|m|^2 for m the mean of rows `members`, from their squares and pairwise dots:
+    (sum_i |x_i|^2 + 2 sum_{i<j} x_i.x_j) / n^2, summed in `members` order (the same bits on
+    every worker). The dot of a row a with m is sum_i a.x_i / n, summed in the same order."""
     total = 0.0
     for i, x in enumerate(members):
         total += squares[x]
         for y in members[i + 1 :]:
             total += 2.0 * dots[x, y]
-    dot = 0.0
-    for x in members:
-        dot += dots[a, x]
-    return max(total, 0.0) / (n * n), dot / n
+    return max(total, 0.0) / len(members) ** 2
 
 
 def _flat_size(delta: Delta) -> int:
     """numel of `flatten(delta)`, without building it."""
-    if isinstance(delta, torch.Tensor):
-        return delta.numel()
-    if not delta:
-        raise ValueError("a delta dict must have at least one tensor")
-    return sum(delta[k].numel() for k in sorted(delta))
+    return sum(t.numel() for t in flat_parts(delta))
 
 
 def _flat_rows(items: list[Delta]) -> list[torch.Tensor]:
     """flatten(item) for each item, except that float32 deltas stay float32 (half the memory;
     RowSums and coordinate_median convert to float64 exactly where they compute)."""
-    parts = [[d] if isinstance(d, torch.Tensor) else [d[k] for k in sorted(d)] for d in items]
+    parts = [flat_parts(d) for d in items]
     compact = all(t.dtype == torch.float32 for p in parts for t in p)
     dtype = torch.float32 if compact else torch.float64
     return [torch.cat([t.detach().reshape(-1).to(dtype) for t in p]) for p in parts]
@@ -360,19 +353,19 @@ def screen_round(
     # 4: near duplicates, this round (each pair once) and against the previous round.
     # Everything comes from the deterministic sums of squares and dot products: a distance is
     # sqrt(|a|^2 + |b|^2 - 2 a.b) (near_distance), and an earlier round's mean enters through its
-    # members' dots (mean_terms), so no difference vector and no mean vector is ever built
+    # members' dots (mean_square), so no difference vector and no mean vector is ever built
     live = [w for w in workers if w in finite and norms[w] > 0.0]
     pairs = [(row[w], row[o]) for i, w in enumerate(live) for o in live[i + 1 :]]
-    back = []  # (evidence suffix, {worker: (row, norm)}, that round's rows for its mean or None)
+    back = []  # (evidence suffix, {worker: (row, norm)}, that round's rows in worker order)
     for suffix, at, nrm in (("previous", prev_row, prev_norms), ("earlier", early_row, early_norms)):
-        # a delta of norm 0 has no cosine: never a near duplicate, but it still counts in the mean
-        pairs += [(row[w], at[pw]) for w in live for pw, pn in nrm.items() if pn != 0.0]
         members = [at[pw] for pw in nrm]  # worker order
-        if len(members) >= 2:  # with one delta, the mean is that delta (checked above)
-            pairs += [(row[w], m) for w in live for m in members if (row[w], m) not in pairs]
+        pairs += [(row[w], m) for w in live for m in members]
+        if len(members) >= 2:  # the mean's square needs the members' own dots
             pairs += [(a, b) for i, a in enumerate(members) for b in members[i + 1 :]]
-        back.append((suffix, {pw: (at[pw], pn) for pw, pn in nrm.items()}, members if len(members) >= 2 else None))
+        back.append((suffix, {pw: (at[pw], pn) for pw, pn in nrm.items()}, members))
     dots = dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
+    # with one delta, the mean is that delta (checked on its own)
+    mean_squares = [mean_square(m, squares, dots) if len(m) >= 2 else 0.0 for _, _, m in back]
 
     def near(sq_a: float, sq_b: float, dot: float, na: float, nb: float) -> dict[str, float] | None:
         cos = _cosine(dot, na, nb)
@@ -391,21 +384,20 @@ def screen_round(
                 for x, y in ((w, o), (o, w)):
                     ev[x].setdefault("near_duplicate_of", []).append({"worker": y, **hit})
                     flag(x, NEAR_DUPLICATE)
-        for suffix, earlier_rows, members in back:
+        for (suffix, earlier_rows, members), mean_sq in zip(back, mean_squares, strict=True):
             for pw, (r_pw, pn) in earlier_rows.items():
-                if pn == 0.0:
-                    continue
-                hit = near(squares[a], squares[r_pw], dots[a, r_pw], norms[w], pn)
+                hit = near(squares[a], squares[r_pw], dots[a, r_pw], norms[w], pn)  # None for pn = 0
                 if hit is not None:
                     ev[w].setdefault(f"near_duplicate_of_{suffix}", []).append({"worker": pw, **hit})
                     flag(w, NEAR_DUPLICATE)
-            if members is not None:
-                mean_sq, mean_dot = mean_terms(members, squares, dots, a)
-                if mean_sq > 0.0:
-                    hit = near(squares[a], mean_sq, mean_dot, norms[w], math.sqrt(mean_sq))
-                    if hit is not None:
-                        ev[w][f"near_duplicate_of_{suffix}_mean"] = hit
-                        flag(w, NEAR_DUPLICATE)
+            if mean_sq > 0.0:
+                mean_dot = 0.0
+                for m in members:  # in members order, as mean_square sums
+                    mean_dot += dots[a, m]
+                hit = near(squares[a], mean_sq, mean_dot / len(members), norms[w], math.sqrt(mean_sq))
+                if hit is not None:
+                    ev[w][f"near_duplicate_of_{suffix}_mean"] = hit
+                    flag(w, NEAR_DUPLICATE)
 
     # 5-6: against the robust centre of the workers that are still candidates
     # the previous rounds' rows are done with: the median's scratch can reuse their memory
