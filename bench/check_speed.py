@@ -1,7 +1,7 @@
 """Time of one round's check with the screen of an older revision and with the current one.
 
     python bench/check_speed.py [--config configs/default.toml] [--workers 4] [--repeats 7]
-                                [--threads 1] [--old REV] [--out results.json]
+                                [--threads 1] [--old REV] [--earlier] [--verdicts-only] [--out results.json]
 
 Builds the model of `--config` (build_model), makes `--workers` random deltas of its parameter
 shapes for this round and as many for the previous round (honest-looking: a common direction
@@ -11,6 +11,11 @@ aggregate modules are read from git at `--old` (default: the last commit before 
 reductions) and loaded next to the current ones; old and new run alternately in this process,
 `--repeats` times each, after one warm-up. Both must return the same verdicts and evidence, bit
 for bit, or the script stops. Prints median milliseconds and the old/new ratio.
+
+`--earlier`: also a third set of deltas as the round before's (the screen's `earlier_deltas`,
+as with the update a whole round late). `--verdicts-only`: old and new need only give the same
+verdicts, for an old revision whose evidence numbers differ in the last bits (before the eighth
+session's screen, distances were summed from difference vectors, not derived from the dots).
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--old", default=BEFORE, help="git revision of the old screen")
+    ap.add_argument("--earlier", action="store_true", help="also screen against a round before the previous one")
+    ap.add_argument("--verdicts-only", action="store_true", help="old and new must agree on verdicts, not evidence bits")
     ap.add_argument("--out", default=None, help="also write the numbers here as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,6 +120,7 @@ def main() -> None:
     keys = {w: public_key_hex(derive_worker_key(0, w)) for w in range(W)}
     prev = {w: d for w, d in enumerate(previous)}
     prev_hashes = {w: sha256_hex(b"previous %d" % w) for w in range(W)}
+    earlier = dict(enumerate(make_round(shapes, W, 3))) if args.earlier else None
 
     check_module = importlib.import_module("veriloco.verify.check")
     screens = {"old": load_old(args.old).screen_round, "new": check_module.screen_round}
@@ -124,36 +132,38 @@ def main() -> None:
                 bundles, run_id=RUN, round=1, base_hash=BASE, admitted_keys=keys,
                 shapes=shapes, max_packet_bytes=1 << 30,
                 batch_root_of=lambda w: sha256_hex(b"batches %d" % w),
-                equivocation=EquivocationDetector(keys), previous=(prev_hashes, prev),
+                equivocation=EquivocationDetector(keys), previous=(prev_hashes, prev), earlier=earlier,
             )  # fmt: skip
         finally:
             check_module.screen_round = screens["new"]
-        return r.verdicts, r.evidence
+        return r.verdicts if args.verdicts_only else (r.verdicts, r.evidence)
 
     def screen(which: str) -> Any:
-        out = screens[which](dict(enumerate(current)), previous_deltas=prev)
-        return json.dumps([v.to_dict() for v in out.values()])
+        out = screens[which](dict(enumerate(current)), previous_deltas=prev, earlier_deltas=earlier)
+        return json.dumps([v.reason if args.verdicts_only else v.to_dict() for v in out.values()])
 
     times: dict[str, list[float]] = {}
     for name, fn in (("check_round", check), ("screen_round", screen)):
         results = {which: fn(which) for which in ("old", "new")}  # warm-up
         if results["old"] != results["new"]:
-            raise SystemExit(f"{name}: old and new results differ:\n{results}")
+            raise SystemExit(f"{name}: old and new results differ (an old revision from before the eighth session "
+                             f"differs in evidence bits: try --verdicts-only):\n{results}")
         for _ in range(args.repeats):
             for which in ("old", "new"):
                 seconds, out = timed(lambda f=fn, w=which: f(w))
                 if out != results[which]:
                     raise SystemExit(f"{name} ({which}) gave a different result on a rerun")
                 times.setdefault(f"{name} {which}", []).append(seconds)
-    verdicts = check("new")[0]
+    verdicts = check("new") if args.verdicts_only else check("new")[0]
     print(
-        f"{n:,} parameters ({len(shapes)} tensors), {W} workers + {W} previous deltas, "
-        f"{args.threads} thread(s), {args.repeats} repeats; old = {args.old}; "
-        f"verdicts {sorted(set(verdicts.values()))}, identical old/new"
+        f"{n:,} parameters ({len(shapes)} tensors), {W} workers + {W} previous deltas"
+        f"{f' + {W} earlier' if args.earlier else ''}, {args.threads} thread(s), {args.repeats} repeats; "
+        f"old = {args.old}; verdicts {sorted(set(verdicts.values()))}, identical old/new"
+        f"{' (verdicts compared, not evidence bits)' if args.verdicts_only else ''}"
     )
     summary: dict[str, Any] = {
         "parameters": n, "workers": W, "threads": args.threads, "repeats": args.repeats,
-        "old": args.old,
+        "old": args.old, "earlier": args.earlier, "verdicts_only": args.verdicts_only,
     }  # fmt: skip
     for name in ("check_round", "screen_round"):
         old = statistics.median(times[f"{name} old"]) * 1e3
