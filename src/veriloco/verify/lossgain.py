@@ -59,9 +59,8 @@ def gain_steps(seed: str, steps: int, n: int) -> list[int]:
     checked commitment of the round), ascending. Drawn after the workers committed, so a worker
     cannot train honestly on the tested batches alone (the test once took the first n, which a
     worker knew). One draw for all workers: each is tested on its own batches at the same steps,
-    so the gains compare like with like (the test's floor is a share of the median gain; with a
-    draw per worker, honest gains spread by their batches' places in the round, and 10% of the
-    bench's honest deltas fell below it instead of ~1%)."""
+    so the gains compare like with like (the test's floor is a share of the median gain, and an
+    honest delta's gain depends on its batch's place in the round: bench/lossgain_profile.py)."""
     rank = sorted(range(steps), key=lambda s: hashlib.sha256(f"veriloco/loss-gain/{seed}/{s}".encode()).digest())
     return sorted(rank[: min(n, steps)])
 
