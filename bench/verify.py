@@ -5,6 +5,9 @@
     python bench/verify.py --calibrate-only      # only the replay-distance measurements
     python bench/verify.py --quick --stages 2 --out bench/results/verify-stages-quick.json   # pipelined workers
     python bench/verify.py --quick --set outer.delay=1 --set outer.momentum=0.5 --overhead-rounds 0  # delay 1
+    python bench/verify.py --config default --inner-steps 100 --replay 0.03 --until-caught \
+        --attacks lazy:skip=0.25,lazy:skip=0.5 --seeds 2 --rounds 8 --overhead-rounds 0 --calibrate-rounds ""
+        # detection and overhead measured on the same model and H (the `make run` GPT at H = 100)
 
 Each run: 4 workers train the tiny GPT (configs/tiny.toml, widened to 4 workers) with worker 1
 attacking (`--adversary.1=KIND`), inner state reset per round so replay needs no private state,
@@ -65,7 +68,7 @@ from safetensors.torch import load as st_load
 from veriloco.config import config_from_dict, load_config
 from veriloco.model import build_model
 from veriloco.packet import decode_bundle, decode_packet
-from veriloco.run import train
+from veriloco.run import resume, train
 from veriloco.store import LocalStore
 from veriloco.task import CorpusTask
 from veriloco.verify.replay import as_committed, relative_distance, replay_delta
@@ -78,10 +81,19 @@ ROBUST = {"sign_flip", "alie", "ipm"}  # judged by damage (final loss), not only
 WITHIN = {"lazy": 30, "wrong_data": 20}
 
 
-def run_one(base: list[str], extra: list[str], out: Path) -> list[dict]:
-    cfg = load_config(ROOT / "configs" / "tiny.toml", base + extra)
-    run, _ = train(cfg, str(out), quiet=True)
-    return [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+def run_one(base: list[str], extra: list[str], out: Path, config: str = "tiny",
+            until_refused: int | None = None) -> list[dict]:
+    """One run of configs/`config`.toml with `base + extra`; its round records. With
+    `until_refused = j` it stops after the first round that refuses worker j (detection only):
+    one round at a time, each continued with `resume` (on CPU a resumed run is bit for bit the
+    uninterrupted one, tests/test_faults.py), so a caught attacker costs no further rounds."""
+    cfg = load_config(ROOT / "configs" / f"{config}.toml", base + extra)
+    run, _ = train(cfg, str(out), quiet=True, stop_after=None if until_refused is None else 1)
+    while True:
+        recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+        if until_refused is None or len(recs) >= cfg.train.rounds or recs[-1]["verdicts"][until_refused] != "accept":
+            return recs
+        run, _ = resume(str(out), quiet=True, stop_after=len(recs) + 1)
 
 
 def _norm(d: dict) -> float:
@@ -187,6 +199,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--detect-seeds", type=int, default=6, help="seeds for lazy and wrong_data (caught within N rounds)")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--config", default="tiny", choices=["tiny", "default"],
+                    help="configs/NAME.toml of every run: the tiny GPT (default) or the `make run` model")
+    ap.add_argument("--inner-steps", type=int, default=20,
+                    help="H of every run (one trace segment per round: a sampled replay redoes the whole round)")
+    ap.add_argument("--until-caught", action="store_true",
+                    help="detection only: each attack run stops at the first round that refuses worker 1 (no final "
+                         "loss, no honest-3 runs); clean runs (--seeds of them) give the overhead and honest rejections")
     ap.add_argument("--replay", type=float, default=0.1, help="replay probability per worker per round")
     ap.add_argument("--aggregator", default="trimmed_mean")
     ap.add_argument("--overhead-rounds", type=int, default=6,
@@ -214,8 +233,9 @@ def main() -> None:
     if args.quick:
         args.seeds, args.detect_seeds, args.rounds = 1, 1, 8
         args.overhead_rounds = min(args.overhead_rounds, 2)
-    base = ["--topology.workers=4", f"--train.rounds={args.rounds}", "--train.inner_steps=20",
-            "--verify.trace_every=20", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
+    H = args.inner_steps
+    base = ["--topology.workers=4", f"--train.rounds={args.rounds}", f"--train.inner_steps={H}",
+            f"--verify.trace_every={H}", "--verify.loss_gain_batches=1", "--train.inner_state=reset", f"--verify.replay_probability={args.replay}",
             f"--verify.aggregator={args.aggregator}", f"--verify.replay_match={args.replay_match}",
             "--train.eval_every=1000"]
     base += [f"--{kv.removeprefix('--')}" for kv in args.set]
@@ -244,8 +264,9 @@ def main() -> None:
     seeds_of = {a: args.detect_seeds if a.split(":")[0] in WITHIN else args.seeds for a in attacks}
     with tempfile.TemporaryDirectory() as tmp:
         clean, clean3 = {}, {}
-        for seed in range(max([args.seeds, *seeds_of.values()])):
-            recs = run_one(base, [f"--run.seed={seed}"], Path(tmp) / f"clean-{seed}")
+        clean_seeds = args.seeds if args.until_caught else max([args.seeds, *seeds_of.values()])
+        for seed in range(clean_seeds):
+            recs = run_one(base, [f"--run.seed={seed}"], Path(tmp) / f"clean-{seed}", args.config)
             clean[seed] = recs[-1]["eval_loss"]
             for rec in recs:
                 honest_subs += len(rec["verdicts"])
@@ -259,11 +280,11 @@ def main() -> None:
                     bundle = store.get(digest)
                     packet_bytes += len(decode_bundle(bundle)[1])
                     bundle_bytes += len(bundle)
-            if seed < args.seeds:  # the honest workers 0, 2, 3 alone: what a refused attacker leaves
+            if seed < args.seeds and not args.until_caught:  # the honest workers 0, 2, 3 alone: what a refused attacker leaves
                 # (worker 1 sends a zero delta, refused every round: bit for bit the run without it;
                 # a 3-worker run would be workers 0, 1, 2, whose batches differ)
                 clean3[seed] = run_one(base, [f"--run.seed={seed}", "--adversary.1=noop"],
-                                       Path(tmp) / f"clean3-{seed}")[-1]["eval_loss"]
+                                       Path(tmp) / f"clean3-{seed}", args.config)[-1]["eval_loss"]
         calib = calibrate(Path(tmp) / "clean-0", calib_rounds) if calib_rounds else None
         tiny_overhead = overhead_of(clean_recs, args.replay)
         default_overhead = default_model_overhead(args.overhead_rounds, args.replay, args.replay_match, Path(tmp),
@@ -273,7 +294,8 @@ def main() -> None:
             rates, firsts, losses, reasons, distances, exposure = [], [], [], set(), [], 0
             for seed in range(seeds_of[attack]):
                 name = attack.replace(":", "-").replace("=", "")
-                recs = run_one(base, [f"--run.seed={seed}", f"--adversary.1={attack}"], Path(tmp) / f"{name}-{seed}")
+                recs = run_one(base, [f"--run.seed={seed}", f"--adversary.1={attack}"], Path(tmp) / f"{name}-{seed}",
+                               args.config, 1 if args.until_caught else None)
                 rejected = [r["round"] for r in recs if r["verdicts"][1] != "accept"]
                 reasons |= {r["verdicts"][1] for r in recs if r["verdicts"][1] != "accept"}
                 attacked = [r["round"] for r in recs if kind not in ("replay", "copy", "stale") or r["round"] > 0]
@@ -290,16 +312,20 @@ def main() -> None:
             found = [f for f in firsts if f is not None]
             n = seeds_of[attack]
             row = {
-                "attack": attack, "detected_rate": round(statistics.mean(rates), 4),
+                # --until-caught: the share of seeds caught (a run ends at its first refusal)
+                "attack": attack, "detected_rate": round(len(found) / n if args.until_caught else statistics.mean(rates), 4),
                 "rounds_to_detect": statistics.median(found) if found else None,
                 "first_detected_rounds": firsts,
                 "seeds_detected": len(found), "seeds": n, "reasons": sorted(reasons),
-                "final_eval_loss": round(statistics.mean(losses), 4),
-                "clean_eval_loss": round(statistics.mean(clean[s] for s in range(n)), 4),
-                "clean3_eval_loss": round(statistics.mean(clean3.values()), 4),
+                "final_eval_loss": None, "clean_eval_loss": None, "clean3_eval_loss": None,
+                "loss_vs_clean_pct": None, "loss_vs_clean3_pct": None,
             }
-            row["loss_vs_clean_pct"] = round(100 * (row["final_eval_loss"] / row["clean_eval_loss"] - 1), 2)
-            row["loss_vs_clean3_pct"] = round(100 * (row["final_eval_loss"] / row["clean3_eval_loss"] - 1), 2)
+            if not args.until_caught:
+                row["final_eval_loss"] = round(statistics.mean(losses), 4)
+                row["clean_eval_loss"] = round(statistics.mean(clean[s] for s in range(n)), 4)
+                row["clean3_eval_loss"] = round(statistics.mean(clean3.values()), 4)
+                row["loss_vs_clean_pct"] = round(100 * (row["final_eval_loss"] / row["clean_eval_loss"] - 1), 2)
+                row["loss_vs_clean3_pct"] = round(100 * (row["final_eval_loss"] / row["clean3_eval_loss"] - 1), 2)
             # a first catch per round at risk (geometric MLE over the seeds), and what it implies
             q = len(found) / exposure if exposure else 0.0
             row["catch_per_round"] = round(q, 4)
@@ -312,7 +338,8 @@ def main() -> None:
                 row["replay_distances"] = sorted(distances)
             rows.append(row)
             print(f"{attack:18s} detected {row['detected_rate']:6.1%}  first round {row['rounds_to_detect']}  "
-                  f"loss {row['final_eval_loss']:.4f} vs clean {row['clean_eval_loss']:.4f} ({row['loss_vs_clean_pct']:+.2f}%)  {row['reasons']}", flush=True)
+                  f"loss {_fmt(row['final_eval_loss'], '.4f')} vs clean {_fmt(row['clean_eval_loss'], '.4f')} "
+                  f"({_fmt(row['loss_vs_clean_pct'], '+.2f')}%)  {row['reasons']}", flush=True)
     result = {"attacks": rows, "honest": {"submissions": honest_subs, "rejections": honest_rej,
                                           "rejections_by_run": false_rejections},
               # verification compute (own checks and replays) / inner-step compute, clean runs;
@@ -328,7 +355,8 @@ def main() -> None:
                                      "share_of_bundle": round(1 - packet_bytes / bundle_bytes, 4) if bundle_bytes else None,
                                      "replay_bytes": 0},
               "replay_distance": calib,
-              "config": {"rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay, "stages": args.stages,
+              "config": {"config": args.config, "inner_steps": H, "until_caught": args.until_caught,
+                         "rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay, "stages": args.stages,
                          "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4,
                          "detect_seeds": args.detect_seeds, "overrides": base}}
     if args.replay_match == "distance":
@@ -344,7 +372,8 @@ def main() -> None:
         within = (f"{r['within_rounds']}: {r['caught_within_measured']:.0%} measured in {args.rounds}, "
                   f"{r['caught_within_estimated']:.1%} est." if "within_rounds" in r else "")
         print(f"| {r['attack']} | {r['seeds']} | {r['detected_rate']:.0%} | {r['rounds_to_detect']} | {within} | "
-              f"{r['final_eval_loss']:.4f} | {r['loss_vs_clean_pct']:+.2f}% | {r['loss_vs_clean3_pct']:+.2f}% |")
+              f"{_fmt(r['final_eval_loss'], '.4f')} | {_fmt(r['loss_vs_clean_pct'], '+.2f')}% | "
+              f"{_fmt(r['loss_vs_clean3_pct'], '+.2f')}% |")
     print(f"\nhonest rejections by run and reason: {false_rejections}")
     print(f"\nhonest: {honest_rej} rejections in {honest_subs} submissions; verification compute "
           f"{result['overhead']} of inner-step compute, of which replays {result['overhead_replay']} "
@@ -424,6 +453,10 @@ def default_model_overhead(rounds: int, probability: float, replay_match: str, t
         rows.append(row)
         print(f"default model, loss_gain_checkers={checkers}: {row}", flush=True)
     return rows
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _count_false(into: dict, run: str, rec: dict, skip: int | None) -> None:

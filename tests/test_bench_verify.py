@@ -56,3 +56,19 @@ def test_the_records_of_a_real_run_have_what_the_split_reads(tmp_path):
     assert 0 < cpu["inner_s"] <= out["inner_s"] + 0.05 and 0 < cpu["loss_gain"] < cpu["overhead"] and cpu["checks"] > 0
     for r in recs:
         assert all(c <= s + 0.05 for c, s in zip(r["verify_cpu_s"], r["verify_compute_s"], strict=True))
+
+
+def test_until_caught_stops_at_the_first_refusal_and_matches_the_whole_run(tmp_path):
+    """--until-caught continues a run one round at a time and stops at the first round that
+    refuses worker 1: the records up to there are the uninterrupted run's, bit for bit."""
+    base = ["--topology.workers=3", "--train.rounds=4", "--train.inner_steps=3", "--verify.trace_every=3",
+            "--train.inner_state=reset", "--model.d_model=16", "--train.eval_every=1000"]
+    stale = ["--adversary.1=stale"]  # accepted in round 0 (nothing older to resend), refused from round 1
+    whole = verify.run_one(base, stale, tmp_path / "whole")
+    assert [r["verdicts"][1] != "accept" for r in whole] == [False, True, True, True]
+    short = verify.run_one(base, stale, tmp_path / "short", until_refused=1)
+    assert len(short) == 2
+    for a, b in zip(short, whole, strict=False):
+        assert (a["params_hash"], a["verdicts"], a["bundles"]) == (b["params_hash"], b["verdicts"], b["bundles"])
+    honest = verify.run_one(base, [], tmp_path / "honest", until_refused=1)  # never refused: every round
+    assert len(honest) == 4 and all(v == "accept" for r in honest for v in r["verdicts"])
