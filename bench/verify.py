@@ -221,7 +221,9 @@ def main() -> None:
     ap.add_argument("--calibrate-rounds", default="0,5,10,15,19",
                     help="rounds of the clean seed-0 run whose replays are measured (clipped to --rounds; '' = none)")
     ap.add_argument("--attacks", default="",
-                    help="comma-separated attacks to run (default: all), e.g. lazy:skip=0.25,lazy:skip=0.5")
+                    help="comma-separated attacks to run (default: all), e.g. lazy:skip=0.25,lazy:skip=0.5; "
+                         "an item without ':' is one more parameter of the attack before it: "
+                         "lazy:skip=0.25,scale=none,lazy:skip=0.5")
     ap.add_argument("--stages", type=int, default=1,
                     help="pipeline stages per worker (2 micro-batches); > 1 skips the replay-distance calibration "
                          "and the default-model overhead rows, which measure unpipelined workers")
@@ -229,7 +231,10 @@ def main() -> None:
                     help="config override for every run (e.g. --set outer.delay=1); repeatable")
     ap.add_argument("--out", default=None, help="default bench/results/verify.json (--calibrate-only: print only)")
     args = ap.parse_args()
-    attacks = [a.strip() for a in args.attacks.split(",") if a.strip()] or ATTACKS
+    attacks = split_attacks(args.attacks) or ATTACKS
+    if args.seeds < 1 and (not args.until_caught or any(a.split(":")[0] not in WITHIN for a in attacks)):
+        raise SystemExit("--seeds must be >= 1 (0 only with --until-caught and lazy / wrong_data attacks, which run "
+                         "--detect-seeds seeds: no clean runs, no overhead)")
     if args.quick:
         args.seeds, args.detect_seeds, args.rounds = 1, 1, 8
         args.overhead_rounds = min(args.overhead_rounds, 2)
@@ -286,7 +291,8 @@ def main() -> None:
                 clean3[seed] = run_one(base, [f"--run.seed={seed}", "--adversary.1=noop"],
                                        Path(tmp) / f"clean3-{seed}", args.config)[-1]["eval_loss"]
         calib = calibrate(Path(tmp) / "clean-0", calib_rounds) if calib_rounds else None
-        tiny_overhead = overhead_of(clean_recs, args.replay)
+        tiny_overhead = overhead_of(clean_recs, args.replay) if clean_recs else dict.fromkeys(
+            ("overhead", "overhead_wall", "replay"))  # --until-caught --seeds 0: no clean runs
         default_overhead = default_model_overhead(args.overhead_rounds, args.replay, args.replay_match, Path(tmp),
                                                   args.overhead_inner_steps) if args.overhead_rounds else []
         for attack in attacks:
@@ -453,6 +459,20 @@ def default_model_overhead(rounds: int, probability: float, replay_match: str, t
         rows.append(row)
         print(f"default model, loss_gain_checkers={checkers}: {row}", flush=True)
     return rows
+
+
+def split_attacks(text: str) -> list[str]:
+    """The --attacks list: "kind[:key=value,...]" items joined by commas, where an item without
+    ':' that looks like key=value belongs to the attack before it."""
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if out and ":" not in item and "=" in item:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
 
 
 def _fmt(x, spec: str) -> str:

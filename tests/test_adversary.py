@@ -93,3 +93,28 @@ def test_with_the_update_a_round_late_stale_and_copy_are_screened_against_the_ro
     for run in ("a", "b"):
         report = audit_run(tmp_path / run)
         assert report.ok, report.first_failure
+
+
+def test_lazy_disguises_its_short_delta_as_asked():
+    """scale=previous: last round's median accepted norm; steps: its own norm / (1 - skip);
+    none: as trained. A scale it does not know is a config error."""
+    import torch
+
+    from veriloco.config import ConfigError
+    from veriloco.verify.adversary import View, load_adversary
+
+    delta = {"w": torch.full((4,), 0.5)}  # norm 1
+    view = View(world=4, previous_deltas={j: {"w": torch.full((4,), 0.5 * n)} for j, n in enumerate((2.0, 3.0, 4.0))})
+
+    def norm(spec: str, v: View) -> float:
+        out = load_adversary(spec, 1, 0).delta(3, delta, v)
+        assert torch.allclose(out["w"] / out["w"].norm(), delta["w"])  # the direction it trained
+        return float(out["w"].norm())
+
+    assert norm("lazy:skip=0.25", view) == pytest.approx(3.0)
+    assert norm("lazy:skip=0.25,scale=previous", View(world=4)) == pytest.approx(1 / 0.75)  # round 0: nothing older
+    assert norm("lazy:skip=0.25,scale=steps", view) == pytest.approx(1 / 0.75)
+    assert norm("lazy:skip=0.5,scale=none", view) == pytest.approx(1.0)
+    assert load_adversary("lazy:skip=0.25", 1, 0).inner_steps(0, 20) == 15
+    with pytest.raises(ConfigError, match="lazy: scale must be one of previous, steps, none"):
+        tiny("--adversary.1=lazy:scale=big")

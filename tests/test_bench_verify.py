@@ -72,3 +72,9 @@ def test_until_caught_stops_at_the_first_refusal_and_matches_the_whole_run(tmp_p
         assert (a["params_hash"], a["verdicts"], a["bundles"]) == (b["params_hash"], b["verdicts"], b["bundles"])
     honest = verify.run_one(base, [], tmp_path / "honest", until_refused=1)  # never refused: every round
     assert len(honest) == 4 and all(v == "accept" for r in honest for v in r["verdicts"])
+
+
+def test_the_attack_list_keeps_each_attacks_parameters():
+    assert verify.split_attacks("lazy:skip=0.25,scale=none,lazy:skip=0.5, noop,,alie:z=2") == [
+        "lazy:skip=0.25,scale=none", "lazy:skip=0.5", "noop", "alie:z=2"]
+    assert verify.split_attacks("") == []

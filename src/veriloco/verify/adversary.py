@@ -220,16 +220,30 @@ class Copy(_SkipsWork):
 
 class Lazy(_SkipsWork):
     """Does the first (1 - skip) of its inner steps honestly, skips the rest (default skip 0.5),
-    rescales its delta to an honest norm, and fakes the trace of what it skipped. Only a replay
-    of a skipped segment can tell."""
+    fakes the trace of what it skipped, and disguises its short delta (`scale`):
+    "previous" (the default) rescales it to the median norm of last round's accepted deltas, an
+    honest norm; "steps" to its own norm / (1 - skip), what the skipped steps would have added at
+    the same pace; "none" sends it as it is. Only a replay of a skipped segment can tell for
+    sure; the loss-gain screen sees it when the drawn batch was one it skipped."""
 
     kind = "lazy"
+    SCALES = ("previous", "steps", "none")
+
+    def __init__(self, worker: int, seed: int, **params: str) -> None:
+        super().__init__(worker, seed, **params)
+        if self.params.get("scale", "previous") not in self.SCALES:
+            raise ValueError(f"lazy: scale must be one of {', '.join(self.SCALES)}, got {self.params['scale']!r}")
 
     def inner_steps(self, r: int, steps: int) -> int:
         return max(1, round(steps * (1 - self.param("skip", 0.5))))
 
     def delta(self, r: int, delta: Delta, view: View) -> Delta:
-        return _scaled_to(delta, _honest_norm(view, delta) if view.previous_deltas else _norm(delta) / (1 - self.param("skip", 0.5)))
+        scale, skip = self.params.get("scale", "previous"), self.param("skip", 0.5)
+        if scale == "none":
+            return delta
+        if scale == "previous" and view.previous_deltas:
+            return _scaled_to(delta, _honest_norm(view, delta))
+        return _scaled_to(delta, _norm(delta) / (1 - skip))
 
 
 class WrongData(Adversary):
