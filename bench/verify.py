@@ -75,10 +75,10 @@ from veriloco.verify.replay import as_committed, relative_distance, replay_delta
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKS = ["noop", "noise", "scaled", "sign_flip", "stale", "replay", "copy", "lazy:skip=0.25", "lazy:skip=0.5",
-           "wrong_data", "alie", "ipm", "malformed", "forged_signature", "equivocate", "false_accuser"]
+           "skim", "wrong_data", "alie", "ipm", "malformed", "forged_signature", "equivocate", "false_accuser"]
 ROBUST = {"sign_flip", "alie", "ipm"}  # judged by damage (final loss), not only by detection
 # caught "within N rounds" targets: these run --detect-seeds seeds (a probability needs more than 3)
-WITHIN = {"lazy": 30, "wrong_data": 20}
+WITHIN = {"lazy": 30, "skim": 30, "wrong_data": 20}  # skim: lazy's kin (half of every batch)
 
 
 def run_one(base: list[str], extra: list[str], out: Path, config: str = "tiny",

@@ -118,3 +118,17 @@ def test_lazy_disguises_its_short_delta_as_asked():
     assert load_adversary("lazy:skip=0.25", 1, 0).inner_steps(0, 20) == 15
     with pytest.raises(ConfigError, match="lazy: scale must be one of previous, steps, none"):
         tiny("--adversary.1=lazy:scale=big")
+
+
+def test_skim_passes_the_screens_and_only_a_replay_catches_it(tmp_path):
+    """A worker that trains on half of every batch sends a delta trained on its own data: the
+    screens (loss gain included) accept it; a replay on the whole batches convicts it."""
+    base = ("--topology.workers=4", "--train.rounds=3", "--train.inner_steps=6", "--verify.trace_every=3",
+            "--train.inner_state=reset", "--verify.loss_gain_batches=1", "--adversary.1=skim")
+    run, _ = train(tiny(*base), str(tmp_path / "screens"), quiet=True)
+    assert all(v == "accept" for r in rounds_of(run.root) for v in r["verdicts"])  # no replay: it passes
+    run, _ = train(tiny(*base, "--verify.replay_probability=1.0"), str(tmp_path / "replayed"), quiet=True)
+    assert verdicts_of(run.root, 1) == ["replay_mismatch", "banned", "banned"]
+    assert all(verdicts_of(run.root, j) == ["accept"] * 3 for j in (0, 2, 3))
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure

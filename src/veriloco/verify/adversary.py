@@ -246,6 +246,20 @@ class Lazy(_SkipsWork):
         return _scaled_to(delta, _norm(delta) / (1 - skip))
 
 
+class Skim(Adversary):
+    """Lazy without skipping a step: trains every inner step on only the first (1 - skip) of its
+    batch's sequences (default skip 0.5), so it saves that share of the compute, while its delta
+    is trained on part of every batch it was assigned: the loss-gain screen sees a delta that
+    helps its own batches, and its norm and direction look honest. Its trace hashes the states
+    it really reached; only a replay, on the whole batches, tells them apart."""
+
+    kind = "skim"
+
+    def batch(self, r: int, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = max(1, round(inputs.shape[0] * (1 - self.param("skip", 0.5))))
+        return inputs[:keep], targets[:keep]
+
+
 class WrongData(Adversary):
     """Trains on other data than assigned (its sequences reversed: the same bytes, another
     distribution, so norms and losses look ordinary) but commits the root of its assigned
@@ -346,7 +360,7 @@ class FalseAccuser(Adversary):
 
 BUILTIN: dict[str, type[Adversary]] = {
     cls.kind: cls
-    for cls in (Noop, Noise, Scaled, SignFlip, Stale, Replay, Copy, Lazy, WrongData, Alie, Ipm,
+    for cls in (Noop, Noise, Scaled, SignFlip, Stale, Replay, Copy, Lazy, Skim, WrongData, Alie, Ipm,
                 Malformed, ForgedSignature, Equivocate, FalseAccuser)
 }
 
