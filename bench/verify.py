@@ -385,7 +385,7 @@ def main() -> None:
           f"{result['overhead']} of inner-step compute, of which replays {result['overhead_replay']} "
           f"({result['overhead_wall']} counting the wait for others' replays); signed commitments "
           f"{result['verification_bytes']['share_of_bundle']} of the bytes exchanged  -> {args.out}")
-    print(f"overhead by part, tiny clean runs: {tiny_overhead}")
+    print(f"overhead by part, clean runs ({args.config} model, H = {H}): {tiny_overhead}")
     for row in default_overhead:
         print(f"overhead by part, default model, loss_gain_checkers={row['loss_gain_checkers']}: {row}")
 
