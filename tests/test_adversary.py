@@ -118,6 +118,8 @@ def test_lazy_disguises_its_short_delta_as_asked():
     assert load_adversary("lazy:skip=0.25", 1, 0).inner_steps(0, 20) == 15
     with pytest.raises(ConfigError, match="lazy: scale must be one of previous, steps, none"):
         tiny("--adversary.1=lazy:scale=big")
+    with pytest.raises(ConfigError, match=r"skim: skip must be in \[0, 1\), got 1.0"):
+        tiny("--adversary.1=skim:skip=1")
 
 
 def test_skim_passes_the_screens_and_only_a_replay_catches_it(tmp_path):

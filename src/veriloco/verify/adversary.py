@@ -255,6 +255,11 @@ class Skim(Adversary):
 
     kind = "skim"
 
+    def __init__(self, worker: int, seed: int, **params: str) -> None:
+        super().__init__(worker, seed, **params)
+        if not 0 <= self.param("skip", 0.5) < 1:
+            raise ValueError(f"skim: skip must be in [0, 1), got {self.param('skip', 0.5)}")
+
     def batch(self, r: int, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = max(1, round(inputs.shape[0] * (1 - self.param("skip", 0.5))))
         return inputs[:keep], targets[:keep]
