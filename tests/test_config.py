@@ -35,6 +35,8 @@ def test_override_types():
         ("--outer.nesterov=3", "outer.nesterov: expected bool"),
         ("--model.d_model=31", "divisible"),
         ("train.rounds", "--section.key=value"),
+        ("--verify.loss_gain_floor=1.5", "verify.loss_gain_floor must be in [0, 1), got 1.5"),
+        ("--verify.loss_gain_floor=nan", "verify.loss_gain_floor must be in [0, 1), got nan"),
         ("--train.inner_state=reset --verify.replay_probability=0.5", "verify.trace_every (10) must divide train.inner_steps (5)"),
     ],
 )

@@ -88,6 +88,19 @@ def test_a_failing_report_counts_only_once_recomputed_and_a_false_one_convicts_i
     assert out.gains[1].own_gain <= gain_floor(out.gains)
 
 
+def test_the_floor_is_a_configurable_share_of_the_median_gain():
+    assert gain_floor(TRUE) == pytest.approx(0.25 * 0.45)  # gains 0.4, 0.5, 0.45, 0.3: median 0.45
+    assert gain_floor(TRUE, 0.9) == pytest.approx(0.9 * 0.45) and gain_floor(TRUE, 0.0) == 0.0
+    assert gain_floor({0: TRUE[0], 1: TRUE[1]}, 0.9) == 0.0  # fewer than 3 deltas: more than nothing
+    checkers = {0: [1], 1: [2], 2: [3], 3: [0]}
+    reports = {1: {0: TRUE[0]}, 2: {1: TRUE[1]}, 3: {2: TRUE[2]}, 0: {3: TRUE[3]}}
+    compute, calls = computer()
+    assert settle([0, 1, 2, 3], checkers, reports, compute).gains == TRUE and calls == []
+    # at 0.9 of the median, the two deltas below it fail, so every member computes them itself
+    out = settle([0, 1, 2, 3], checkers, reports, compute, 0.9)
+    assert sorted(calls) == [0, 3] and out.gains == TRUE and out.false_reports == {}
+
+
 def test_a_delta_that_breaks_the_model_breaks_it_for_everyone():
     true = dict(TRUE) | {2: g(5.0, math.inf)}
     checkers = {0: [1], 1: [2], 2: [3], 3: [0]}
@@ -167,3 +180,21 @@ def test_the_tested_batches_are_drawn_from_the_seed_not_the_first_ones():
     assert sum(d == [0, 1] for d in draws) <= 10 and len({tuple(d) for d in draws}) > 150  # 1/190 each
     assert max(s for d in draws for s in d) >= 15  # late batches get tested too
     assert gain_steps("s", 3, 5) == [0, 1, 2]  # more asked than there are: all of them
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.9])
+def test_the_floor_decides_who_is_replayed_as_a_suspect_and_the_audit_uses_the_same(tmp_path, floor):
+    run, _ = train(tiny(*LG, "--verify.replay_probability=0.01", f"--verify.loss_gain_floor={floor}"),
+                   str(tmp_path / "a"), quiet=True)
+    recs = rounds_of(run.root)
+    suspects = [sorted(int(j) for j, e in r["evidence"].items() if "suspect" in e) for r in recs]
+    assert all(v == "accept" for r in recs for v in r["verdicts"])  # honest: a suspect's replay clears it
+    expected = []  # the deltas whose recorded gain is under `floor` of the round's median gain
+    for r in recs:
+        gains = {int(j): rows[0][1] - rows[0][2] for j, rows in r["loss_gain_reports"].items()}
+        median = sorted(gains.values())[len(gains) // 2]
+        expected.append(sorted(j for j, x in gains.items() if x <= floor * median))
+    assert suspects == expected
+    # every honest delta gains something; 0.9 of the median makes honest suspects in this run
+    assert any(suspects) == (floor > 0), suspects
+    assert audit_run(run.root, replay=100).ok

@@ -634,7 +634,7 @@ def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int
         earlier=sl.earlier if screens_earlier(cfg) else None,
         loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n, H)
         if v.loss_gain_batches and gains_of is None else None,
-        loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v),
+        loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v), loss_gain_floor=v.loss_gain_floor,
     )
     return checked._replace(check=check)
 
@@ -754,7 +754,7 @@ class _AuditLossGains:
         if checkers != expected:
             _fail(f"{where}the record's loss-gain checkers {checkers} are not the ones the round's seed draws {expected}")
         true = {j: self.gain(j, decoded[j], seed) for j in workers}
-        settled = settle(workers, checkers, reports, lambda j: true[j])
+        settled = settle(workers, checkers, reports, lambda j: true[j], self.cfg.verify.loss_gain_floor)
         for c, j in misreports(checkers, reports, true):
             if c not in settled.false_reports:
                 _fail(f"{where}worker {c} reported a loss gain for worker {j} that does not reproduce, "

@@ -188,6 +188,12 @@ class VerifyConfig:
         "decides (the screen alone false-rejects honest workers now and then); 'reject' = rejected. "
         "With replay_probability = 0 there is no replay to decide, so it is rejected either way",
     )
+    loss_gain_floor: float = _f(
+        0.25,
+        "loss-gain screen: the least gain on its own batches a delta must show, as a share of the round's "
+        "median delta's gain (with 3+ deltas; with fewer, more than nothing). Higher flags more subtle lazy "
+        "workers and more honest deltas (each flagged one is replayed under 'audit'); in [0, 1)",
+    )
     loss_gain_checkers: int = _f(
         1,
         "how many workers compute each packet's loss gain (drawn per round, never its sender); the "
@@ -412,6 +418,7 @@ def validate(cfg: Config) -> None:
     need(v.clip_tau >= 0, f"verify.clip_tau must be >= 0, got {v.clip_tau}")
     need(cfg.train.inner_state in ("keep", "reset"), f"train.inner_state must be 'keep' or 'reset', got {cfg.train.inner_state!r}")
     need(v.loss_gain_batches >= 0, f"verify.loss_gain_batches must be >= 0, got {v.loss_gain_batches}")
+    need(0.0 <= v.loss_gain_floor < 1.0, f"verify.loss_gain_floor must be in [0, 1), got {v.loss_gain_floor}")
     need(v.loss_gain_checkers >= 0, f"verify.loss_gain_checkers must be >= 0, got {v.loss_gain_checkers}")
     need(0 <= v.replay_probability <= 1, f"verify.replay_probability must be in [0, 1], got {v.replay_probability}")
     need(v.loss_gain_action in ("audit", "reject"),

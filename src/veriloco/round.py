@@ -679,7 +679,7 @@ def shared_gains(w: Worker, r: int, part: Participants, gain, workers: list[int]
     reports = {c: {j: LossGain.on_own_batches(float(t[j, 1]), float(t[j, 2]))
                    for j in workers if c in checkers[j] and t[j, 0] == 1.0}
                for c, t in zip(members, table, strict=True)}
-    settled = settle(workers, checkers, reports, gain)
+    settled = settle(workers, checkers, reports, gain, w.cfg.verify.loss_gain_floor)
     settled.record = reports_to_json(checkers, reports)
     return settled
 
@@ -872,7 +872,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             earlier=w.earlier if screens_earlier(cfg) else None,
             trace_entries=trace_entries(cfg),
             loss_gain_of=gain, loss_gains_of=gains,
-            loss_gain_action=loss_gain_action(cfg.verify), banned=w.banned,
+            loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
+            banned=w.banned,
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])

@@ -51,7 +51,7 @@ from .commitment import (
     check_packet,
     parse_signed_commitment,
 )
-from .lossgain import Settled, gain_floor
+from .lossgain import FLOOR_SHARE, Settled, gain_floor
 from .screen import LossGain, ScreenConfig, screen_round
 
 
@@ -88,7 +88,8 @@ def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) ->
         check.suspects.pop(j, None)
 
 
-SCREEN_ARGS = ("screen", "previous", "earlier", "loss_gain_of", "loss_gains_of", "loss_gain_action")  # screen_checked's
+SCREEN_ARGS = ("screen", "previous", "earlier", "loss_gain_of", "loss_gains_of", "loss_gain_action",
+               "loss_gain_floor")  # screen_checked's
 
 
 def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> RoundCheck:
@@ -188,6 +189,7 @@ def screen_checked(
     loss_gains_of: Callable[[dict[int, dict[str, torch.Tensor]], str], Settled] | None = None,
     loss_gain_action: str = "reject",
     earlier: dict[int, dict[str, torch.Tensor]] | None = None,
+    loss_gain_floor: float = FLOOR_SHARE,
 ) -> RoundCheck:
     """The screen of `check_bundles`' decoded deltas (norm, cosine, duplicates, loss gains; see
     check_round), and the accepted deltas. `previous`: the previous round's decoded packet
@@ -204,9 +206,9 @@ def screen_checked(
             gains: dict[int, LossGain] | None = settled.gains
         else:
             gains = {w: loss_gain_of(w, d, seed) for w, d in decoded.items()} if loss_gain_of else None
-        # a delta must lower its own batches' loss by a fair share of what the median delta does
-        # (with 3+ workers; with fewer, by more than nothing): noise of an honest norm gains ~0
-        floor = gain_floor(gains) if gains else 0.0
+        # a delta must lower its own batches' loss by a fair share (loss_gain_floor) of what the
+        # median delta does (with 3+ workers; with fewer, by more than nothing): noise gains ~0
+        floor = gain_floor(gains, loss_gain_floor) if gains else 0.0
         screened = screen_round(
             decoded,
             packet_hashes={w: packet_hashes[w] for w in decoded},

@@ -40,12 +40,16 @@ from .screen import LossGain, loss_gain_verdict
 LOSS_TOLERANCE = 1e-4
 
 
-def gain_floor(gains: Mapping[int, LossGain]) -> float:
-    """The least own-batch gain that passes: with 3+ deltas, a quarter of the median delta's
-    gain (an honest delta's noise gains ~0); with fewer, more than nothing."""
+FLOOR_SHARE = 0.25  # [verify] loss_gain_floor's default
+
+
+def gain_floor(gains: Mapping[int, LossGain], share: float = FLOOR_SHARE) -> float:
+    """The least own-batch gain that passes: with 3+ deltas, `share` of the median delta's gain
+    (`[verify] loss_gain_floor`, a quarter by default; an honest delta's noise gains ~0); with
+    fewer, more than nothing."""
     if len(gains) < 3:
         return 0.0
-    return max(0.0, 0.25 * sorted(g.own_gain for g in gains.values())[len(gains) // 2])
+    return max(0.0, share * sorted(g.own_gain for g in gains.values())[len(gains) // 2])
 
 
 def passes(gain: LossGain, floor: float) -> bool:
@@ -108,11 +112,13 @@ def settle(
     checkers: Mapping[int, list[int]],
     reports: Mapping[int, Mapping[int, LossGain | None]],
     compute: Callable[[int], LossGain],
+    share: float = FLOOR_SHARE,
 ) -> Settled:
     """The gains of `workers`' deltas from the checkers' `reports` ({checker: {worker: gain or
     None}}), with `compute(worker)` (this member's own number) wherever a report is missing,
     the checkers disagree, or the gain fails the test (see the module docstring). Every honest
-    member that sees the same reports computes the same things and settles the same way."""
+    member that sees the same reports computes the same things and settles the same way.
+    `share`: the floor's share of the median gain (gain_floor)."""
     own: dict[int, LossGain] = {}
     out = Settled({})
 
@@ -132,7 +138,7 @@ def settle(
         else:
             out.gains[j] = said[0]
     while True:  # a failing gain counts only once this member has computed it itself
-        floor = gain_floor(out.gains)
+        floor = gain_floor(out.gains, share)
         failing = [j for j in workers if j not in own and not passes(out.gains[j], floor)]
         if not failing:
             return out
