@@ -41,6 +41,12 @@ in collectives and the time 4 workers share this machine's 2 cores. Writes
 `--overhead-only --overhead-rounds R --overhead-inner-steps H`: only the default-model row with
 one checker, to see how the per-round checks' share falls with H.
 
+`loss_gain_floor_whatif` replays every round's recorded loss gains (the checkers' reports, which
+do not depend on the floor) against `[verify] loss_gain_floor` = 0.25, 0.5 and 0.75: how many
+honest worker-rounds each floor would make suspects (each one a replay: its price), and in which
+round each lazy / skim / wrong_data attacker would first have failed it (exact up to a run's
+first refusal: until then the floor changes no verdict, so the run is the same).
+
 `replay_distance` calibrates `[verify] replay_match = "distance"`: on the clean seed-0 run, for
 sampled (round, worker) pairs, it replays the round the way an auditor on other hardware would
 and measures ||replay - committed|| / ||committed|| against the packet the worker really sent:
@@ -71,7 +77,9 @@ from veriloco.packet import decode_bundle, decode_packet
 from veriloco.run import resume, train
 from veriloco.store import LocalStore
 from veriloco.task import CorpusTask
+from veriloco.verify.lossgain import gain_floor, passes
 from veriloco.verify.replay import as_committed, relative_distance, replay_delta
+from veriloco.verify.screen import LossGain
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKS = ["noop", "noise", "scaled", "sign_flip", "stale", "replay", "copy", "lazy:skip=0.25", "lazy:skip=0.5",
@@ -79,6 +87,7 @@ ATTACKS = ["noop", "noise", "scaled", "sign_flip", "stale", "replay", "copy", "l
 ROBUST = {"sign_flip", "alie", "ipm"}  # judged by damage (final loss), not only by detection
 # caught "within N rounds" targets: these run --detect-seeds seeds (a probability needs more than 3)
 WITHIN = {"lazy": 30, "skim": 30, "wrong_data": 20}  # skim: lazy's kin (half of every batch)
+FLOORS = (0.25, 0.5, 0.75)  # [verify] loss_gain_floor values the what-if replays the recorded gains against
 
 
 def run_one(base: list[str], extra: list[str], out: Path, config: str = "tiny",
@@ -94,6 +103,46 @@ def run_one(base: list[str], extra: list[str], out: Path, config: str = "tiny",
         if until_refused is None or len(recs) >= cfg.train.rounds or recs[-1]["verdicts"][until_refused] != "accept":
             return recs
         run, _ = resume(str(out), quiet=True, stop_after=len(recs) + 1)
+
+
+def recorded_gains(rec: dict) -> dict[int, LossGain]:
+    """The loss gains a round settled from (its checkers' reports, `loss_gain_reports`): every
+    worker whose checker reported a finite number."""
+    out = {}
+    for j, rows in (rec.get("loss_gain_reports") or {}).items():
+        row = next((r for r in rows if len(r) == 3 and None not in r), None)
+        if row is not None:
+            out[int(j)] = LossGain.on_own_batches(row[1], row[2])
+    return out
+
+
+def floor_whatif(honest: list[tuple[dict, int | None]], attacked: dict[str, list[list[dict]]]) -> dict:
+    """What each `[verify] loss_gain_floor` in FLOORS would have done on these runs' recorded gains
+    (they do not depend on the floor): how many honest worker-rounds would have been suspects
+    (each a replay: the price), and in which round each attacker's delta would first have failed
+    (None: not within its recorded rounds; an --until-caught run ends at its first refusal).
+    `honest`: (record, attacker or None); `attacked`: attack -> each seed's records (worker 1)."""
+    out = {}
+    for share in FLOORS:
+        suspects = worker_rounds = 0
+        for rec, skip in honest:
+            gains = recorded_gains(rec)
+            floor = gain_floor(gains, share)
+            for j, g in gains.items():
+                if j != skip:
+                    worker_rounds += 1
+                    suspects += not passes(g, floor)
+        firsts = {}
+        for attack, runs in attacked.items():
+            firsts[attack] = []
+            for recs in runs:
+                fails = [i + 1 for i, rec in enumerate(recs) if 1 in (g := recorded_gains(rec))
+                         and not passes(g[1], gain_floor(g, share))]
+                firsts[attack].append(fails[0] if fails else None)
+        out[str(share)] = {"honest_suspects": suspects, "honest_worker_rounds": worker_rounds,
+                           "honest_suspect_rate": round(suspects / worker_rounds, 4) if worker_rounds else None,
+                           "attacker_first_suspect_round": firsts}
+    return out
 
 
 def _norm(d: dict) -> float:
@@ -265,6 +314,8 @@ def main() -> None:
     false_rejections: dict[str, dict[str, list]] = {}  # run -> honest workers' reason -> rounds it fell in
     honest_distances: list[float] = []  # distances recorded for honest workers' replays (distance mode)
     rows, honest_subs, honest_rej, clean_recs = [], 0, 0, []
+    gain_honest: list[tuple[dict, int | None]] = []  # (record, attacker) for the loss-gain floor what-if
+    gain_attacked: dict[str, list[list[dict]]] = {}
     packet_bytes = bundle_bytes = 0
     seeds_of = {a: args.detect_seeds if a.split(":")[0] in WITHIN else args.seeds for a in attacks}
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,6 +328,7 @@ def main() -> None:
                 honest_subs += len(rec["verdicts"])
                 honest_rej += sum(v != "accept" for v in rec["verdicts"])
                 _count_false(false_rejections, "clean", rec, skip=None)
+                gain_honest.append((rec, None))
                 honest_distances += _recorded_distances(rec, skip=None)
             clean_recs.append(recs)
             store = LocalStore(Path(tmp) / f"clean-{seed}" / "store")
@@ -309,10 +361,13 @@ def main() -> None:
                 firsts.append(min(rejected) + 1 if rejected else None)
                 exposure += firsts[-1] if rejected else len(recs)  # rounds at risk of a first catch
                 losses.append(recs[-1]["eval_loss"])
+                if kind in WITHIN:
+                    gain_attacked.setdefault(attack, []).append(recs)
                 for rec in recs:
                     honest_subs += len(rec["verdicts"]) - 1
                     honest_rej += sum(v != "accept" for j, v in enumerate(rec["verdicts"]) if j != 1)
                     _count_false(false_rejections, attack, rec, skip=1)
+                    gain_honest.append((rec, 1))
                     honest_distances += _recorded_distances(rec, skip=1)
                     distances += _recorded_distances(rec, only=1)
             found = [f for f in firsts if f is not None]
@@ -361,6 +416,8 @@ def main() -> None:
                                      "share_of_bundle": round(1 - packet_bytes / bundle_bytes, 4) if bundle_bytes else None,
                                      "replay_bytes": 0},
               "replay_distance": calib,
+              # the same runs' recorded loss gains against other floors (honest suspects = replays)
+              "loss_gain_floor_whatif": floor_whatif(gain_honest, gain_attacked),
               "config": {"config": args.config, "inner_steps": H, "until_caught": args.until_caught,
                          "rounds": args.rounds, "seeds": args.seeds, "replay_probability": args.replay, "stages": args.stages,
                          "replay_match": args.replay_match, "aggregator": args.aggregator, "workers": 4,
@@ -386,6 +443,9 @@ def main() -> None:
           f"({result['overhead_wall']} counting the wait for others' replays); signed commitments "
           f"{result['verification_bytes']['share_of_bundle']} of the bytes exchanged  -> {args.out}")
     print(f"overhead by part, clean runs ({args.config} model, H = {H}): {tiny_overhead}")
+    for share, w in result["loss_gain_floor_whatif"].items():
+        print(f"loss_gain_floor {share}: honest suspects {w['honest_suspects']} in {w['honest_worker_rounds']} "
+              f"worker-rounds; attacker first a suspect in round {w['attacker_first_suspect_round']}")
     for row in default_overhead:
         print(f"overhead by part, default model, loss_gain_checkers={row['loss_gain_checkers']}: {row}")
 

@@ -56,6 +56,7 @@ def test_the_records_of_a_real_run_have_what_the_split_reads(tmp_path):
     assert 0 < cpu["inner_s"] <= out["inner_s"] + 0.05 and 0 < cpu["loss_gain"] < cpu["overhead"] and cpu["checks"] > 0
     for r in recs:
         assert all(c <= s + 0.05 for c, s in zip(r["verify_cpu_s"], r["verify_compute_s"], strict=True))
+    assert all(len(verify.recorded_gains(r)) == 3 for r in recs)  # what the floor what-if reads
 
 
 def test_until_caught_stops_at_the_first_refusal_and_matches_the_whole_run(tmp_path):
@@ -78,3 +79,23 @@ def test_the_attack_list_keeps_each_attacks_parameters():
     assert verify.split_attacks("lazy:skip=0.25,scale=none,lazy:skip=0.5, noop,,alie:z=2") == [
         "lazy:skip=0.25,scale=none", "lazy:skip=0.5", "noop", "alie:z=2"]
     assert verify.split_attacks("") == []
+
+
+def gains_rec(gains: dict[int, float | None]) -> dict:
+    """A record whose drawn checkers reported these own-batch gains (None: reported nothing)."""
+    return {"loss_gain_reports": {str(j): [[(j + 1) % 4] if g is None else [(j + 1) % 4, 5.0, 5.0 - g]]
+                                  for j, g in gains.items()}}
+
+
+def test_the_floor_whatif_counts_honest_suspects_and_the_attackers_first_failing_round():
+    # r0's median gain (index 2 of 4) is 0.4: floors 0.1 / 0.2 / 0.3 at shares 0.25 / 0.5 / 0.75
+    r0 = gains_rec({0: 0.4, 1: 0.35, 2: 0.5, 3: 0.15})  # worker 3 (honest) fails from 0.5 on
+    r1 = gains_rec({0: 0.4, 1: 0.25, 2: 0.5, 3: 0.45})  # the attacker fails at 0.75 only
+    r2 = gains_rec({0: 0.4, 1: 0.05, 2: 0.5, 3: None})  # 3 unreported; median of 3 is 0.4: 1 fails at all
+    out = verify.floor_whatif([(r0, 1), (r1, 1), (r2, 1), (gains_rec({0: 1.0, 1: 1.0, 2: 1.0}), None)],
+                              {"lazy": [[r0, r1, r2], [r0]]})
+    assert out["0.25"]["honest_suspects"] == 0 and out["0.25"]["honest_worker_rounds"] == 3 + 3 + 2 + 3
+    assert out["0.5"]["honest_suspects"] == 1 and out["0.75"]["honest_suspects"] == 1
+    assert out["0.25"]["attacker_first_suspect_round"] == {"lazy": [3, None]}
+    assert out["0.75"]["attacker_first_suspect_round"] == {"lazy": [2, None]}
+    assert verify.recorded_gains(r2)[1].own_gain == pytest.approx(0.05) and 3 not in verify.recorded_gains(r2)
