@@ -102,3 +102,10 @@ def test_delay_1_at_high_outer_momentum_warns_and_runs_as_configured():
     assert config_warnings(tiny("--outer.delay=1", "--outer.momentum=0.5")) == []
     assert config_warnings(tiny("--outer.delay=1", "--outer.correction=local", "--outer.lookahead=true")) == []
     assert config_warnings(tiny()) == []
+
+
+def test_the_adversary_key_names_every_builtin_attacker():
+    from veriloco.verify.adversary import BUILTIN
+
+    line = next(ln for ln in describe().splitlines() if "worker id -> attacker" in ln)
+    assert all(kind in line for kind in BUILTIN), sorted(k for k in BUILTIN if k not in line)

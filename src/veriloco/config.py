@@ -275,7 +275,7 @@ class Config:
     adversary: dict = field(
         default_factory=dict,
         metadata={"doc": "worker id -> attacker: a built-in kind (noop, noise, scaled, sign_flip, stale, "
-                  "replay, copy, lazy, wrong_data, alie, ipm, malformed, forged_signature, equivocate, false_accuser), "
+                  "replay, copy, lazy, skim, wrong_data, alie, ipm, malformed, forged_signature, equivocate, false_accuser), "
                   "'kind:key=value,...', or 'package.module:Class' (verify/adversary.py)"},
     )
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
