@@ -39,7 +39,8 @@ import torch
 from safetensors.torch import load as st_load
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verify import ROOT, run_one  # noqa: E402
+from verify import FLOORS, ROOT, run_one  # noqa: E402
+from verify import _norm as norm  # noqa: E402
 
 from veriloco.config import config_from_dict  # noqa: E402
 from veriloco.model import build_model  # noqa: E402
@@ -47,12 +48,6 @@ from veriloco.packet import decode_bundle, decode_packet  # noqa: E402
 from veriloco.store import LocalStore  # noqa: E402
 from veriloco.task import CorpusTask  # noqa: E402
 from veriloco.verify.replay import replay_delta  # noqa: E402
-
-FLOORS = (0.25, 0.5, 0.75)
-
-
-def norm(d: dict[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float((v.double() ** 2).sum()) for v in d.values()))
 
 
 def honest_norms(run_dir: Path) -> list[list[float]]:
@@ -72,7 +67,9 @@ def honest_norms(run_dir: Path) -> list[list[float]]:
 
 
 def median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]  # the screen's median (upper middle for an even count)
+    # the upper middle for an even count, as gain_floor takes it; the norm screen takes the mean of
+    # the middle two (aggregate.median_of), which differs from this by half the middle gap
+    return sorted(xs)[len(xs) // 2]
 
 
 def main() -> None:
@@ -115,12 +112,12 @@ def main() -> None:
         torch.set_num_threads(cfg.train.threads)
         model = task.make_model()
 
-        def loss_at(params: dict[str, torch.Tensor], step: int, r: int) -> float:
+        def losses(params: dict[str, torch.Tensor], batches: list) -> list[float]:
+            """The loss of `params` on each of `batches`."""
             with torch.no_grad():
                 for k, p in model.named_parameters():
                     p.copy_(params[k])
-                x, y = task.batch(1, r, step)
-                return float(task.loss(model, x, y))
+                return [float(task.loss(model, x, y)) for x, y in batches]
 
         def skim_loss(m, x, y):
             keep = max(1, round(x.shape[0] * (1 - args.skip)))
@@ -136,8 +133,9 @@ def main() -> None:
             variants = {"honest": honest, "skim": replay_delta(task.make_model, skim_loss, cfg.train, total, G, r * H,
                                                                batch)}
             variants |= {f"lazy x{s:g}": {k: s * v for k, v in short.items()} for s in scales}
-            before = [loss_at(G, step, r) for step in range(H)]
-            gains = {name: [b - loss_at({k: G[k] - d[k] for k in G}, step, r) for step, b in enumerate(before)]
+            batches = [batch(step) for step in range(H)]
+            before = losses(G, batches)
+            gains = {name: [b - a for b, a in zip(before, losses({k: G[k] - d[k] for k in G}, batches), strict=True)]
                      for name, d in variants.items()}
             med = median(norms[r])
             row = {}

@@ -122,22 +122,22 @@ def floor_whatif(honest: list[tuple[dict, int | None]], attacked: dict[str, list
     (each a replay: the price), and in which round each attacker's delta would first have failed
     (None: not within its recorded rounds; an --until-caught run ends at its first refusal).
     `honest`: (record, attacker or None); `attacked`: attack -> each seed's records (worker 1)."""
+    honest_gains = [(recorded_gains(rec), skip) for rec, skip in honest]
+    attacked_gains = {attack: [[recorded_gains(rec) for rec in recs] for recs in runs] for attack, runs in attacked.items()}
     out = {}
     for share in FLOORS:
         suspects = worker_rounds = 0
-        for rec, skip in honest:
-            gains = recorded_gains(rec)
+        for gains, skip in honest_gains:
             floor = gain_floor(gains, share)
             for j, g in gains.items():
                 if j != skip:
                     worker_rounds += 1
                     suspects += not passes(g, floor)
         firsts = {}
-        for attack, runs in attacked.items():
+        for attack, runs in attacked_gains.items():
             firsts[attack] = []
-            for recs in runs:
-                fails = [i + 1 for i, rec in enumerate(recs) if 1 in (g := recorded_gains(rec))
-                         and not passes(g[1], gain_floor(g, share))]
+            for run in runs:
+                fails = [i + 1 for i, g in enumerate(run) if 1 in g and not passes(g[1], gain_floor(g, share))]
                 firsts[attack].append(fails[0] if fails else None)
         out[str(share)] = {"honest_suspects": suspects, "honest_worker_rounds": worker_rounds,
                            "honest_suspect_rate": round(suspects / worker_rounds, 4) if worker_rounds else None,
