@@ -445,8 +445,10 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
             if done > seen:
                 progress_at = time.perf_counter()
             elif time.perf_counter() - progress_at > stall_s:
+                dumped = _dump_stacks(procs)
                 raise RuntimeError(f"elastic run stalled at round {done} of {R}: no round committed for "
-                                   f"{stall_s:g} s (fewer than run.min_workers alive?)")
+                                   f"{stall_s:g} s (fewer than run.min_workers alive?)"
+                                   + (f"; the workers' stacks are in {run.root}/stacks-*.txt" if dumped else ""))
             for rec in records[seen:]:  # when each round was committed, and by whom (recovery times)
                 seen = rec["round"] + 1
                 event("committed", None, committed=rec["round"],
@@ -501,6 +503,37 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
             summary["ledger_head"] = ledger.head_hash()
     _finish(run, cfg, summary)
     return summary
+
+
+def _dump_stacks(procs: dict) -> bool:
+    """Ask every live worker to write its threads' stacks to RUN/stacks-J.txt (SIGUSR1, see
+    _stacks_on_signal); True if any was asked. What a stalled run was waiting on, for its report."""
+    import os
+    import signal
+
+    asked = False
+    for p in procs.values():
+        pid = p.process.pid if isinstance(p, _Spawned) else p.pid
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            asked = True
+        except (OSError, TypeError):
+            pass
+    if asked:
+        time.sleep(1.0)
+    return asked
+
+
+def _stacks_on_signal(run_dir: str, worker: int) -> None:
+    """On SIGUSR1, append every thread's Python stack to RUN/stacks-WORKER.txt (faulthandler:
+    works while the worker is blocked in a C call such as a quorum or a gloo collective)."""
+    import faulthandler
+    import signal
+    from pathlib import Path
+
+    if hasattr(signal, "SIGUSR1"):
+        f = open(Path(run_dir) / f"stacks-{worker}.txt", "a")  # open for the process's life
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
 
 
 def _eval_loss(task: Task) -> float:
@@ -628,6 +661,7 @@ class _NetnsHost:
 
 def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,
                  args: dict) -> None:
+    _stacks_on_signal(run_dir, args["worker"])
     train_worker_elastic(cfg, args["worker"], task, run_dir, lighthouse, store_port, args["faults"],
                          args["first"], args["quiet"], args["eval_start"], store_host)
 
