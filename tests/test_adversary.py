@@ -21,8 +21,9 @@ def verdicts_of(run_dir: Path, worker: int) -> list[str]:
 
 
 def test_lazy_forged_malformed_rejected_every_round(tmp_path):
-    # one segment per round (trace_every = inner_steps): every replay covers the skipped steps
-    run, summary = train(tiny(*BASE, "--verify.trace_every=6", "--adversary.1=lazy:skip=0.25",
+    # 2 segments per round; lazy trains the first, and every drawn replay runs the whole round
+    # ([verify] replay_extent = "round", the default), so it reaches the skipped steps
+    run, summary = train(tiny(*BASE, "--adversary.1=lazy:skip=0.25",
                               "--adversary.2=forged_signature", "--adversary.3=malformed"),
                          str(tmp_path / "a"), quiet=True)
     # caught by replay in round 0, then banned: a replay mismatch proves it cheated

@@ -100,6 +100,19 @@ def test_suspects_are_always_replayed_to_their_last_segment_by_another_member():
     assert {a.worker for a in plan} == {0, 1, 2} and all(a.auditor != 3 for a in plan)
 
 
+def test_whole_round_replays_draw_the_same_workers_and_auditors_and_reach_the_last_segment():
+    # [verify] replay_extent = "round": a lazy worker trains its first steps honestly and skips
+    # the last, so a drawn replay must reach them; the draw of who and by whom is unchanged
+    seen = set()
+    for seed in "abcdefghij":
+        some = plan_audits(seed, [0, 1, 2, 3], [0, 1, 2, 3], segments=10, probability=0.5)
+        whole = plan_audits(seed, [0, 1, 2, 3], [0, 1, 2, 3], segments=10, probability=0.5, whole=True)
+        assert [(a.worker, a.auditor) for a in some] == [(a.worker, a.auditor) for a in whole]
+        assert all(a.segment == 9 for a in whole)
+        seen |= {a.segment for a in some}
+    assert len(seen) > 3  # while "segment" draws one of the 10
+
+
 def test_judge_reported_convicts_the_worker_or_the_auditor():
     from veriloco.config import VerifyConfig
 

@@ -18,6 +18,16 @@ def test_precedence_cli_over_file_over_defaults():
     assert load_config(TINY).train.lr == 3e-3  # untouched by the file: default
 
 
+def test_a_manifest_from_before_replay_extent_audits_with_the_segments_it_drew():
+    from veriloco.config import config_from_dict
+
+    assert tiny().verify.replay_extent == "round"
+    assert config_from_dict(tiny().to_dict()).verify.replay_extent == "round"
+    old = tiny().to_dict()
+    del old["verify"]["replay_extent"]
+    assert config_from_dict(old).verify.replay_extent == "segment"
+
+
 def test_override_types():
     cfg = tiny("--train.lr=0.01", "--outer.nesterov=false", "--data.source=/tmp/x.txt", '--compress.codec="fp32"')
     assert cfg.train.lr == 0.01 and cfg.outer.nesterov is False
@@ -37,6 +47,7 @@ def test_override_types():
         ("train.rounds", "--section.key=value"),
         ("--verify.loss_gain_floor=1.5", "verify.loss_gain_floor must be in [0, 1), got 1.5"),
         ("--verify.loss_gain_floor=nan", "verify.loss_gain_floor must be in [0, 1), got nan"),
+        ("--verify.replay_extent=half", "verify.replay_extent must be 'round' or 'segment', got 'half'"),
         ("--train.inner_state=reset --verify.replay_probability=0.5", "verify.trace_every (10) must divide train.inner_steps (5)"),
     ],
 )

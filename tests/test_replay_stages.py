@@ -2,7 +2,8 @@
 pipeline replays the audited worker's round, slice by slice, bit for bit; offline, `veriloco
 audit --replay` replays it in one process (pipeline.EmulatedPipeline) and must reach the same
 numbers. Both runs: 3 workers x 2 stages (6 processes), 2 micro-batches, every round of every
-worker replayed (p = 1), 2 segments per round.
+worker replayed (p = 1), 2 segments per round, each replay to a drawn segment
+(`replay_extent = "segment"`, so that a replay that stops early is exercised too).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from veriloco.run import train
 
 BASE = ("--topology.workers=3", "--topology.stages=2", "--topology.microbatches=2", "--train.rounds=3",
         "--train.inner_steps=6", "--verify.trace_every=3", "--train.inner_state=reset",
-        "--verify.replay_probability=1.0")
+        "--verify.replay_probability=1.0", "--verify.replay_extent=segment")
 
 
 def verdicts_of(run_dir: Path, worker: int) -> list[str]:

@@ -219,6 +219,15 @@ class VerifyConfig:
         "norm(replayed delta - committed delta) <= replay_tolerance * norm(committed delta), L2 "
         "(nondeterministic kernels, e.g. GPUs; needs compress.error_feedback = false and no lowrank codec)",
     )
+    replay_extent: str = _f(
+        "round",
+        "exact mode: how far a drawn replay runs. 'round' (all H steps, then the packet is checked "
+        "too) or 'segment' (steps 0 .. the end of a segment drawn at random, k/H to all of a round's "
+        "cost). A lazy worker does its first steps honestly and skips the last, so only replays "
+        "that reach the skipped ones catch it: 'segment' catches a worker skipping a share s of its "
+        "steps in about s of its drawn replays for about 0.55 of the cost. Suspects are always "
+        "replayed whole",
+    )
     replay_tolerance: float = _f(
         0.01,
         "distance mode: the largest accepted norm(replayed - committed) / norm(committed). A security "
@@ -424,6 +433,7 @@ def validate(cfg: Config) -> None:
     need(v.loss_gain_action in ("audit", "reject"),
          f"verify.loss_gain_action must be 'audit' or 'reject', got {v.loss_gain_action!r}")
     need(v.replay_match in ("exact", "distance"), f"verify.replay_match must be 'exact' or 'distance', got {v.replay_match!r}")
+    need(v.replay_extent in ("round", "segment"), f"verify.replay_extent must be 'round' or 'segment', got {v.replay_extent!r}")
     # >= 1 would accept any delta scaled up enough: ||r - c|| / ||c|| -> 1 as ||c|| grows
     need(0 < v.replay_tolerance < 1, f"verify.replay_tolerance must be in (0, 1), got {v.replay_tolerance}")
     if v.replay_probability > 0:
@@ -514,6 +524,9 @@ def _check_link_and_codec(cfg: Config) -> None:
 def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (e.g. a run manifest), validating it."""
     cfg = Config()
+    verify = data.get("verify")
+    if isinstance(verify, dict) and "replay_extent" not in verify:
+        cfg.verify.replay_extent = "segment"  # a run recorded before the key existed (the draws it made)
     for section, values in data.items():
         _apply(cfg, section, values, "the manifest")
     validate(cfg)

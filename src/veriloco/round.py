@@ -119,6 +119,7 @@ from .verify.replay import (
     replay_failed,
     replay_run,
     replay_score,
+    replays_whole,
     segments_to_sample,
     slice_result,
     worker_score,
@@ -756,7 +757,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
         plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
     audits = plan_audits(plan.seed, plan.accepted, part.members, segments_to_sample(cfg.verify, cfg.train),
-                         cfg.verify.replay_probability, plan.suspects, plan.banned)
+                         cfg.verify.replay_probability, plan.suspects, plan.banned, replays_whole(cfg.verify))
     G_r, spent, mine = w.bases.get(r), Spent(), {}
     replayer = replayer_of(w)
     land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round

@@ -65,8 +65,10 @@ class Audit:
     auditor: int
 
 
-def sample_audits(seed_material: str, workers: list[int], world: int, segments: int, probability: float) -> list[Audit]:
-    """Deterministic sample: each listed worker is audited with `probability`."""
+def sample_audits(seed_material: str, workers: list[int], world: int, segments: int, probability: float,
+                  whole: bool = False) -> list[Audit]:
+    """Deterministic sample: each listed worker is audited with `probability`, up to a segment
+    drawn from `segments` (the last, with `whole`: `[verify] replay_extent = "round"`)."""
     out = []
     if world < 2 or segments < 1:
         return out
@@ -75,19 +77,19 @@ def sample_audits(seed_material: str, workers: list[int], world: int, segments: 
         u = int.from_bytes(h[:8], "little") / 2**64
         if u >= probability:
             continue
-        segment = int.from_bytes(h[8:12], "little") % segments
+        segment = segments - 1 if whole else int.from_bytes(h[8:12], "little") % segments
         auditor = (w + 1 + int.from_bytes(h[12:16], "little") % (world - 1)) % world
         out.append(Audit(w, segment, auditor))
     return out
 
 
 def sample_round_audits(seed_material: str, accepted: list[int], members: list[int], segments: int,
-                        probability: float) -> list[Audit]:
+                        probability: float, whole: bool = False) -> list[Audit]:
     """`sample_audits` over the round's members (the workers whose packets it has: all of them,
     unless elastic membership left some out), so that no auditor is a worker that is not there.
     With every worker a member this is `sample_audits` itself."""
     pos = {j: i for i, j in enumerate(members)}
-    drawn = sample_audits(seed_material, sorted(pos[j] for j in accepted), len(members), segments, probability)
+    drawn = sample_audits(seed_material, sorted(pos[j] for j in accepted), len(members), segments, probability, whole)
     return [Audit(members[a.worker], a.segment, members[a.auditor]) for a in drawn]
 
 
@@ -125,13 +127,15 @@ class PlanInputs:
 
 
 def plan_audits(seed_material: str, accepted: list[int], members: list[int], segments: int, probability: float,
-                suspects: list[int] | set[int] = (), banned: set[int] | frozenset[int] = frozenset()) -> list[Audit]:
-    """The round's replays, in worker order: the random sample over the accepted workers, plus
-    every suspect (check.py: failed the loss-gain test) whether drawn or not, replayed to its
-    last segment. Auditors are members that are not banned, never the audited worker."""
+                suspects: list[int] | set[int] = (), banned: set[int] | frozenset[int] = frozenset(),
+                whole: bool = False) -> list[Audit]:
+    """The round's replays, in worker order: the random sample over the accepted workers (each
+    to a drawn segment, or to the last with `whole`), plus every suspect (check.py: failed the
+    loss-gain test) whether drawn or not, replayed to its last segment. Auditors are members that
+    are not banned, never the audited worker."""
     eligible = [m for m in members if m not in banned]
     audits = {a.worker: a for a in sample_round_audits(
-        seed_material, [j for j in accepted if j in eligible], eligible, segments, probability)}
+        seed_material, [j for j in accepted if j in eligible], eligible, segments, probability, whole)}
     for w in sorted(set(suspects) & set(eligible)):
         others = [m for m in eligible if m != w]
         if not others:
@@ -180,6 +184,12 @@ def segments_to_sample(verify: VerifyConfig, train: TrainConfig) -> int:
     if verify.replay_match == "distance":
         return 1
     return max(train.inner_steps // (verify.trace_every or train.inner_steps), 1)
+
+
+def replays_whole(verify: VerifyConfig) -> bool:
+    """Whether a drawn audit replays the whole round (`[verify] replay_extent`); a run recorded
+    before the key existed drew a segment, and its manifest's config says "segment"."""
+    return verify.replay_extent == "round"
 
 
 def replayable_codec(spec: str) -> bool:
