@@ -175,3 +175,60 @@ def test_with_delay_1_a_straggler_has_a_round_of_slack(tmp_path):
     # depends on the machine and its load: measured, not assumed)
     assert waits[1] <= max(0.0, waits[0] - hidden) + 0.25, (waits, hidden)
     assert waits[1] < waits[0] - 0.5 * min(hidden, waits[0]), (waits, hidden)
+
+
+def test_a_healer_whose_round_is_never_recorded_heals_to_the_round_the_others_retry(monkeypatch):
+    """With delay 1 a healing worker stops heartbeating and waits for the record of the round
+    before the one it heals to. If a member of that round's quorum died mid-exchange and the rest
+    are fewer than min_workers, it is never recorded without the healer: after run.timeout_s the
+    healer heals to the first unrecorded round instead and joins the retry (else the run stalls)."""
+    from types import SimpleNamespace
+
+    from veriloco import elastic
+    from veriloco.membership import MembershipError
+
+    records = [{"round": i} for i in range(4)]  # rounds 0-3 recorded; 4 is being retried
+    healed, resumed = [], []
+
+    def heal(w, to_round):
+        if to_round - 1 - 1 >= len(records):  # delay 1: waits for the record of to_round - 2
+            raise MembershipError(f"worker 2: round {to_round - 2} was not recorded within 30 s")
+        healed.append(to_round)
+        return to_round
+
+    monkeypatch.setattr(elastic, "heal", heal)
+    w = SimpleNamespace(worker=2, run=SimpleNamespace(rounds=lambda: records))
+    members = SimpleNamespace(resume=lambda: resumed.append(True))
+    assert elastic.heal_toward(w, members, 6, quiet=True) == 4  # wanted 6 (waits for round 4)
+    assert healed == [4] and resumed == [True]  # heartbeating again, for the quorum of round 4
+    assert elastic.heal_toward(w, members, 5, quiet=True) == 5 and healed == [4, 5] and len(resumed) == 1
+
+
+def _sleeper(run_dir: str) -> None:
+    from veriloco.elastic import _stacks_on_signal
+
+    _stacks_on_signal(run_dir, 0)
+    import time
+
+    time.sleep(60)
+
+
+def test_a_stalled_run_reports_what_each_worker_was_waiting_on(tmp_path, capsys):
+    import time
+
+    from veriloco.elastic import _dump_stacks, _Spawned
+    from veriloco.procs import context
+
+    p = context().Process(target=_sleeper, args=(str(tmp_path),))
+    p.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "stacks-0.txt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # registered (the file is opened at registration)
+        assert _dump_stacks({0: _Spawned(p)}, tmp_path)
+    finally:
+        p.kill()
+        p.join()
+    stacks = (tmp_path / "stacks-0.txt").read_text()
+    assert "_sleeper" in stacks and "test_elastic.py" in stacks
+    assert "worker 0's threads at the stall" in capsys.readouterr().err

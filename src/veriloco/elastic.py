@@ -124,7 +124,7 @@ def train_worker_elastic(
                  f"healing to round {target}")
             if target > behind.round + 1:  # delay 1: round behind.round+1 forms without it; do not
                 members.pause()  # make the others wait for it (quorum() resumes the heartbeats)
-            r, pending = heal(w, target), None
+            r, pending = heal_toward(w, members, target, quiet), None
             continue
         if cfg.outer.delay and sent is not None:
             pending = _Flight(sent, sent.handle.bundle)
@@ -308,6 +308,21 @@ def heal(w: Worker, to_round: int) -> int:
     return to_round
 
 
+def heal_toward(w: Worker, members: Membership, target: int, quiet: bool = False) -> int:
+    """`heal(w, target)`, which waits for the record of the round before target (target - 2 with
+    delay 1). That round may never be recorded without this worker: a member of its quorum died
+    mid-exchange, and the rest are fewer than min_workers without it (while it heals it joins no
+    quorum, and with delay 1 it does not even heartbeat). Then, after run.timeout_s, it heals to
+    the first round not recorded, the one the others retry, and joins it. Returns the round."""
+    try:
+        return heal(w, target)
+    except MembershipError as e:
+        members.resume()
+        now = len(w.run.rounds())
+        _say(quiet, f"worker {w.worker}: {e}; healing to round {now}, the one the others are retrying")
+        return heal(w, now)
+
+
 def catch_up(w: Worker, round: int) -> None:
     """Make G the params after `round` (and its outer state) from the store, unless it already is."""
     if round < 0 or w.applied >= round:
@@ -445,7 +460,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
             if done > seen:
                 progress_at = time.perf_counter()
             elif time.perf_counter() - progress_at > stall_s:
-                dumped = _dump_stacks(procs)
+                dumped = _dump_stacks(procs, run.root)
                 raise RuntimeError(f"elastic run stalled at round {done} of {R}: no round committed for "
                                    f"{stall_s:g} s (fewer than run.min_workers alive?)"
                                    + (f"; the workers' stacks are in {run.root}/stacks-*.txt" if dumped else ""))
@@ -505,23 +520,29 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     return summary
 
 
-def _dump_stacks(procs: dict) -> bool:
+def _dump_stacks(procs: dict, root) -> bool:
     """Ask every live worker to write its threads' stacks to RUN/stacks-J.txt (SIGUSR1, see
-    _stacks_on_signal); True if any was asked. What a stalled run was waiting on, for its report."""
+    _stacks_on_signal) and copy them to stderr: what a stalled run was waiting on, for its report
+    (a test's captured output). True if any worker was asked."""
     import os
     import signal
+    import sys
 
-    asked = False
-    for p in procs.values():
+    asked = []
+    for j, p in sorted(procs.items()):
         pid = p.process.pid if isinstance(p, _Spawned) else p.pid
         try:
             os.kill(pid, signal.SIGUSR1)
-            asked = True
+            asked.append(j)
         except (OSError, TypeError):
             pass
     if asked:
         time.sleep(1.0)
-    return asked
+    for j in asked:
+        path = root / f"stacks-{j}.txt"
+        if path.exists():
+            print(f"--- worker {j}'s threads at the stall ({path}) ---\n{path.read_text()}", file=sys.stderr, flush=True)
+    return bool(asked)
 
 
 def _stacks_on_signal(run_dir: str, worker: int) -> None:
