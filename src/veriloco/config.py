@@ -225,8 +225,8 @@ class VerifyConfig:
         "too) or 'segment' (steps 0 .. the end of a segment drawn at random, k/H to all of a round's "
         "cost). A lazy worker does its first steps honestly and skips the last, so only replays "
         "that reach the skipped ones catch it: 'segment' catches a worker skipping a share s of its "
-        "steps in about s of its drawn replays for about 0.55 of the cost. Suspects are always "
-        "replayed whole",
+        "steps in about s of its drawn replays, at (1 + k/H) / 2 of a whole replay's cost on average. "
+        "Suspects are always replayed whole",
     )
     replay_tolerance: float = _f(
         0.01,
