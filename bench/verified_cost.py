@@ -1,0 +1,97 @@
+"""What verification costs a user: `make run`'s job plain and with configs/verified.toml, side by side.
+
+    python bench/verified_cost.py [--rounds 14] [--quick] [--out bench/results/verified_cost.json]
+
+Three runs of the same job (4 workers, the default GPT, same seed and batches), one after another
+in one process:
+
+- `plain`: configs/default.toml, what `make run` does (inner AdamW state kept across rounds,
+  mean aggregate; the checks every run has: signatures, batch roots, decoding, the screen);
+- `reset`: the same with `train.inner_state = "reset"` (AdamW moments start empty every round),
+  the one change to training that replays need, alone;
+- `verified`: configs/verified.toml (reset, trimmed mean, the loss-gain screen, replays at p = 0.1).
+
+For each: final eval loss, wall seconds, tokens/s, bytes sent per worker, honest rejections, and
+the verification compute by part in CPU seconds of each worker's thread (bench/verify.py's
+`overhead_of`: checks, loss gains, replays, as shares of the inner steps' CPU seconds), with
+ratios to `plain`. `--quick`: 4 rounds. Writes `{"rows": [...], "config": {...}}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verify import ROOT, overhead_of  # noqa: E402
+
+from veriloco.config import ConfigError, load_config  # noqa: E402
+from veriloco.run import train  # noqa: E402
+
+ROWS = (("plain", "default.toml", []), ("reset", "default.toml", ["--train.inner_state=reset"]),
+        ("verified", "verified.toml", []))
+
+
+def row_of(name: str, summary: dict, recs: list[dict], wall: float, probability: float) -> dict:
+    """One row from a finished run: its summary, its round records and the measured wall time."""
+    over = overhead_of([recs], probability)
+    rejected = sum(v != "accept" for rec in recs for v in rec["verdicts"])
+    return {"name": name, "eval_loss": summary["eval_loss_end"], "wall_s": round(wall, 2),
+            "tokens_per_s": summary["tokens_per_s"], "bytes_per_worker": summary["bytes_sent_per_worker"],
+            "rejections": rejected, "submissions": sum(len(rec["verdicts"]) for rec in recs),
+            "replays": over["replays"], "verify_cpu": over.get("cpu", {})}
+
+
+def _pct(shares: dict, key: str) -> str:
+    return f"{100 * shares[key]:.2f}%" if key in shares else "-"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=14)
+    ap.add_argument("--quick", action="store_true", help="4 rounds")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="an override for every row (e.g. model size, for tests)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verified_cost.json"))
+    args = ap.parse_args(argv)
+    rounds = 4 if args.quick else args.rounds
+    if rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {rounds}")
+    try:
+        cfgs = [(name, load_config(ROOT / "configs" / config, [*extra, f"--train.rounds={rounds}",
+                                                              *(f"--{s}" for s in args.set)]))
+                for name, config, extra in ROWS]
+    except ConfigError as e:
+        ap.error(str(e))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in cfgs:
+            t0 = time.perf_counter()
+            run, summary = train(cfg, str(Path(tmp) / name), quiet=True)
+            wall = time.perf_counter() - t0
+            recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+            rows.append(row_of(name, summary, recs, wall, cfg.verify.replay_probability))
+            print(f"{name}: {rows[-1]}", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["loss_vs_plain_pct"] = round(100 * (r["eval_loss"] / base["eval_loss"] - 1), 2)
+        r["tokens_per_s_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+    print(f"\n{'row':<9} {'eval loss':>9} {'vs plain':>8} {'wall':>7} {'tok/s':>8} {'vs plain':>8} {'replays':>7} "
+          f"{'checks':>7} {'gains':>7} {'replay':>7} {'rejected':>8}")
+    for r in rows:
+        c = r["verify_cpu"]
+        print(f"{r['name']:<9} {r['eval_loss']:>9.4f} {r['loss_vs_plain_pct']:>+7.2f}% {r['wall_s']:>6.1f}s "
+              f"{r['tokens_per_s']:>8.0f} {r['tokens_per_s_vs_plain']:>7.3f}x {r['replays']:>7} {_pct(c, 'checks'):>7} "
+              f"{_pct(c, 'loss_gain'):>7} {_pct(c, 'replay'):>7} {r['rejections']:>4}/{r['submissions']}")
+    out = {"rows": rows, "config": {"rounds": rounds, "set": args.set}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
