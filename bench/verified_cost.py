@@ -2,14 +2,18 @@
 
     python bench/verified_cost.py [--rounds 14] [--quick] [--out bench/results/verified_cost.json]
 
-Three runs of the same job (4 workers, the default GPT, same seed and batches), one after another
+Five runs of the same job (4 workers, the default GPT, same seed and batches), one after another
 in one process:
 
 - `plain`: configs/default.toml, what `make run` does (inner AdamW state kept across rounds,
   mean aggregate; the checks every run has: signatures, batch roots, decoding, the screen);
 - `reset`: the same with `train.inner_state = "reset"` (AdamW moments start empty every round),
   the one change to training that replays need, alone;
-- `verified`: configs/verified.toml (reset, trimmed mean, the loss-gain screen, replays at p = 0.1).
+- `reset+ramp`: reset with configs/verified.toml's `train.round_warmup_steps` (10: the inner LR
+  ramps up over each round's first 10 steps, while the fresh moments fill);
+- `keep+ramp`: the ramp without the reset, the control: is the ramp a gain of its own?
+- `verified`: configs/verified.toml (reset with the ramp, trimmed mean, the loss-gain screen,
+  replays at p = 0.1).
 
 For each: final eval loss, wall seconds, tokens/s, bytes sent per worker, honest rejections, and
 the verification compute by part in CPU seconds of each worker's thread (bench/verify.py's
@@ -32,7 +36,10 @@ from verify import ROOT, overhead_of  # noqa: E402
 from veriloco.config import ConfigError, load_config  # noqa: E402
 from veriloco.run import train  # noqa: E402
 
+RAMP = "--train.round_warmup_steps={}"  # the verified config's ramp, for the rows that take it alone
 ROWS = (("plain", "default.toml", []), ("reset", "default.toml", ["--train.inner_state=reset"]),
+        ("reset+ramp", "default.toml", ["--train.inner_state=reset", RAMP]),
+        ("keep+ramp", "default.toml", [RAMP]),
         ("verified", "verified.toml", []))
 
 
@@ -61,9 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = 4 if args.quick else args.rounds
     if rounds < 1:
         ap.error(f"--rounds must be >= 1, got {rounds}")
+    sets = [f"--train.rounds={rounds}", *(f"--{s}" for s in args.set)]
     try:
-        cfgs = [(name, load_config(ROOT / "configs" / config, [*extra, f"--train.rounds={rounds}",
-                                                              *(f"--{s}" for s in args.set)]))
+        ramp = load_config(ROOT / "configs" / "verified.toml", sets).train.round_warmup_steps
+        cfgs = [(name, load_config(ROOT / "configs" / config, [*(x.format(ramp) for x in extra), *sets]))
                 for name, config, extra in ROWS]
     except ConfigError as e:
         ap.error(str(e))
@@ -80,11 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         r["loss_vs_plain_pct"] = round(100 * (r["eval_loss"] / base["eval_loss"] - 1), 2)
         r["tokens_per_s_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-    print(f"\n{'row':<9} {'eval loss':>9} {'vs plain':>8} {'wall':>7} {'tok/s':>8} {'vs plain':>8} {'replays':>7} "
+    print(f"\n{'row':<10} {'eval loss':>9} {'vs plain':>8} {'wall':>7} {'tok/s':>8} {'vs plain':>8} {'replays':>7} "
           f"{'checks':>7} {'gains':>7} {'replay':>7} {'rejected':>8}")
     for r in rows:
         c = r["verify_cpu"]
-        print(f"{r['name']:<9} {r['eval_loss']:>9.4f} {r['loss_vs_plain_pct']:>+7.2f}% {r['wall_s']:>6.1f}s "
+        print(f"{r['name']:<10} {r['eval_loss']:>9.4f} {r['loss_vs_plain_pct']:>+7.2f}% {r['wall_s']:>6.1f}s "
               f"{r['tokens_per_s']:>8.0f} {r['tokens_per_s_vs_plain']:>7.3f}x {r['replays']:>7} {_pct(c, 'checks'):>7} "
               f"{_pct(c, 'loss_gain'):>7} {_pct(c, 'replay'):>7} {r['rejections']:>4}/{r['submissions']}")
     out = {"rows": rows, "config": {"rounds": rounds, "set": args.set}}

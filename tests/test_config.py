@@ -48,6 +48,7 @@ def test_override_types():
         ("--verify.loss_gain_floor=1.5", "verify.loss_gain_floor must be in [0, 1), got 1.5"),
         ("--verify.loss_gain_floor=nan", "verify.loss_gain_floor must be in [0, 1), got nan"),
         ("--verify.replay_extent=half", "verify.replay_extent must be 'round' or 'segment', got 'half'"),
+        ("--train.round_warmup_steps=9", "train.round_warmup_steps must be in [0, train.inner_steps = 5], got 9"),
         ("--train.inner_state=reset --verify.replay_probability=0.5", "verify.trace_every (10) must divide train.inner_steps (5)"),
     ],
 )
@@ -113,6 +114,15 @@ def test_delay_1_at_high_outer_momentum_warns_and_runs_as_configured():
     assert config_warnings(tiny("--outer.delay=1", "--outer.momentum=0.5")) == []
     assert config_warnings(tiny("--outer.delay=1", "--outer.correction=local", "--outer.lookahead=true")) == []
     assert config_warnings(tiny()) == []
+
+
+def test_reset_inner_state_without_a_round_ramp_warns():
+    from veriloco.config import config_warnings
+
+    (line,) = config_warnings(tiny("--train.inner_state=reset"))
+    assert "round_warmup_steps" in line and "bench/verified_cost.py" in line
+    assert config_warnings(tiny("--train.inner_state=reset", "--train.round_warmup_steps=2")) == []
+    assert config_warnings(tiny("--train.inner_state=reset", "--train.mode=ddp")) == []
 
 
 def test_the_adversary_key_names_every_builtin_attacker():

@@ -234,3 +234,35 @@ def test_resume_refuses_a_torn_private_state_file_in_one_line(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "state-0.safetensors is not a private state file veriloco wrote" in lines[0], p.stderr
     assert len(rounds_of(run.root)) == 1  # nothing written
+
+
+def test_round_warmup_ramps_the_inner_lr_at_every_round_start_but_not_under_ddp():
+    from veriloco.config import TrainConfig
+    from veriloco.inner import lr_at
+
+    plain = TrainConfig(inner_steps=10, warmup_steps=0, lr=1.0, min_lr_ratio=1.0)  # flat schedule: 1.0
+    ramped = TrainConfig(inner_steps=10, warmup_steps=0, lr=1.0, min_lr_ratio=1.0, round_warmup_steps=4)
+    for r in range(3):
+        assert [lr_at(plain, r * 10 + s, 100) for s in range(10)] == [1.0] * 10
+        assert [lr_at(ramped, r * 10 + s, 100) for s in range(10)] == [0.25, 0.5, 0.75] + [1.0] * 7
+    ddp = TrainConfig(mode="ddp", inner_steps=10, warmup_steps=0, lr=1.0, min_lr_ratio=1.0, round_warmup_steps=4)
+    assert lr_at(ddp, 20, 100) == 1.0  # DDP has no rounds
+    # on top of the run's own warmup: both ramps multiply
+    both = TrainConfig(inner_steps=10, warmup_steps=20, lr=1.0, round_warmup_steps=2)
+    assert lr_at(both, 10, 100) == pytest.approx(0.5 * 11 / 20)
+
+
+def test_round_warmup_with_reset_state_replays_bit_for_bit(tmp_path):
+    """Every worker's every round replayed (p = 1): the ramp is public (a function of the step
+    counter), so replays match, and the audit redoes them."""
+    run, _ = train(tiny("--topology.workers=3", "--train.rounds=2", "--train.inner_steps=6", "--verify.trace_every=3",
+                        "--train.inner_state=reset", "--train.round_warmup_steps=3",
+                        "--verify.replay_probability=1.0"), str(tmp_path / "r"), quiet=True)
+    recs = rounds_of(run.root)
+    assert all(r["verdicts"] == ["accept"] * 3 for r in recs)
+    assert all(len(r["evidence"]) == 3 for r in recs)  # every worker replayed, and passed
+    from veriloco.audit import audit_run
+
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] == 6

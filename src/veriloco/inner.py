@@ -59,13 +59,17 @@ class InnerResult:
 
 
 def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
-    """Linear warmup to cfg.lr over warmup_steps, then cosine down to lr * min_lr_ratio."""
+    """Linear warmup to cfg.lr over warmup_steps, then cosine down to lr * min_lr_ratio; with
+    `round_warmup_steps` = w (DiLoCo rounds only), times (s + 1) / w at step s < w of each round."""
+    ramp = 1.0
+    if cfg.round_warmup_steps and cfg.mode == "diloco":
+        ramp = min(1.0, (step % cfg.inner_steps + 1) / cfg.round_warmup_steps)
     if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return ramp * cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(total_steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+    return ramp * (floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass
