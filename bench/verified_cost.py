@@ -47,10 +47,12 @@ def row_of(name: str, summary: dict, recs: list[dict], wall: float, probability:
     """One row from a finished run: its summary, its round records and the measured wall time."""
     over = overhead_of([recs], probability)
     rejected = sum(v != "accept" for rec in recs for v in rec["verdicts"])
+    # replays of loss-gain suspects (replayed whether drawn or not), beside the drawn ones
+    suspects = sum(isinstance(e, dict) and "suspect" in e for rec in recs for e in (rec.get("evidence") or {}).values())
     return {"name": name, "eval_loss": summary["eval_loss_end"], "wall_s": round(wall, 2),
             "tokens_per_s": summary["tokens_per_s"], "bytes_per_worker": summary["bytes_sent_per_worker"],
             "rejections": rejected, "submissions": sum(len(rec["verdicts"]) for rec in recs),
-            "replays": over["replays"], "verify_cpu": over.get("cpu", {})}
+            "replays": over["replays"], "suspect_replays": suspects, "verify_cpu": over.get("cpu", {})}
 
 
 def _pct(shares: dict, key: str) -> str:
@@ -89,11 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
         r["loss_vs_plain_pct"] = round(100 * (r["eval_loss"] / base["eval_loss"] - 1), 2)
         r["tokens_per_s_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     print(f"\n{'row':<10} {'eval loss':>9} {'vs plain':>8} {'wall':>7} {'tok/s':>8} {'vs plain':>8} {'replays':>7} "
-          f"{'checks':>7} {'gains':>7} {'replay':>7} {'rejected':>8}")
+          f"{'suspects':>8} {'checks':>7} {'gains':>7} {'replay':>7} {'rejected':>8}")
     for r in rows:
         c = r["verify_cpu"]
         print(f"{r['name']:<10} {r['eval_loss']:>9.4f} {r['loss_vs_plain_pct']:>+7.2f}% {r['wall_s']:>6.1f}s "
-              f"{r['tokens_per_s']:>8.0f} {r['tokens_per_s_vs_plain']:>7.3f}x {r['replays']:>7} {_pct(c, 'checks'):>7} "
+              f"{r['tokens_per_s']:>8.0f} {r['tokens_per_s_vs_plain']:>7.3f}x {r['replays']:>7} "
+              f"{r['suspect_replays']:>8} {_pct(c, 'checks'):>7} "
               f"{_pct(c, 'loss_gain'):>7} {_pct(c, 'replay'):>7} {r['rejections']:>4}/{r['submissions']}")
     out = {"rows": rows, "config": {"rounds": rounds, "set": args.set}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
