@@ -120,7 +120,7 @@ def test_reset_inner_state_without_a_round_ramp_warns():
     from veriloco.config import config_warnings
 
     (line,) = config_warnings(tiny("--train.inner_state=reset"))
-    assert "round_warmup_steps" in line and "bench/verified_cost.py" in line
+    assert "round_warmup_steps" in line and "bench/reset_ramp.py" in line
     assert config_warnings(tiny("--train.inner_state=reset", "--train.round_warmup_steps=2")) == []
     assert config_warnings(tiny("--train.inner_state=reset", "--train.mode=ddp")) == []
 

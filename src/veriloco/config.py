@@ -79,7 +79,8 @@ class TrainConfig:
         0,
         "diloco: ramp the inner LR linearly over the first this many steps of every round (on top of "
         "the run's schedule); 0 = off. Meant for inner_state = 'reset', whose first steps from empty "
-        "AdamW moments are sign steps at the full LR",
+        "AdamW moments are sign steps at the full LR. Of those tried, 10 (about 1 / (1 - beta1)) did best "
+        "at H = 30 (against 5) and at H = 90 (against 30) (bench/reset_ramp.py); it hurts with the moments kept",
     )
 
 
@@ -550,13 +551,13 @@ def config_warnings(cfg: Config) -> list[str]:
     correction and the lookahead, it falls steadily (`python bench/delay_stability.py`).
 
     Inner state reset without a per-round LR ramp: on configs/default.toml's job the eval loss
-    ends 6.6% higher than with the moments kept, and a ramp over the first 10 of 30 steps closes
-    it (`python bench/verified_cost.py`)."""
+    ends 6.6% higher than with the moments kept (H = 30) and 1.5% higher at H = 90; a ramp over
+    each round's first 10 steps closes most of it at both (`python bench/reset_ramp.py`)."""
     o, t, out = cfg.outer, cfg.train, []
     if t.mode == "diloco" and t.inner_state == "reset" and not t.round_warmup_steps:
         out.append("train.inner_state = 'reset' without train.round_warmup_steps cost 6.6% eval loss on the make run "
-                   "job (14 rounds, H = 30); --train.round_warmup_steps=10 (a third of H) closed it "
-                   "(bench/verified_cost.py; README: Verification, what it costs)")
+                   "job (14 rounds, H = 30) and 1.5% at H = 90; --train.round_warmup_steps=10 (about 1 / (1 - beta1) "
+                   "steps, while AdamW's first moment fills) closed most of it at both (bench/reset_ramp.py)")
     if o.delay and o.correction in ("eager", "naive") and o.momentum > 0.5:
         out.append(f"outer.delay = 1 with outer.momentum = {o.momentum} and the {o.correction} correction was "
                    "unstable in bench/delay_stability.py; use --outer.momentum=0.5, or "
