@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verified_cost import run_rows  # noqa: E402
 from verify import ROOT  # noqa: E402
 
 from veriloco.config import ConfigError, load_config  # noqa: E402
-from veriloco.run import train  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -51,14 +49,11 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         ap.error(str(e))
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg in cfgs:
-            t0 = time.perf_counter()
-            _, summary = train(cfg, str(Path(tmp) / name), quiet=True)
-            rows.append({"name": name, "inner_state": cfg.train.inner_state,
-                         "round_warmup_steps": cfg.train.round_warmup_steps, "eval_loss": summary["eval_loss_end"],
-                         "wall_s": round(time.perf_counter() - t0, 1)})
-            print(f"{name}: eval {summary['eval_loss_end']:.4f}", flush=True)
+    for name, cfg, _, summary, wall in run_rows(cfgs):
+        rows.append({"name": name, "inner_state": cfg.train.inner_state,
+                     "round_warmup_steps": cfg.train.round_warmup_steps, "eval_loss": summary["eval_loss_end"],
+                     "wall_s": round(wall, 1)})
+        print(f"{name}: eval {summary['eval_loss_end']:.4f}", flush=True)
     keep = rows[0]["eval_loss"]
     for r in rows:
         r["vs_keep_pct"] = round(100 * (r["eval_loss"] / keep - 1), 3)

@@ -28,12 +28,13 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verify import ROOT, overhead_of  # noqa: E402
 
-from veriloco.config import ConfigError, load_config  # noqa: E402
+from veriloco.config import Config, ConfigError, load_config  # noqa: E402
 from veriloco.run import train  # noqa: E402
 
 RAMP = "--train.round_warmup_steps={}"  # the verified config's ramp, for the rows that take it alone
@@ -53,6 +54,17 @@ def row_of(name: str, summary: dict, recs: list[dict], wall: float, probability:
             "tokens_per_s": summary["tokens_per_s"], "bytes_per_worker": summary["bytes_sent_per_worker"],
             "rejections": rejected, "submissions": sum(len(rec["verdicts"]) for rec in recs),
             "replays": over["replays"], "suspect_replays": suspects, "verify_cpu": over.get("cpu", {})}
+
+
+def run_rows(cfgs: list[tuple[str, Config]]) -> Iterator[tuple[str, Config, list[dict], dict, float]]:
+    """Each (name, cfg) run to the end in turn, in a temporary directory: (name, cfg, its round
+    records, its summary, its wall seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in cfgs:
+            t0 = time.perf_counter()
+            run, summary = train(cfg, str(Path(tmp) / name), quiet=True)
+            wall = time.perf_counter() - t0
+            yield name, cfg, [json.loads(line) for line in run.rounds_path.read_text().splitlines()], summary, wall
 
 
 def _pct(shares: dict, key: str) -> str:
@@ -78,14 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         ap.error(str(e))
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg in cfgs:
-            t0 = time.perf_counter()
-            run, summary = train(cfg, str(Path(tmp) / name), quiet=True)
-            wall = time.perf_counter() - t0
-            recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
-            rows.append(row_of(name, summary, recs, wall, cfg.verify.replay_probability))
-            print(f"{name}: {rows[-1]}", flush=True)
+    for name, cfg, recs, summary, wall in run_rows(cfgs):
+        rows.append(row_of(name, summary, recs, wall, cfg.verify.replay_probability))
+        print(f"{name}: {rows[-1]}", flush=True)
     base = rows[0]
     for r in rows:
         r["loss_vs_plain_pct"] = round(100 * (r["eval_loss"] / base["eval_loss"] - 1), 2)
