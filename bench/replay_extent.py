@@ -40,7 +40,8 @@ def tally(recs: list[dict], worker: int = ATTACKER) -> dict:
     pool_cpu = 0.0
     segments = []
     for rec in recs:
-        ev = (rec.get("evidence") or {}).get(str(worker)) or {}
+        evidence = rec.get("evidence") or {}
+        ev = evidence.get(str(worker)) or {}
         if rec["verdicts"][worker] == "replay_mismatch":
             replays, catches = replays + 1, catches + 1
             segments.append(ev.get("segment"))
@@ -48,7 +49,7 @@ def tally(recs: list[dict], worker: int = ATTACKER) -> dict:
             replays += 1
             segments.append(ev["replayed"].get("segment"))
         if "replay_mismatch" not in rec["verdicts"]:
-            pool_n += sum(1 for e in (rec.get("evidence") or {}).values() if "replayed" in e)
+            pool_n += sum(1 for e in evidence.values() if "replayed" in e)
             pool_cpu += sum(x for x in rec["replay_cpu_s"] if x)
     inner = sum(sum(x for x in rec["inner_cpu_s"] if x) for rec in recs)
     worker_rounds = sum(sum(1 for v in rec["train_loss"] if v is not None) for rec in recs)

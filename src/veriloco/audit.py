@@ -100,11 +100,8 @@ from .verify.replay import (
     Replayer,
     judge_reported,
     plain_replayer,
-    plan_audits,
     replay_failed,
     replay_run,
-    replays_whole,
-    segments_to_sample,
     slice_result,
     worker_score,
 )
@@ -796,8 +793,7 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
     plans = [PlanInputs.of_round(c.base, c.check, sl.banned) for c, sl in zip(checks, slices, strict=True)]
     plan = plans[0] if stages == 1 else PlanInputs.pooled([x.to_json() for x in plans])
     # the round's members: the workers whose bundles it had (all of them, unless elastic)
-    audits = plan_audits(plan.seed, plan.accepted, sorted(checks[0].present), segments_to_sample(cfg.verify, cfg.train),
-                         cfg.verify.replay_probability, plan.suspects, plan.banned, replays_whole(cfg.verify))
+    audits = plan.audits(cfg.verify, cfg.train, sorted(checks[0].present))
     sampled = {a.worker for a in audits}
     auditors = {a.auditor for a in audits}
     verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]

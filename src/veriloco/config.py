@@ -530,12 +530,17 @@ def _check_link_and_codec(cfg: Config) -> None:
             raise ConfigError(f"compress.{'codec' if cfg.compress.codec != 'adaptive' else 'ladder'}: {e}") from None
 
 
+# keys added after runs were recorded whose default changed what such a run did: the value that
+# run had, for a manifest without the key (a drawn replay used to stop at a drawn segment)
+BEFORE_KEY: dict[tuple[str, str], Any] = {("verify", "replay_extent"): "segment"}
+
+
 def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (e.g. a run manifest), validating it."""
     cfg = Config()
-    verify = data.get("verify")
-    if isinstance(verify, dict) and "replay_extent" not in verify:
-        cfg.verify.replay_extent = "segment"  # a run recorded before the key existed (the draws it made)
+    for (section, key), value in BEFORE_KEY.items():
+        if isinstance(data.get(section), dict) and key not in data[section]:
+            setattr(getattr(cfg, section), key, value)
     for section, values in data.items():
         _apply(cfg, section, values, "the manifest")
     validate(cfg)

@@ -114,13 +114,10 @@ from .verify.replay import (
     Replayer,
     judge_reported,
     plain_replayer,
-    plan_audits,
     replay_evidence,
     replay_failed,
     replay_run,
     replay_score,
-    replays_whole,
-    segments_to_sample,
     slice_result,
     worker_score,
 )
@@ -756,8 +753,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     plan = PlanInputs.of_round(base_hash, check, w.banned)
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
         plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
-    audits = plan_audits(plan.seed, plan.accepted, part.members, segments_to_sample(cfg.verify, cfg.train),
-                         cfg.verify.replay_probability, plan.suspects, plan.banned, replays_whole(cfg.verify))
+    audits = plan.audits(cfg.verify, cfg.train, part.members)
     G_r, spent, mine = w.bases.get(r), Spent(), {}
     replayer = replayer_of(w)
     land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round

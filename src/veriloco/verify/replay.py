@@ -110,6 +110,13 @@ class PlanInputs:
         digests = sorted(c.digest for c in check.commitments.values() if c is not None)
         return cls(base_hash + "".join(digests), sorted(check.accepted), set(check.suspects), set(banned))
 
+    def audits(self, verify: VerifyConfig, train: TrainConfig, members: list[int]) -> list[Audit]:
+        """The round's replays under the run's config (`plan_audits` with its segments, replay
+        probability and `replay_extent`; a run recorded before that key existed drew a segment,
+        and its manifest's config says "segment"). The round and the offline audit both call it."""
+        return plan_audits(self.seed, self.accepted, members, segments_to_sample(verify, train),
+                           verify.replay_probability, self.suspects, self.banned, whole=verify.replay_extent == "round")
+
     def to_json(self) -> dict:
         return {"seed": self.seed, "accepted": self.accepted, "suspects": sorted(self.suspects),
                 "banned": sorted(self.banned)}
@@ -185,11 +192,6 @@ def segments_to_sample(verify: VerifyConfig, train: TrainConfig) -> int:
         return 1
     return max(train.inner_steps // (verify.trace_every or train.inner_steps), 1)
 
-
-def replays_whole(verify: VerifyConfig) -> bool:
-    """Whether a drawn audit replays the whole round (`[verify] replay_extent`); a run recorded
-    before the key existed drew a segment, and its manifest's config says "segment"."""
-    return verify.replay_extent == "round"
 
 
 def replayable_codec(spec: str) -> bool:
