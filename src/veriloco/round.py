@@ -76,7 +76,7 @@ from .compress import (
     build_codecs,
     round_budget_bytes,
 )
-from .compress.controller import UNLIMITED_BYTES
+from .compress.controller import UNLIMITED_BYTES, suggest_inner_steps
 from .config import Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
@@ -984,6 +984,9 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }
+    steps = hide_steps(w.encoder.link, record, cfg.train.inner_steps, cfg.compress.safety)
+    if steps is not None:
+        record["hide_steps"] = steps
     if part.absent:
         record["members"] = members
     if w.defer_entry:
@@ -991,6 +994,36 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     elif w.ledger is not None:
         record["entry"] = append_entry(w, record, entry_commitments)
     return record
+
+
+def hide_steps(link: Link | None, rec: dict, steps: int, safety: float) -> int | None:
+    """The fewest inner steps whose compute would hide this round's exchange on `link`.
+
+    `compress.suggest_inner_steps` on the round's median bundle (commitment + packet, as sent) and
+    the median worker's seconds per inner step, among the workers present: what H (or, with
+    `[outer] overlap_steps`, tau) would let a one-round-late exchange run entirely under the next
+    round's compute with the adaptive controller's `safety` margin. None without a declared link or
+    with fewer than two workers present. H itself is not changed: see `hide_warning`."""
+    here = [j for j, b in enumerate(rec["bundle_bytes"]) if b]
+    if link is None or len(here) < 2 or steps < 1:
+        return None
+    step_s = sorted(rec["inner_s"][j] for j in here)[len(here) // 2] / steps
+    if step_s <= 0:
+        return None
+    sizes = sorted(rec["bundle_bytes"][j] for j in here)
+    return suggest_inner_steps(int(sizes[len(sizes) // 2]), link.bandwidth_bps, link.latency_s, step_s, len(here), safety)
+
+
+def hide_warning(cfg: Config, rec: dict) -> str | None:
+    """One line when a delayed exchange needs more compute to hide under than the round gives it."""
+    need = rec.get("hide_steps")
+    if not cfg.outer.delay or need is None:
+        return None
+    window, name = (cfg.outer.overlap_steps, "outer.overlap_steps") if cfg.outer.overlap_steps else (cfg.train.inner_steps, "train.inner_steps")
+    if need <= window:
+        return None
+    return (f"warning: round {rec['round'] + 1}'s exchange needs about {need} inner steps of compute to hide under, "
+            f"{name} = {window} gives it {window}: raise {name} to >= {need} or send smaller packets ([compress])")
 
 
 def combine_stages(parts: list[dict], store: LocalStore | None) -> dict:
@@ -1136,6 +1169,7 @@ def train_worker(
     tokens0 = sum(p["tokens"] for p in prior)
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     pending: Sent | None = None
+    warned = False
 
     def land(overlapped_s: float) -> None:  # overlap_steps: round r-1's update lands inside round r
         nonlocal pending
@@ -1146,7 +1180,7 @@ def train_worker(
             w.outer, w.resumed_outer = w.resumed_outer, None
 
     def record(rec: dict) -> None:
-        nonlocal tokens0
+        nonlocal tokens0, warned
         rec["eval_loss_start"] = eval_start
         if w.is_recorder:
             elapsed = time.perf_counter() - wall0
@@ -1161,6 +1195,10 @@ def train_worker(
             })
             if not quiet:
                 print(progress_line(rec, cfg.train.rounds, elapsed, tokens0 / elapsed), flush=True)
+                warning = hide_warning(cfg, rec)
+                if warning is not None and not warned:  # once a run: the records keep every round's
+                    warned = True
+                    print(warning, flush=True)
 
     for r in range(start_round, end + cfg.outer.delay):
         if r < end:
