@@ -30,6 +30,11 @@ def test_absent_workers_do_not_count_and_no_link_or_one_worker_gives_none():
     assert hide_steps(LINK, record([0.1, 0.0], [100_000, 0]), 10, 0.9) is None
 
 
+def test_a_latency_only_link_needs_steps_for_the_latency_alone():
+    rec = record([0.1, 0.1], [100_000, 100_000])  # 10 ms a step
+    assert hide_steps(Link.from_strings("", "45ms"), rec, 10, 0.9) == 5  # 45 ms / (10 ms x 0.9)
+
+
 def test_the_warning_names_the_window_that_is_too_short():
     rec = {"round": 2, "hide_steps": 40}
     assert hide_warning(tiny("--train.inner_steps=50", "--outer.delay=1"), rec) is None

@@ -242,6 +242,20 @@ def test_partial_and_malformed_run_directories_never_crash(real_run: Path, tmp_p
     assert "ab" * 32 in text  # the ledger head, from the last entry hash
 
 
+def test_the_utilisation_caption_says_when_the_exchange_did_not_hide(real_run: Path, tmp_path: Path) -> None:
+    run = copy_run(real_run, tmp_path / "run")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["outer"]["delay"] = 1
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    records = read_records(run)
+    write_records(run, [r | {"hide_steps": n} for r, n in zip(records, (3, 40, 12), strict=True)])
+    assert "In 2 of 3 rounds the exchange needed more compute to hide under than the 5 inner steps it overlaps: up to 40" in render_report(run)
+    write_records(run, [r | {"hide_steps": 4} for r in records])
+    assert "fit under the 5 inner steps it overlaps in all 3 rounds" in render_report(run)
+    write_records(run, records)  # no link declared: nothing said
+    assert "inner steps it overlaps" not in render_report(run)
+
+
 def test_hostile_records_of_every_type_never_crash_the_report(real_run: Path, tmp_path: Path) -> None:
     """Seeded random junk in every field the report reads: it renders, or fails only on the manifest."""
     import random
@@ -260,7 +274,7 @@ def test_hostile_records_of_every_type_never_crash_the_report(real_run: Path, tm
 
     keys = ["round", "verdicts", "train_loss", "eval_loss", "eval_loss_start", "bytes_sent", "inner_s",
             "round_s", "codec", "codecs", "replayed", "absent", "late", "evidence", "entry_hash",
-            "hashes_agree", "tokens", "params_hash"]
+            "hashes_agree", "tokens", "params_hash", "hide_steps"]
     real = read_records(real_run)
     manifest = json.loads((real_run / "manifest.json").read_text())
     for case in range(25):

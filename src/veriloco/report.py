@@ -436,7 +436,21 @@ def plot_utilisation(v: RunView) -> tuple[str | None, str]:
     ax.legend(fontsize=8, loc="upper right", framealpha=0.9, edgecolor="none")
     caption = (f"Share of each round spent in inner steps (mean over workers): {mean:.0%} on average. "
                "The rest is encoding, exchange, verification, aggregation and records.")
-    return _svg(fig, "utilisation"), caption
+    return _svg(fig, "utilisation"), caption + _hide_caption(v)
+
+
+def _hide_caption(v: RunView) -> str:
+    """A sentence when the records' `hide_steps` (round.hide_steps) exceeded the compute that a
+    delayed exchange had to hide under."""
+    window = _int(v.cfg("outer", "overlap_steps")) or _int(v.cfg("train", "inner_steps"))
+    need = [(r["round"], n) for r in v.rounds if (n := _int(r.get("hide_steps"))) is not None]
+    if not _int(v.cfg("outer", "delay")) or not window or not need:
+        return ""
+    short = [n for _, n in need if n > window]
+    if not short:
+        return f" The exchange fit under the {window} inner steps it overlaps in all {len(need)} rounds that measured it."
+    return (f" In {len(short)} of {len(need)} rounds the exchange needed more compute to hide under than the "
+            f"{window} inner steps it overlaps: up to {max(short)} (round.hide_steps).")
 
 
 # -- codecs ----------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ start point. A replay makes the same move at the same step (replay_run's `land`)
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -1011,7 +1012,10 @@ def hide_steps(link: Link | None, rec: dict, steps: int, safety: float) -> int |
     if step_s <= 0:
         return None
     sizes = sorted(rec["bundle_bytes"][j] for j in here)
-    return suggest_inner_steps(int(sizes[len(sizes) // 2]), link.bandwidth_bps, link.latency_s, step_s, len(here), safety)
+    size, bandwidth = int(sizes[len(sizes) // 2]), link.bandwidth_bps
+    if math.isinf(bandwidth):  # a latency-only link: the bytes take no time (0 bytes at any finite rate)
+        size, bandwidth = 0, 1.0
+    return suggest_inner_steps(size, bandwidth, link.latency_s, step_s, len(here), safety)
 
 
 def hide_warning(cfg: Config, rec: dict) -> str | None:
