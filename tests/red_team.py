@@ -27,6 +27,17 @@ class Dies(Adversary):
         return steps
 
 
+class Crashes(Adversary):
+    """Fault injection: a bug, not a planned death: raises at round `at` (default 0), mid-round."""
+
+    kind = "crashes"
+
+    def inner_steps(self, r, steps):
+        if r == int(self.params.get("at", "0")):
+            raise ValueError(f"worker {self.worker} crashes in round {r} (red_team.Crashes)")
+        return steps
+
+
 class Whitewash(Adversary):
     """Trains honestly, but as an auditor reports every replay it is given as passing: covers
     for a cheating partner. The run cannot see it; the offline audit's replays name it."""

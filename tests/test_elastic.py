@@ -141,7 +141,7 @@ def test_partition_minority_commits_nothing_then_rejoins_with_the_same_params(tm
         pytest.skip(why)
     run_dir = tmp_path / "run"
     cfg = tiny("--topology.workers=3", "--train.rounds=14", "--link.latency=400ms", *ELASTIC)
-    _, summary = train(cfg, str(run_dir), quiet=True, faults=["partition:2@3+3"])  # cut worker 2's veth for 3 s
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["partition:2@3+5"])  # cut worker 2's veth for 5 s
     recs = rounds_of(run_dir)
     assert summary["complete"] and [r["round"] for r in recs] == list(range(14))  # one record per round
     events = events_of(run_dir)
@@ -235,3 +235,15 @@ def test_a_stalled_run_reports_what_each_worker_was_waiting_on(tmp_path, capsys)
     stacks = (tmp_path / "stacks-0.txt").read_text()
     assert "_sleeper" in stacks and "test_elastic.py" in stacks
     assert "worker 0's threads at the stall" in capsys.readouterr().err
+
+
+def test_workers_that_crash_are_named_with_their_error(tmp_path):
+    # not a planned fault: a bug in every worker. The launcher stops at once and says what each died of.
+    crash = "red_team:Crashes"
+    with pytest.raises(RuntimeError, match="every worker is gone") as err:
+        train(tiny(*ELASTIC, f"--adversary.0={crash}", f"--adversary.1={crash}"), str(tmp_path / "run"), quiet=True)
+    assert "worker 0 died of ValueError: worker 0 crashes in round 0 (red_team.Crashes)" in str(err.value)
+    assert "worker 1 died of ValueError: worker 1 crashes in round 0" in str(err.value)
+    died = [e for e in events_of(tmp_path / "run") if e["event"] == "died"]
+    assert sorted(e["worker"] for e in died) == [0, 1] and all("crashes in round 0" in e["error"] for e in died)
+    assert "Traceback" in (tmp_path / "run" / "error-0.txt").read_text()

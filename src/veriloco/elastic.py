@@ -38,6 +38,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from safetensors.torch import load as st_load
 
@@ -439,13 +440,18 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     seen = 0  # rounds recorded as of the last look at rounds.jsonl (read once per loop)
     pending: dict[int, float] = {}  # worker -> when to start it again
     healing: dict[int, float] = {}  # worker -> when its cut link comes back
+    errors: dict[int, str] = {}  # worker -> the last line of the error it died of (not a planned death)
     t0 = time.perf_counter()
+
+    def died_of() -> str:
+        return "".join(f"; worker {j} died of {e} ({run.root}/error-{j}.txt)" for j, e in sorted(errors.items()))
 
     def event(kind: str, j: int | None, **extra: object) -> None:
         run.append_jsonl(run.root / "events.jsonl", {"t": round(time.perf_counter() - t0, 3), "event": kind,
                                                      "worker": j, "round": seen, **extra})
 
     def start(j: int) -> None:
+        (run.root / f"error-{j}.txt").unlink(missing_ok=True)  # an earlier incarnation's
         procs[j] = host.start(j, dict(worker=j, faults=left[j], first=first, quiet=quiet, eval_start=eval_start))
         event("started", j)
 
@@ -462,7 +468,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
             elif time.perf_counter() - progress_at > stall_s:
                 dumped = _dump_stacks(procs, run.root)
                 raise RuntimeError(f"elastic run stalled at round {done} of {R}: no round committed for "
-                                   f"{stall_s:g} s (fewer than run.min_workers alive?)"
+                                   f"{stall_s:g} s (fewer than run.min_workers alive?)" + died_of()
                                    + (f"; the workers' stacks are in {run.root}/stacks-*.txt" if dumped else ""))
             for rec in records[seen:]:  # when each round was committed, and by whom (recovery times)
                 seen = rec["round"] + 1
@@ -488,7 +494,10 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                     continue
                 del procs[j]
                 if code != 0:
-                    event("died", j, exitcode=code)
+                    error = _error_of(run.root, j)
+                    if error is not None:
+                        errors[j] = error
+                    event("died", j, exitcode=code, **({"error": error} if error is not None else {}))
                     fired = first_death(left[j])
                     if fired is not None:
                         left[j].remove(fired)  # it fired: the restarted worker must not die there again
@@ -503,7 +512,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                 if not procs or time.perf_counter() - complete_at > 5.0:  # a worker still healing: done
                     break
             elif not procs and not pending and not joins:
-                raise RuntimeError(f"elastic run stopped at round {done} of {R}: every worker is gone")
+                raise RuntimeError(f"elastic run stopped at round {done} of {R}: every worker is gone" + died_of())
             time.sleep(0.05)
     finally:
         for p in procs.values():
@@ -550,7 +559,6 @@ def _stacks_on_signal(run_dir: str, worker: int) -> None:
     works while the worker is blocked in a C call such as a quorum or a gloo collective)."""
     import faulthandler
     import signal
-    from pathlib import Path
 
     if hasattr(signal, "SIGUSR1"):
         f = open(Path(run_dir) / f"stacks-{worker}.txt", "a")  # open for the process's life
@@ -683,8 +691,24 @@ class _NetnsHost:
 def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,
                  args: dict) -> None:
     _stacks_on_signal(run_dir, args["worker"])
-    train_worker_elastic(cfg, args["worker"], task, run_dir, lighthouse, store_port, args["faults"],
-                         args["first"], args["quiet"], args["eval_start"], store_host)
+    try:
+        train_worker_elastic(cfg, args["worker"], task, run_dir, lighthouse, store_port, args["faults"],
+                             args["first"], args["quiet"], args["eval_start"], store_host)
+    except Exception:  # a planned death exits without one; this is a failure the launcher should name
+        import traceback
+
+        (Path(run_dir) / f"error-{args['worker']}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _error_of(root: Path, j: int) -> str | None:
+    """The last line of worker j's traceback (RUN/error-J.txt, see _worker_main), if it left one."""
+    path = root / f"error-{j}.txt"
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return None
+    return lines[-1].strip()[:300] if lines else None
 
 
 def _main(spec_path: str) -> None:
