@@ -61,19 +61,23 @@ from .config import config_from_dict
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
+from .link import Link
 from .model import build_model
 from .outer import OuterOptimizer
 from .pipeline import EmulatedPipeline
 from .records import RunDir, RunDirError
 from .round import (
+    StepSchedule,
     aggregate_deltas,
     base_lag,
     batch_root,
+    hide_steps,
     lookahead_momentum,
     loss_gain_action,
     loss_gain_checkers,
     make_loss_gain,
     replay_codecs,
+    round_cfg,
     screens_earlier,
     start_point,
     trace_entries,
@@ -468,7 +472,10 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
         slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},
                              EquivocationDetector(admitted)))
     counts.update(signatures=0, bundles=0, checkpoints=0, replays=0)
+    schedule = _step_schedule(cfg, records)
+    base_cfg = cfg
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
+        cfg = round_cfg(base_cfg, schedule.at(r))  # this round's H (adaptive H: [train] inner_steps_max)
         p = entry["predicate"]
         claimed = entry["subject"][0]["digest"]["sha256"]
         if stages == 1:
@@ -489,7 +496,8 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
             for c in checks:
                 take_whole_workers(c.check, accepted)
         if cfg.verify.replay_probability > 0:
-            replays_left = _replays(cfg, task, r, checks, slices, recorded, parts, replays_left, counts, wheres)
+            replays_left = _replays(cfg, task, r, checks, slices, recorded, parts, replays_left, counts, wheres,
+                                    (schedule.before(r), schedule.total(r)))
         results = [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
                    for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres,
                                                                    strict=True)]
@@ -525,6 +533,31 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
         if problem:
             _fail(f"signed checkpoint manifest: {problem}")
         counts["signed_manifest"] = 1
+
+
+def _step_schedule(cfg, records: list[dict]) -> StepSchedule:
+    """Each round's H, as the run derived it (round.StepSchedule); with adaptive H, every record's
+    `inner_steps` must be its round's and its `hide_steps` what its own figures give (round.hide_steps:
+    the workers computed it from the same gathered numbers), so a record edited to change H fails."""
+    if not cfg.train.inner_steps_max:
+        return StepSchedule.of(cfg, records)
+    for r, rec in enumerate(records):
+        need = rec.get("hide_steps")
+        if isinstance(need, bool) or not isinstance(need, int) or need < 1:
+            _fail(f"round {r}: the record's hide_steps {need!r:.40} is not a positive integer (adaptive H needs it)")
+    schedule = StepSchedule.of(cfg, records)
+    link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
+    for r, rec in enumerate(records):
+        if rec.get("inner_steps") != schedule.at(r):
+            _fail(f"round {r}: the record says H = {rec.get('inner_steps')!r:.40}, the records' hide_steps give {schedule.at(r)}")
+        try:
+            need = hide_steps(link, rec, schedule.at(r), cfg.compress.safety)
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            _fail(f"round {r}: hide_steps cannot be recomputed from the record ({type(e).__name__}: {e})")
+        if need != rec.get("hide_steps"):
+            _fail(f"round {r}: the record's hide_steps {rec.get('hide_steps')!r} is not what its inner_s and "
+                  f"bundle_bytes give ({need})")
+    return schedule
 
 
 def _check_record(r: int, rec: dict, entry: dict, entry_hash: str, run_id: str, stages: int, workers: int) -> None:
@@ -779,7 +812,7 @@ def _emulated_replayer(cfg, total: int) -> Replayer:
 
 
 def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list[_Slice], recorded: list[list[dict]],
-             parts: list[dict], replays_left: int, counts: dict, wheres: list[str]) -> int:
+             parts: list[dict], replays_left: int, counts: dict, wheres: list[str], clock: tuple[int, int]) -> int:
     """Redo round r's replays (the random sample and the screen's suspects): re-run up to
     `replays_left` of them, check that the recorded verdicts are ones the plan allowed, and apply
     replay_mismatch / false_report verdicts to each slice's check. A re-run replay scores and
@@ -788,8 +821,8 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
     auditor who reported it as passing. With S > 1 stages the plan is the worker-wide one the
     stages pooled (PlanInputs.pooled), a replay runs the whole worker (emulated in this one
     process) and its number is the worst of the stages' comparisons, as the auditor's stages
-    combined theirs."""
-    total, stages = cfg.train.rounds * cfg.train.inner_steps, len(slices)
+    combined theirs. `clock`: (steps before round r, the LR schedule's length then)."""
+    (before, total), stages = clock, len(slices)
     plans = [PlanInputs.of_round(c.base, c.check, sl.banned) for c, sl in zip(checks, slices, strict=True)]
     plan = plans[0] if stages == 1 else PlanInputs.pooled([x.to_json() for x in plans])
     # the round's members: the workers whose bundles it had (all of them, unless elastic)
@@ -822,7 +855,8 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
                 own = sl.history.get(a.worker, []) if cfg.outer.delay else []
                 start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
             replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
-                                  lambda step, j=a.worker: t.batch(j, r, step), a, land)
+                                  lambda step, j=a.worker: t.batch(j, r, step), a, land,
+                                  steps_before=before, total_steps=total)
             signed = [c.check.commitments[a.worker].commitment for c in checks]
             score = worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
                                                            replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])

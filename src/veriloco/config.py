@@ -75,6 +75,12 @@ class TrainConfig:
         "'keep' the AdamW moments across rounds (DiLoCo) or 'reset' them every round, which makes a "
         "worker's round a function of public data so others can replay it (verify.replay_probability)",
     )
+    inner_steps_max: int = _f(
+        0,
+        "adaptive H: with outer.delay = 1 and a [link], a round's H may grow (never shrink) up to this "
+        "so that the exchange it overlaps hides under its compute (the records' hide_steps); 0 = H stays "
+        "inner_steps. The LR schedule is re-aimed each round at rounds x the current H",
+    )
     round_warmup_steps: int = _f(
         0,
         "diloco: ramp the inner LR linearly over the first this many steps of every round (on top of "
@@ -389,12 +395,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def need(ok: bool, msg: str) -> None:
+    """ConfigError(msg) unless ok."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
     m, t, d = cfg.model, cfg.train, cfg.data
     need(m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}")
     need(m.d_model % m.n_head == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head})")
@@ -428,6 +436,7 @@ def validate(cfg: Config) -> None:
     need(0 < cfg.compress.safety <= 1, f"compress.safety must be in (0, 1], got {cfg.compress.safety}")
     need(cfg.compress.budget_bytes >= 0, f"compress.budget_bytes must be >= 0, got {cfg.compress.budget_bytes}")
     _check_link_and_codec(cfg)
+    _check_adaptive_h(cfg)
     v = cfg.verify
     need(v.trace_every >= 0, f"verify.trace_every must be >= 0, got {v.trace_every}")
     need(v.aggregator in ("mean", "trimmed_mean", "median", "centered_clip", "geometric_median"),
@@ -490,6 +499,28 @@ def validate(cfg: Config) -> None:
     else:
         need(r.round_deadline == 0 and r.min_workers == 0,
              "run.round_deadline and run.min_workers need run.membership = 'elastic'")
+
+
+def _check_adaptive_h(cfg: Config) -> None:
+    """[train] inner_steps_max: what adaptive H needs (after the link parsed)."""
+    t = cfg.train
+    if not t.inner_steps_max:
+        return
+    from .link import Link
+
+    need(t.inner_steps_max >= t.inner_steps,
+         f"train.inner_steps_max must be 0 or >= train.inner_steps = {t.inner_steps}, got {t.inner_steps_max}")
+    need(t.mode == "diloco" and cfg.outer.delay == 1 and not cfg.outer.overlap_steps,
+         "train.inner_steps_max (adaptive H) needs train.mode = 'diloco', outer.delay = 1 and outer.overlap_steps = 0 "
+         "(H grows so the delayed exchange hides under a whole round)")
+    need(not Link.from_strings(cfg.link.bandwidth, cfg.link.latency).unlimited,
+         "train.inner_steps_max (adaptive H) needs a [link] (bandwidth or latency) to hide the exchange under")
+    need(cfg.topology.stages == 1 and cfg.run.membership == "static",
+         "train.inner_steps_max (adaptive H) needs topology.stages = 1 and run.membership = 'static' (not supported yet)")
+    need(not t.round_warmup_steps, "train.inner_steps_max (adaptive H) needs train.round_warmup_steps = 0 (not supported yet)")
+    k = cfg.verify.trace_every
+    need(not k or t.inner_steps_max % k == 0,
+         f"verify.trace_every ({k}) must divide train.inner_steps_max ({t.inner_steps_max}): H grows in steps of it")
 
 
 def _check_topology(cfg: Config) -> None:

@@ -57,7 +57,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,7 @@ class Worker:
     defer_entry: bool = False  # elastic: the ledger entry is appended at commit (elastic.py), not here
     applied: int = -1  # elastic: the last round whose outer step G holds
     banned: set = field(default_factory=set)  # workers convicted of an offence (verify.OFFENCES)
+    schedule: StepSchedule | None = None  # H of each round (set by setup_worker)
 
     @property
     def is_recorder(self) -> bool:
@@ -352,6 +353,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     if str(worker) in cfg.adversary:
         w.adversary = load_adversary(cfg.adversary[str(worker)], worker, cfg.run.seed)
         w.adversary.params.setdefault("_trace_entries", str(trace_entries(cfg)))  # what honest looks like
+    w.schedule = StepSchedule.of(cfg, w.run.rounds()[:resume_round] if resume_round > 0 and cfg.train.inner_steps_max else [])
     if resume_round > 0:
         restore(w, resume_round)
     return w
@@ -528,7 +530,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     `land(seconds)` (`[outer] overlap_steps` = tau > 0): called before inner step tau with the
     seconds of the steps so far; it moves G (finishes the round in flight). The params then move
     by as much as G moved from S_r, and this round's delta is taken from the new G, its base."""
-    t0, cfg, adv = time.perf_counter(), w.cfg, w.adversary or Adversary(w.worker, 0)
+    t0, cfg, adv = time.perf_counter(), round_cfg(w.cfg, w.schedule.at(r)), w.adversary or Adversary(w.worker, 0)
+    w.inner.total_steps = w.schedule.total(r)
     if cfg.outer.delay:  # finish_round(r - 1), which runs after this round's inner steps, saves it
         w.start_states[r] = private_state(w)
     keep = cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches
@@ -562,6 +565,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     if cfg.train.inner_state == "reset":
         w.inner.reset_state()
     k = cfg.verify.trace_every or cfg.train.inner_steps
+    if w.adversary is not None and cfg.train.inner_steps_max:  # what an honest trace holds at this round's H
+        w.adversary.params["_trace_entries"] = str(trace_entries(cfg))
     steps = adv.inner_steps(r, cfg.train.inner_steps)  # an adversary may skip work ...
     t_inner = time.perf_counter()
     result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
@@ -602,7 +607,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
 def loss_gain_fn(w: Worker, r: int):
     """The screen's loss-gain check for round r on this worker (see make_loss_gain)."""
     return make_loss_gain(w.task, w.model, w.bases.get(r, w.outer.params), r, w.cfg.verify.loss_gain_batches,
-                          w.cfg.train.inner_steps)
+                          w.schedule.at(r))
 
 
 def timed_loss_gain(w: Worker, r: int, spent: Spent):
@@ -716,7 +721,7 @@ class StageLossGains:
         pooled = _gather_json({"decoded": sorted(decoded), "seed": seed, "banned": sorted(w.banned)}, w.worker_group)
         workers = sorted(set.intersection(*(set(p["decoded"]) for p in pooled)))
         pooled_seed = stage_seed([p["seed"] for p in pooled])
-        at = gain_steps(pooled_seed, w.cfg.train.inner_steps, self.n)  # the same batches on every stage
+        at = gain_steps(pooled_seed, w.schedule.at(self.r), self.n)  # the same batches on every stage
 
         def gain(j: int) -> LossGain:
             return LossGain.on_own_batches(self.loss(G_r, j, at), self.loss({k: G_r[k] - decoded[j][k] for k in G_r}, j, at))
@@ -750,7 +755,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     failure convicts no one on one auditor's word: every member replays that round itself and
     judges by its own number, so an honest majority's verdicts agree; if the replay passes, the
     auditor lied and is convicted (FALSE_REPORT). Returns the time this worker spent replaying."""
-    cfg = w.cfg
+    cfg = round_cfg(w.cfg, w.schedule.at(r))
     plan = PlanInputs.of_round(base_hash, check, w.banned)
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
         plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
@@ -765,7 +770,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             signed = check.commitments[a.worker].commitment
             start = start_point(cfg, w.starts[r] if land else G_r, own, w.workers, w.base_momenta.get(r))
             run = lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,  # noqa: E731
-                                     lambda step, j=a.worker: w.task.batch(j, r, step), a, land)
+                                     lambda step, j=a.worker: w.task.batch(j, r, step), a, land,
+                                     steps_before=w.schedule.before(r), total_steps=w.schedule.total(r))
             committed, codecs = check.decoded[a.worker], replay_codecs(cfg, signed)
             if w.topo.stages == 1:
                 return replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
@@ -836,6 +842,68 @@ def trace_entries(cfg: Config) -> int:
     return 1 + cfg.train.inner_steps // k
 
 
+def grow_steps(cfg: Config, steps: int, hide: int | None) -> int:
+    """Adaptive H (`[train] inner_steps_max`): the H that follows a round of `steps` inner steps
+    whose exchange needed `hide` of them to hide under (its record's `hide_steps`): `steps` when
+    that was enough, else `hide` rounded up to a whole number of trace segments, at most
+    inner_steps_max. H never shrinks, so noise in the measured step time cannot make it swing."""
+    t = cfg.train
+    if not t.inner_steps_max or hide is None or hide <= steps:
+        return steps
+    k = cfg.verify.trace_every or 1
+    return max(steps, min(t.inner_steps_max, -(-hide // k) * k))
+
+
+@dataclass
+class StepSchedule:
+    """H of every round decided so far, and the LR schedule's clock that follows from it.
+
+    Rounds 0 and 1 run train.inner_steps; with adaptive H (`[train] inner_steps_max`), round
+    r+2's H grows from round r's `hide_steps` (`grow`: finish_round(r) runs after round r+1's
+    inner steps, so r+2 is the first round it can change). Without adaptive H every round runs
+    train.inner_steps and nothing is kept. The run, its resume and the audit all derive H here."""
+
+    cfg: Config
+    steps: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, cfg: Config, records: list[dict]) -> StepSchedule:
+        """The schedule a run's records (rounds 0.. in order) decide."""
+        sched = cls(cfg, [cfg.train.inner_steps] * 2)
+        for rec in records:
+            sched.grow(rec.get("hide_steps"))
+        return sched
+
+    @property
+    def adaptive(self) -> bool:
+        return bool(self.cfg.train.inner_steps_max)
+
+    def grow(self, hide: int | None) -> None:
+        """Decide the next round's H after a round whose exchange needed `hide` steps to hide."""
+        if self.adaptive:
+            self.steps.append(grow_steps(self.cfg, self.steps[-1], hide))
+
+    def at(self, r: int) -> int:
+        """Round r's H."""
+        return self.steps[r] if self.adaptive else self.cfg.train.inner_steps
+
+    def before(self, r: int) -> int:
+        """Inner steps the run took before round r (the LR schedule's clock at its start)."""
+        return sum(self.steps[:r]) if self.adaptive else r * self.cfg.train.inner_steps
+
+    def total(self, r: int) -> int:
+        """The LR schedule's length as round r runs: the steps before it plus the rounds left at
+        its H (rounds x H when H is fixed; re-aimed whenever adaptive H grows)."""
+        return self.before(r) + (self.cfg.train.rounds - r) * self.at(r)
+
+
+def round_cfg(cfg: Config, steps: int) -> Config:
+    """`cfg` with round r's H as train.inner_steps (the same object when H has not changed)."""
+    if steps == cfg.train.inner_steps:
+        return cfg
+    return replace(cfg, train=replace(cfg.train, inner_steps=steps))
+
+
 def batch_root(task: Task, worker: int, r: int, steps: int) -> str:
     """Merkle root over the digests of the batches worker `worker` is assigned in round r."""
     return hex_root([batch_digest(*task.batch(worker, r, step)) for step in range(steps)])
@@ -845,7 +913,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     """Steps 4-6 of sent.round: wait, decode, aggregate, outer step, checkpoint, record.
 
     `part`: the round's members (elastic membership); None is every worker of the fixed world."""
-    cfg, r = w.cfg, sent.round
+    r = sent.round
+    cfg = round_cfg(w.cfg, w.schedule.at(r))
     part = part or Participants.everyone(w)
     W, members = w.workers, part.members
     wait0 = time.perf_counter()
@@ -988,6 +1057,9 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     steps = hide_steps(w.encoder.link, record, cfg.train.inner_steps, cfg.compress.safety)
     if steps is not None:
         record["hide_steps"] = steps
+    if w.schedule.adaptive:
+        record["inner_steps"] = cfg.train.inner_steps
+        w.schedule.grow(steps)  # round r+2's H
     if part.absent:
         record["members"] = members
     if w.defer_entry:
@@ -1024,6 +1096,10 @@ def hide_warning(cfg: Config, rec: dict) -> str | None:
     if not cfg.outer.delay or need is None:
         return None
     window, name = (cfg.outer.overlap_steps, "outer.overlap_steps") if cfg.outer.overlap_steps else (cfg.train.inner_steps, "train.inner_steps")
+    if cfg.train.inner_steps_max:  # adaptive H grows the round's H up to the cap: only the cap can be short
+        window, name = rec.get("inner_steps", window), "train.inner_steps_max"
+        if window < cfg.train.inner_steps_max:
+            return None
     if need <= window:
         return None
     return (f"warning: round {rec['round'] + 1}'s exchange needs about {need} inner steps of compute to hide under, "

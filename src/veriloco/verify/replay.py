@@ -281,17 +281,23 @@ def replay_run(
     batch_of_step: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     audit: Audit,
     land: tuple[int, dict[str, torch.Tensor]] | None = None,
+    steps_before: int | None = None,
+    total_steps: int | None = None,
 ) -> Replayed:
     """Replay audit `audit` of round `round` from start point `start` with a loop from
     `replayer` (see `Replayer`: the worker's own kind of loop, or one that computes the same bits,
     pipeline.EmulatedPipeline for a pipelined worker): exact mode through the audited segment,
     distance mode the whole round. `land` = (step, G): `[outer] overlap_steps`, the previous
     round's update landed before that step, moving the params from `start` to G's side, and the
-    delta is taken from G."""
+    delta is taken from G. `steps_before` (default round x H) and `total_steps` (default the
+    replayer's) place the round on the run's LR schedule when H changed during the run
+    (`[train] inner_steps_max`; `train` then holds this round's H)."""
     exact = verify.replay_match == "exact"
     k = verify.trace_every or train.inner_steps
     steps = (audit.segment + 1) * k if exact else train.inner_steps
-    params, inner = replayer(start, round * train.inner_steps)
+    params, inner = replayer(start, round * train.inner_steps if steps_before is None else steps_before)
+    if total_steps is not None:
+        inner.total_steps = total_steps
     base, landing = start, None
     if land is not None:
         base = land[1]
