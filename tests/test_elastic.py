@@ -239,11 +239,11 @@ def test_a_stalled_run_reports_what_each_worker_was_waiting_on(tmp_path, capsys)
 
 def test_workers_that_crash_are_named_with_their_error(tmp_path):
     # not a planned fault: a bug in every worker. The launcher stops at once and says what each died of.
-    crash = "red_team:Crashes"
-    with pytest.raises(RuntimeError, match="every worker is gone") as err:
+    crash = "red_team:Crashes:at=1"  # after round 0, which both start and commit together
+    with pytest.raises(RuntimeError, match="stopped at round 1 of 3: every worker is gone") as err:
         train(tiny(*ELASTIC, f"--adversary.0={crash}", f"--adversary.1={crash}"), str(tmp_path / "run"), quiet=True)
-    assert "worker 0 died of ValueError: worker 0 crashes in round 0 (red_team.Crashes)" in str(err.value)
-    assert "worker 1 died of ValueError: worker 1 crashes in round 0" in str(err.value)
+    assert "worker 0 died of ValueError: worker 0 crashes in round 1 (red_team.Crashes)" in str(err.value)
+    assert "worker 1 died of ValueError: worker 1 crashes in round 1" in str(err.value)
     died = [e for e in events_of(tmp_path / "run") if e["event"] == "died"]
-    assert sorted(e["worker"] for e in died) == [0, 1] and all("crashes in round 0" in e["error"] for e in died)
+    assert sorted(e["worker"] for e in died) == [0, 1] and all("crashes in round 1" in e["error"] for e in died)
     assert "Traceback" in (tmp_path / "run" / "error-0.txt").read_text()

@@ -569,3 +569,25 @@ def test_a_file_that_is_not_a_database_is_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(LedgerError, match=f"cannot open ledger {path}: file is not a database"):
         SqliteLedger(path)
+
+
+def _open_at(path: str, t0: float) -> None:
+    while time.time() < t0:
+        pass
+    SqliteLedger(path).close()
+
+
+def test_processes_that_open_a_new_ledger_at_once_all_get_it(tmp_path):
+    # an elastic run's workers open the run's ledger together; switching a new file to WAL used to
+    # fail at once with "database is locked" in some of them (4 of 120 opens, 20 trials of 6)
+    from veriloco.procs import context
+
+    ctx = context()
+    for trial in range(4):
+        t0 = time.time() + 1.0
+        procs = [ctx.Process(target=_open_at, args=(str(tmp_path / f"{trial}.sqlite"), t0)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * 6

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 
 from .base import Ledger
 from .entry import LedgerError
@@ -52,14 +53,27 @@ class SqliteLedger(Ledger):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, got {synchronous!r}")
         super().__init__()
         self.path = os.fspath(path)
-        try:
-            # autocommit mode: we issue BEGIN/COMMIT ourselves
-            self._db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous}")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as e:
-            raise LedgerError(f"cannot open ledger {self.path}: {e}") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            db = None
+            try:
+                # autocommit mode: we issue BEGIN/COMMIT ourselves
+                db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(f"PRAGMA synchronous={synchronous}")
+                db.executescript(_SCHEMA)
+                self._db = db
+                return
+            except sqlite3.OperationalError as e:
+                # Several processes opening a new ledger at once (an elastic run's workers): switching
+                # it to WAL can fail with "database is locked" at once, without SQLite's busy wait.
+                if db is not None:
+                    db.close()
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise LedgerError(f"cannot open ledger {self.path}: {e}") from None
+                time.sleep(0.05)
+            except sqlite3.DatabaseError as e:
+                raise LedgerError(f"cannot open ledger {self.path}: {e}") from None
 
     def _size(self) -> int:
         try:
