@@ -14,7 +14,12 @@ per second of compute.) Three rows, one after another in one process:
 - `adaptive`: the same start, `train.inner_steps_max = --max`: from round 2 on, H grows to what
   the records' `hide_steps` say hides the exchange (so more tokens in the same rounds);
 - `fixed, same tokens`: H = `--inner-steps` for as many rounds as it takes to train on the
-  adaptive row's tokens (rounded to whole rounds): what the adaptive row's tokens cost at fixed H.
+  adaptive row's tokens (rounded to whole rounds): what the adaptive row's tokens cost at fixed H;
+- `fixed, same wall`: H = `--inner-steps` for as many rounds as fit in the adaptive row's wall time
+  at the fixed row's seconds per round: what the same time buys at fixed H;
+- `adaptive codec`: H = `--inner-steps` with `compress.codec = "adaptive"` and error feedback: the
+  controller picks codecs per tensor so the packet fits under the round's compute instead;
+- `adaptive codec + H`: both (H grows only when even the smallest packets do not hide).
 
 For each: eval loss, tokens, wall seconds, tokens/s, utilisation (mean inner-step seconds / wall),
 the seconds spent waiting for exchanges, bytes sent per worker, and each round's H. `--quick`: 4
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,6 +51,8 @@ def row_of(name: str, summary: dict, recs: list[dict], wall: float) -> dict:
         "exchange_wait_s": round(sum(sum(r["wait_s"]) for r in recs) / workers, 2),
         "inner_steps": [r.get("inner_steps") for r in recs],
         "hide_steps": [r.get("hide_steps") for r in recs],
+        # the recorder's codec per tensor in the last round, counted (the adaptive controller's choice)
+        "codecs_last_round": dict(Counter((recs[-1].get("codec_log") or {}).get("codecs", {}).values())),
     }
 
 
@@ -75,16 +83,25 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row_of(name, summary, recs, wall))
         print(f"{name}: {rows[-1]}", flush=True)
     per_round = rows[0]["tokens"] / rows[0]["rounds"]
-    same = max(1, round(rows[1]["tokens"] / per_round))
-    for name, _, recs, summary, wall in run_rows([("fixed, same tokens", load_config(default, [*common, f"--train.rounds={same}"]))]):
+    same_tokens = max(1, round(rows[1]["tokens"] / per_round))
+    same_wall = max(1, round(rows[1]["run_wall_s"] / (rows[0]["run_wall_s"] / rows[0]["rounds"])))
+    codec = ["--compress.codec=adaptive", "--compress.error_feedback=true", f"--train.rounds={rounds}"]
+    more = [("fixed, same tokens", [f"--train.rounds={same_tokens}"]), ("fixed, same wall", [f"--train.rounds={same_wall}"]),
+            ("adaptive codec", codec), ("adaptive codec + H", [*codec, f"--train.inner_steps_max={args.max}"])]
+    for name, _, recs, summary, wall in run_rows([(name, load_config(default, [*common, *extra])) for name, extra in more]):
         rows.append(row_of(name, summary, recs, wall))
         print(f"{name}: {rows[-1]}", flush=True)
-    print(f"\n{'row':<19} {'eval loss':>9} {'tokens':>9} {'rounds':>6} {'wall':>7} {'tok/s':>7} {'util':>6} "
-          f"{'waited':>7} {'sent/worker':>11}  H per round")
     for r in rows:
-        print(f"{r['name']:<19} {r['eval_loss']:>9.4f} {r['tokens'] / 1e6:>8.2f}M {r['rounds']:>6} {r['run_wall_s']:>6.1f}s "
-              f"{r['tokens_per_s']:>7.0f} {100 * r['utilisation']:>5.1f}% {r['exchange_wait_s']:>6.1f}s "
-              f"{r['bytes_per_worker'] / 1e6:>9.1f}MB  {r['inner_steps'] if r['inner_steps'][0] else args.inner_steps}")
+        r["loss_vs_fixed_pct"] = round(100 * (r["eval_loss"] / rows[0]["eval_loss"] - 1), 2)
+        r["tokens_per_s_vs_fixed"] = round(r["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
+    print(f"\n{'row':<19} {'eval loss':>9} {'vs fixed':>8} {'tokens':>9} {'rounds':>6} {'wall':>7} {'tok/s':>7} "
+          f"{'util':>6} {'waited':>7} {'sent/worker':>11}  H per round")
+    for r in rows:
+        steps = r["inner_steps"] if r["inner_steps"][0] else args.inner_steps
+        print(f"{r['name']:<19} {r['eval_loss']:>9.4f} {r['loss_vs_fixed_pct']:>+7.2f}% {r['tokens'] / 1e6:>8.2f}M "
+              f"{r['rounds']:>6} {r['run_wall_s']:>6.1f}s {r['tokens_per_s']:>7.0f} {100 * r['utilisation']:>5.1f}% "
+              f"{r['exchange_wait_s']:>6.1f}s {r['bytes_per_worker'] / 1e6:>9.1f}MB  {steps}"
+              + (f"  codecs {r['codecs_last_round']}" if r["codecs_last_round"] else ""))
     out = {"rows": rows, "config": {"rounds": rounds, "bandwidth": args.bandwidth, "latency": "50ms",
                                     "inner_steps": args.inner_steps, "max": args.max, "set": args.set}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

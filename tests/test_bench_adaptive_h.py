@@ -21,13 +21,16 @@ def test_adaptive_h_on_a_tiny_model(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["fixed", "adaptive", "fixed, same tokens"]
-    fixed, adaptive, same = rows.values()
+    assert list(rows) == ["fixed", "adaptive", "fixed, same tokens", "fixed, same wall", "adaptive codec",
+                          "adaptive codec + H"]
+    fixed, adaptive, same = list(rows.values())[:3]
     assert fixed["inner_steps"] == [None] * 4 and fixed["hide_steps"][0] > 5  # H = 5 cannot hide it
     assert adaptive["inner_steps"][:2] == [5, 5] and adaptive["inner_steps"][-1] > 5
     assert adaptive["tokens"] > fixed["tokens"] and same["rounds"] > 4
     assert abs(same["tokens"] - adaptive["tokens"]) <= fixed["tokens"] / 4 / 2  # within half a round
     assert adaptive["exchange_wait_s"] < same["exchange_wait_s"]  # fewer, hidden exchanges for the same tokens
+    assert rows["adaptive codec"]["codecs_last_round"] and "fp32" not in rows["adaptive codec"]["codecs_last_round"]
+    assert rows["fixed"]["loss_vs_fixed_pct"] == 0.0
 
 
 def test_a_bad_override_exits_2_with_one_line():
