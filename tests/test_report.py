@@ -254,6 +254,8 @@ def test_the_utilisation_caption_says_when_the_exchange_did_not_hide(real_run: P
     assert "fit under the 5 inner steps it overlaps in all 3 rounds" in render_report(run)
     write_records(run, records)  # no link declared: nothing said
     assert "inner steps it overlaps" not in render_report(run)
+    write_records(run, [r | {"inner_steps": n} for r, n in zip(records, (5, 5, 20), strict=True)])  # adaptive H
+    assert "H = 5 to 20 inner steps each" in render_report(run)
 
 
 def test_hostile_records_of_every_type_never_crash_the_report(real_run: Path, tmp_path: Path) -> None:
@@ -274,7 +276,7 @@ def test_hostile_records_of_every_type_never_crash_the_report(real_run: Path, tm
 
     keys = ["round", "verdicts", "train_loss", "eval_loss", "eval_loss_start", "bytes_sent", "inner_s",
             "round_s", "codec", "codecs", "replayed", "absent", "late", "evidence", "entry_hash",
-            "hashes_agree", "tokens", "params_hash", "hide_steps"]
+            "hashes_agree", "tokens", "params_hash", "hide_steps", "inner_steps"]
     real = read_records(real_run)
     manifest = json.loads((real_run / "manifest.json").read_text())
     for case in range(25):

@@ -725,6 +725,9 @@ def header(v: RunView) -> str:
     mode = v.cfg("train", "mode") or s.get("mode") or "diloco"
     codec = v.cfg("compress", "codec")
     inner_steps = v.cfg("train", "inner_steps")
+    grown = sorted({n for r in v.rounds if (n := _int(r.get("inner_steps"))) is not None})  # adaptive H
+    if len(grown) > 1:
+        inner_steps = f"{grown[0]} to {grown[-1]}"
     loss_text = _loss(end)
     if start is not None and end is not None:
         loss_text += f'<div class=sub>from {_loss(start)} at the start</div>'
