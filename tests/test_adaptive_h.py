@@ -35,9 +35,10 @@ def test_h_grows_in_whole_segments_never_shrinks_and_stops_at_the_cap():
     (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=3"), "must be 0 or >= train.inner_steps"),
     (("--link.latency=20ms", "--train.inner_steps_max=20"), "needs train.mode = 'diloco', outer.delay = 1"),
     (("--outer.delay=1", "--train.inner_steps_max=20"), "needs a [link]"),
-    (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--topology.stages=2"), "topology.stages = 1"),
-    (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--verify.trace_every=5",
-      "--train.round_warmup_steps=2"), "round_warmup_steps = 0"),
+    (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--run.membership=elastic"),
+     "run.membership = 'static'"),
+    (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--outer.overlap_steps=2"),
+     "outer.overlap_steps = 0"),
     (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=22", "--verify.trace_every=5"), "must divide"),
 ])
 def test_bad_adaptive_h_configs_are_refused(overrides, message):
@@ -63,6 +64,28 @@ def test_h_grows_on_a_slow_link_replays_follow_it_and_a_skimming_worker_is_still
     report = audit_run(run_dir, replay=100)
     assert report.ok, report.first_failure
     assert report.checked["replays"] == 15
+
+
+def test_the_round_ramp_starts_at_each_round_s_first_step_whatever_its_h():
+    from veriloco.inner import lr_at
+
+    t = tiny(*SLOW, "--train.round_warmup_steps=4", "--train.warmup_steps=0").train
+    # a round of 40 steps that began at step 10: its third step is at 3/4 of the ramp
+    assert lr_at(t, 12, 1000, round_start=10) == pytest.approx(0.75 * lr_at(t, 12, 1000, round_start=0))
+    assert lr_at(t, 12, 1000) == lr_at(t, 12, 1000, round_start=10)  # step % H with H = 5: the same step 2
+    assert lr_at(t, 16, 1000, round_start=10) == lr_at(t, 16, 1000, round_start=0)  # past the ramp
+
+
+def test_pipelined_workers_with_the_round_ramp_replay_bit_for_bit_at_every_h(tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny(*SLOW, "--topology.stages=2", "--train.rounds=4", "--train.inner_state=reset",
+               "--train.round_warmup_steps=2", "--verify.replay_probability=1"), str(run_dir), quiet=True)
+    recs = rounds_of(run_dir)
+    assert recs[-1]["inner_steps"] > 5 and all(v == "accept" for r in recs for v in r["verdicts"])
+    assert all("replayed" in e for r in recs for e in r["evidence"].values())  # every worker, every round
+    report = audit_run(run_dir, replay=100)
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] == 8
 
 
 def test_a_resumed_run_takes_its_h_from_the_records_and_an_edited_h_fails_the_audit(tmp_path):

@@ -515,9 +515,7 @@ def _check_adaptive_h(cfg: Config) -> None:
          "(H grows so the delayed exchange hides under a whole round)")
     need(not Link.from_strings(cfg.link.bandwidth, cfg.link.latency).unlimited,
          "train.inner_steps_max (adaptive H) needs a [link] (bandwidth or latency) to hide the exchange under")
-    need(cfg.topology.stages == 1 and cfg.run.membership == "static",
-         "train.inner_steps_max (adaptive H) needs topology.stages = 1 and run.membership = 'static' (not supported yet)")
-    need(not t.round_warmup_steps, "train.inner_steps_max (adaptive H) needs train.round_warmup_steps = 0 (not supported yet)")
+    need(cfg.run.membership == "static", "train.inner_steps_max (adaptive H) needs run.membership = 'static' (not supported yet)")
     k = cfg.verify.trace_every
     need(not k or t.inner_steps_max % k == 0,
          f"verify.trace_every ({k}) must divide train.inner_steps_max ({t.inner_steps_max}): H grows in steps of it")

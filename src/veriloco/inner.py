@@ -58,12 +58,14 @@ class InnerResult:
         return sum(self.losses) / max(len(self.losses), 1)
 
 
-def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
+def lr_at(cfg: TrainConfig, step: int, total_steps: int, round_start: int | None = None) -> float:
     """Linear warmup to cfg.lr over warmup_steps, then cosine down to lr * min_lr_ratio; with
-    `round_warmup_steps` = w (DiLoCo rounds only), times (s + 1) / w at step s < w of each round."""
+    `round_warmup_steps` = w (DiLoCo rounds only), times (s + 1) / w at step s < w of each round,
+    s = step - round_start (step % inner_steps when every round has H steps: round_start None)."""
     ramp = 1.0
     if cfg.round_warmup_steps and cfg.mode == "diloco":
-        ramp = min(1.0, (step % cfg.inner_steps + 1) / cfg.round_warmup_steps)
+        s = step % cfg.inner_steps if round_start is None else step - round_start
+        ramp = min(1.0, (s + 1) / cfg.round_warmup_steps)
     if step < cfg.warmup_steps:
         return ramp * cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(total_steps - cfg.warmup_steps, 1)
@@ -134,11 +136,12 @@ class InnerLoop:
             foreach=False,  # one kernel path on every machine: keeps CPU runs bit-reproducible
         )
         self.step_count = 0  # inner steps taken so far in the run (drives the LR schedule)
+        self.round_start: int | None = None  # step_count when this round began, when H varies (lr_at)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on (x, y); returns the loss before the step."""
         for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps)
+            g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model, x, y)
         loss.backward()

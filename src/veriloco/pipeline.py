@@ -167,7 +167,7 @@ class PipelineInnerLoop(InnerLoop):
         loss before the step, the same value on every stage."""
         _check_split(y.shape[0], self.microbatches)
         for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps)
+            g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
         mb_losses: list[torch.Tensor] = []
         _pipe_step(self.sched, self.stage, self.stages, x, y, mb_losses, forward_only=False)
@@ -230,6 +230,24 @@ class EmulatedPipeline:
         for loop in self.loops:
             loop.step_count = value
 
+    @property
+    def total_steps(self) -> int:
+        return self.loops[0].total_steps
+
+    @total_steps.setter
+    def total_steps(self, value: int) -> None:
+        for loop in self.loops:
+            loop.total_steps = value
+
+    @property
+    def round_start(self) -> int | None:
+        return self.loops[0].round_start
+
+    @round_start.setter
+    def round_start(self, value: int | None) -> None:
+        for loop in self.loops:
+            loop.round_start = value
+
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         for m in self.models:
             yield from m.named_parameters()
@@ -239,7 +257,7 @@ class EmulatedPipeline:
         _check_split(y.shape[0], self.microbatches)
         for loop in self.loops:
             for g in loop.opt.param_groups:
-                g["lr"] = lr_at(self.cfg, loop.step_count, loop.total_steps)
+                g["lr"] = lr_at(self.cfg, loop.step_count, loop.total_steps, loop.round_start)
             loop.opt.zero_grad(set_to_none=True)
         mb_losses = []
         for xm, ym in zip(torch.tensor_split(x, self.microbatches), torch.tensor_split(y, self.microbatches),

@@ -532,6 +532,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     by as much as G moved from S_r, and this round's delta is taken from the new G, its base."""
     t0, cfg, adv = time.perf_counter(), round_cfg(w.cfg, w.schedule.at(r)), w.adversary or Adversary(w.worker, 0)
     w.inner.total_steps = w.schedule.total(r)
+    w.inner.round_start = w.schedule.before(r) if w.schedule.adaptive else None  # the per-round LR ramp's origin
     if cfg.outer.delay:  # finish_round(r - 1), which runs after this round's inner steps, saves it
         w.start_states[r] = private_state(w)
     keep = cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches

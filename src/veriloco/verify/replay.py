@@ -298,6 +298,8 @@ def replay_run(
     params, inner = replayer(start, round * train.inner_steps if steps_before is None else steps_before)
     if total_steps is not None:
         inner.total_steps = total_steps
+    if steps_before is not None:  # the round's own ramp origin (the same as step % H when H is fixed)
+        inner.round_start = steps_before
     base, landing = start, None
     if land is not None:
         base = land[1]
