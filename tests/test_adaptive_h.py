@@ -66,6 +66,15 @@ def test_h_grows_on_a_slow_link_replays_follow_it_and_a_skimming_worker_is_still
     assert report.checked["replays"] == 15
 
 
+def test_the_progress_line_shows_the_round_s_h_when_it_can_change():
+    from veriloco.round import progress_line
+
+    rec = {"round": 3, "eval_loss": None, "verdicts": ["accept"] * 2, "train_loss": [3.0, 3.1], "bytes_sent": [10, 10],
+           "round_s": 0.3}
+    assert "| H" not in progress_line(rec, 10, 1.0, 100.0)
+    assert progress_line(rec | {"inner_steps": 70}, 10, 1.0, 100.0).endswith("| H 70")
+
+
 def test_the_round_ramp_starts_at_each_round_s_first_step_whatever_its_h():
     from veriloco.inner import lr_at
 

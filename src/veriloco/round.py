@@ -1232,6 +1232,7 @@ def progress_line(rec: dict, rounds: int, elapsed: float, tokens_per_s: float) -
         f"round {rec['round'] + 1:>4}/{rounds} | eval {ev} | train {train:.4f} | "
         f"{tokens_per_s / 1e3:6.1f}k tok/s | sent {mb:7.3f} MB/worker | "
         f"accepted {acc}/{len(rec['verdicts'])} | {rec['round_s']:.2f}s | eta {eta:5.0f}s"
+        + (f" | H {rec['inner_steps']}" if "inner_steps" in rec else "")  # adaptive H
     )
 
 
