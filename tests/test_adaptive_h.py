@@ -39,6 +39,8 @@ def test_h_grows_in_whole_segments_never_shrinks_and_stops_at_the_cap():
      "run.membership = 'static'"),
     (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--outer.overlap_steps=2"),
      "outer.overlap_steps = 0"),
+    (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--topology.workers=1"),
+     "topology.workers >= 2"),
     (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=22", "--verify.trace_every=5"), "must divide"),
 ])
 def test_bad_adaptive_h_configs_are_refused(overrides, message):
@@ -111,3 +113,6 @@ def test_a_resumed_run_takes_its_h_from_the_records_and_an_edited_h_fails_the_au
     (run_dir / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(edited), *lines[2:]]) + "\n")
     report = audit_run(run_dir)
     assert not report.ok and "round 1: the record's hide_steps" in report.first_failure
+    (run_dir / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(edited | {"hide_steps": "70"}), *lines[2:]]) + "\n")
+    report = audit_run(run_dir)
+    assert not report.ok and "round 1: the record's hide_steps '70' is not a positive integer" in report.first_failure

@@ -543,8 +543,8 @@ def _step_schedule(cfg, records: list[dict]) -> StepSchedule:
         return StepSchedule.of(cfg, records)
     for r, rec in enumerate(records):
         need = rec.get("hide_steps")
-        if isinstance(need, bool) or not isinstance(need, int) or need < 1:
-            _fail(f"round {r}: the record's hide_steps {need!r:.40} is not a positive integer (adaptive H needs it)")
+        if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 1):
+            _fail(f"round {r}: the record's hide_steps {need!r:.40} is not a positive integer")
     schedule = StepSchedule.of(cfg, records)
     link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
     for r, rec in enumerate(records):

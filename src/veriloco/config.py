@@ -516,6 +516,7 @@ def _check_adaptive_h(cfg: Config) -> None:
     need(not Link.from_strings(cfg.link.bandwidth, cfg.link.latency).unlimited,
          "train.inner_steps_max (adaptive H) needs a [link] (bandwidth or latency) to hide the exchange under")
     need(cfg.run.membership == "static", "train.inner_steps_max (adaptive H) needs run.membership = 'static' (not supported yet)")
+    need(cfg.topology.workers >= 2, "train.inner_steps_max (adaptive H) needs topology.workers >= 2 (one worker exchanges nothing)")
     k = cfg.verify.trace_every
     need(not k or t.inner_steps_max % k == 0,
          f"verify.trace_every ({k}) must divide train.inner_steps_max ({t.inner_steps_max}): H grows in steps of it")
