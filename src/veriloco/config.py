@@ -79,7 +79,8 @@ class TrainConfig:
         0,
         "adaptive H: with outer.delay = 1 and a [link], a round's H may grow (never shrink) up to this "
         "so that the exchange it overlaps hides under its compute (the records' hide_steps); 0 = H stays "
-        "inner_steps. The LR schedule is re-aimed each round at rounds x the current H",
+        "inner_steps. Rounds stay train.rounds; the LR schedule is re-aimed each round at the steps taken "
+        "plus the rounds left at the current H",
     )
     round_warmup_steps: int = _f(
         0,
