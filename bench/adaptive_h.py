@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verified_cost import run_rows  # noqa: E402
+from verified_cost import rounds_of, row_bench_args, run_rows  # noqa: E402
 from verify import ROOT  # noqa: E402
 
 from veriloco.config import ConfigError, load_config  # noqa: E402
@@ -58,18 +58,12 @@ def row_of(name: str, summary: dict, recs: list[dict], wall: float) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=10)
+    row_bench_args(ap, 10, "adaptive_h.json")
     ap.add_argument("--bandwidth", default="5mbit")
     ap.add_argument("--inner-steps", type=int, default=30)
     ap.add_argument("--max", type=int, default=300, help="train.inner_steps_max of the adaptive row")
-    ap.add_argument("--quick", action="store_true", help="4 rounds")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="an override for every row (e.g. model size, for tests)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "adaptive_h.json"))
     args = ap.parse_args(argv)
-    rounds = 4 if args.quick else args.rounds
-    if rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {rounds}")
+    rounds = rounds_of(ap, args)
     common = ["--outer.delay=1", "--outer.momentum=0.5", f"--link.bandwidth={args.bandwidth}", "--link.latency=50ms",
               f"--train.inner_steps={args.inner_steps}", *(f"--{s}" for s in args.set)]
     default = ROOT / "configs" / "default.toml"

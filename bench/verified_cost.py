@@ -67,21 +67,32 @@ def run_rows(cfgs: list[tuple[str, Config]]) -> Iterator[tuple[str, Config, list
             yield name, cfg, [json.loads(line) for line in run.rounds_path.read_text().splitlines()], summary, wall
 
 
+def row_bench_args(ap: argparse.ArgumentParser, rounds: int, out: str) -> None:
+    """The arguments of a bench that runs whole configs row by row: --rounds, --quick, --set, --out."""
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--quick", action="store_true", help="4 rounds")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="an override for every row (e.g. model size, for tests)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
+
+
+def rounds_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--rounds, or 4 with --quick; exits 2 (argparse) when it is not >= 1."""
+    rounds = 4 if args.quick else args.rounds
+    if rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {rounds}")
+    return rounds
+
+
 def _pct(shares: dict, key: str) -> str:
     return f"{100 * shares[key]:.2f}%" if key in shares else "-"
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=14)
-    ap.add_argument("--quick", action="store_true", help="4 rounds")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="an override for every row (e.g. model size, for tests)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verified_cost.json"))
+    row_bench_args(ap, 14, "verified_cost.json")
     args = ap.parse_args(argv)
-    rounds = 4 if args.quick else args.rounds
-    if rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {rounds}")
+    rounds = rounds_of(ap, args)
     sets = [f"--train.rounds={rounds}", *(f"--{s}" for s in args.set)]
     try:
         ramp = load_config(ROOT / "configs" / "verified.toml", sets).train.round_warmup_steps
