@@ -40,6 +40,8 @@ def test_the_warning_names_the_window_that_is_too_short():
     assert hide_warning(tiny("--train.inner_steps=50", "--outer.delay=1"), rec) is None
     assert "train.inner_steps = 5 " in hide_warning(tiny("--outer.delay=1"), rec)
     assert "outer.overlap_steps = 2 " in hide_warning(tiny("--train.inner_steps=50", "--outer.delay=1", "--outer.overlap_steps=2"), rec)
+    assert "--compress.codec=adaptive" in hide_warning(tiny("--outer.delay=1"), rec)
+    assert "adaptive" not in hide_warning(tiny("--outer.delay=1", "--compress.codec=adaptive"), rec)  # already on
     assert hide_warning(tiny(), rec) is None  # delay 0: nothing to hide under
     assert hide_warning(tiny("--outer.delay=1"), {"round": 0}) is None  # no link declared
 

@@ -1103,8 +1103,10 @@ def hide_warning(cfg: Config, rec: dict) -> str | None:
             return None
     if need <= window:
         return None
+    smaller = "" if cfg.compress.codec == "adaptive" else \
+        ", or first let --compress.codec=adaptive fit the packets to the link (bench/adaptive_h.py: it did better)"
     return (f"warning: round {rec['round'] + 1}'s exchange needs about {need} inner steps of compute to hide under, "
-            f"{name} = {window} gives it {window}: raise {name} to >= {need} or send smaller packets ([compress])")
+            f"{name} = {window} gives it {window}: raise {name} to >= {need}{smaller}")
 
 
 def combine_stages(parts: list[dict], store: LocalStore | None) -> dict:
