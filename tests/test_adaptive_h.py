@@ -116,3 +116,15 @@ def test_a_resumed_run_takes_its_h_from_the_records_and_an_edited_h_fails_the_au
     (run_dir / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(edited | {"hide_steps": "70"}), *lines[2:]]) + "\n")
     report = audit_run(run_dir)
     assert not report.ok and "round 1: the record's hide_steps '70' is not a positive integer" in report.first_failure
+
+
+def test_the_slow_link_config_is_make_run_with_the_slow_link_settings():
+    from conftest import ROOT
+
+    from veriloco.config import load_config
+
+    slow, default = (load_config(ROOT / "configs" / name).to_dict() for name in ("slow_link.toml", "default.toml"))
+    changed = {(section, key) for section in default for key in default[section]
+               if slow[section][key] != default[section][key]}
+    assert changed == {("train", "inner_steps_max"), ("outer", "momentum"), ("outer", "delay"), ("compress", "codec"),
+                       ("compress", "error_feedback"), ("link", "bandwidth"), ("link", "latency")}
