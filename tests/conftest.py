@@ -1,8 +1,10 @@
-"""Shared helpers: the tiny config and a one-call local run."""
+"""Shared helpers: the tiny config, a one-call local run, and a bench script run as a user would."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,17 @@ from veriloco.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
+
+
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python bench/SCRIPT ARGS...` in a fresh interpreter, its output captured as text."""
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    """`--set KEY=VALUE` for each override (the row benches' per-row overrides)."""
+    return [a for o in overrides for a in ("--set", o)]
 
 
 def tiny(*overrides: str) -> Config:

@@ -4,10 +4,8 @@ cannot hide its exchange, and the third row matches the adaptive row's tokens at
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import run_bench, set_args
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32", "train.batch_size=4",
         "train.eval_batches=2", "topology.workers=2", "train.warmup_steps=5"]
@@ -15,10 +13,9 @@ TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32",
 
 def test_adaptive_h_on_a_tiny_model(tmp_path):
     out = tmp_path / "ah.json"
-    sets = [a for s in TINY for a in ("--set", s)]
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "adaptive_h.py"), "--rounds", "4", "--inner-steps", "5",
-                        "--bandwidth", "2mbit", "--max", "100", *sets, "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    sets = set_args(TINY)
+    p = run_bench("adaptive_h.py", "--rounds", "4", "--inner-steps", "5", "--bandwidth", "2mbit", "--max", "100",
+                  *sets, "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["fixed", "adaptive", "fixed, same tokens", "fixed, same wall", "adaptive codec",
@@ -34,6 +31,5 @@ def test_adaptive_h_on_a_tiny_model(tmp_path):
 
 
 def test_a_bad_override_exits_2_with_one_line():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "adaptive_h.py"), "--set", "train.nope=1"],
-                       capture_output=True, text=True, timeout=60)
+    p = run_bench("adaptive_h.py", "--set", "train.nope=1", timeout=60)
     assert p.returncode == 2 and "nope" in p.stderr.splitlines()[-1]

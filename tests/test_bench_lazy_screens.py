@@ -4,18 +4,15 @@ short delta is shorter than an honest one, and scaling it moves its norm and not
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import run_bench
 
 
 def test_lazy_screens_on_a_tiny_run(tmp_path):
     out = tmp_path / "ls.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy_screens.py"), "--config", "tiny", "--inner-steps", "8",
-                        "--rounds", "2", "--rounds-checked", "1", "--scales", "1.0,1.5", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    p = run_bench("lazy_screens.py", "--config", "tiny", "--inner-steps", "8", "--rounds", "2", "--rounds-checked",
+                  "1", "--scales", "1.0,1.5", "--out", str(out))
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
     assert res["config"]["lazy_steps"] == 6 and res["config"]["scales"] == [1.0, 1.3333, 1.5]
@@ -30,6 +27,5 @@ def test_lazy_screens_on_a_tiny_run(tmp_path):
 
 
 def test_bad_arguments_exit_with_one_line():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy_screens.py"), "--skip", "1.5"],
-                       capture_output=True, text=True, timeout=60)
+    p = run_bench("lazy_screens.py", "--skip", "1.5", timeout=60)
     assert p.returncode == 2 and "--skip must be in (0, 1)" in p.stderr.splitlines()[-1]

@@ -5,11 +5,10 @@ records and one tiny run."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_bench
 
 sys.path.insert(0, str(ROOT / "bench"))
 import replay_extent  # noqa: E402
@@ -38,9 +37,8 @@ def test_tally_prices_a_replay_from_the_rounds_that_convicted_no_one():
 
 def test_replay_extent_on_a_tiny_run(tmp_path):
     out = tmp_path / "re.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_extent.py"), "--seeds", "1", "--rounds", "3",
-                        "--inner-steps", "4", "--trace-every", "2", "--replay", "1.0", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    p = run_bench("replay_extent.py", "--seeds", "1", "--rounds", "3", "--inner-steps", "4", "--trace-every", "2",
+                  "--replay", "1.0", "--out", str(out))
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
     whole, seg = res["rows"]
@@ -52,6 +50,5 @@ def test_replay_extent_on_a_tiny_run(tmp_path):
 
 
 def test_trace_every_must_divide_inner_steps():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_extent.py"), "--inner-steps", "10",
-                        "--trace-every", "3"], capture_output=True, text=True, timeout=60)
+    p = run_bench("replay_extent.py", "--inner-steps", "10", "--trace-every", "3", timeout=60)
     assert p.returncode == 2 and "--trace-every (3) must divide --inner-steps (10)" in p.stderr.splitlines()[-1]

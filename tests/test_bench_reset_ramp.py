@@ -4,10 +4,8 @@ compared with keep."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import run_bench, set_args
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32", "train.batch_size=4",
         "train.eval_batches=2"]
@@ -15,9 +13,8 @@ TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32",
 
 def test_reset_ramp_on_a_tiny_model(tmp_path):
     out = tmp_path / "rr.json"
-    sets = [a for s in TINY for a in ("--set", s)]
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reset_ramp.py"), "--rounds", "2", "--inner-steps", "6",
-                        "--ramps", "2,3", *sets, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    sets = set_args(TINY)
+    p = run_bench("reset_ramp.py", "--rounds", "2", "--inner-steps", "6", "--ramps", "2,3", *sets, "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["name"], r["inner_state"], r["round_warmup_steps"]) for r in rows] == [
@@ -26,6 +23,5 @@ def test_reset_ramp_on_a_tiny_model(tmp_path):
 
 
 def test_a_ramp_longer_than_a_round_exits_2_with_one_line():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reset_ramp.py"), "--inner-steps", "5", "--ramps", "9"],
-                       capture_output=True, text=True, timeout=60)
+    p = run_bench("reset_ramp.py", "--inner-steps", "5", "--ramps", "9", timeout=60)
     assert p.returncode == 2 and "round_warmup_steps must be in [0, train.inner_steps = 5], got 9" in p.stderr

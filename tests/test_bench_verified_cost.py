@@ -4,10 +4,8 @@ the three rows side by side (shrunk to a tiny model here)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from conftest import ROOT
+from conftest import ROOT, run_bench, set_args
 
 from veriloco.config import load_config
 
@@ -32,9 +30,8 @@ def test_the_verified_config_turns_every_layer_on():
 
 def test_verified_cost_on_a_tiny_model(tmp_path):
     out = tmp_path / "vc.json"
-    sets = [a for s in TINY for a in ("--set", s)]
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "verified_cost.py"), "--rounds", "2", *sets,
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    sets = set_args(TINY)
+    p = run_bench("verified_cost.py", "--rounds", "2", *sets, "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["plain", "reset", "reset+ramp", "keep+ramp", "verified"]
@@ -45,6 +42,5 @@ def test_verified_cost_on_a_tiny_model(tmp_path):
 
 
 def test_a_bad_override_exits_2_with_one_line():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "verified_cost.py"), "--set", "train.nope=1"],
-                       capture_output=True, text=True, timeout=60)
+    p = run_bench("verified_cost.py", "--set", "train.nope=1", timeout=60)
     assert p.returncode == 2 and "nope" in p.stderr.splitlines()[-1]

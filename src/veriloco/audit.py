@@ -541,22 +541,21 @@ def _step_schedule(cfg, records: list[dict]) -> StepSchedule:
     the workers computed it from the same gathered numbers), so a record edited to change H fails."""
     if not cfg.train.inner_steps_max:
         return StepSchedule.of(cfg, records)
-    for r, rec in enumerate(records):
-        need = rec.get("hide_steps")
-        if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 1):
-            _fail(f"round {r}: the record's hide_steps {need!r:.40} is not a positive integer")
-    schedule = StepSchedule.of(cfg, records)
-    link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
-    for r, rec in enumerate(records):
+    schedule, link = StepSchedule.of(cfg, []), Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
+    for r, rec in enumerate(records):  # round r's H follows from the records before it
+        recorded = rec.get("hide_steps")
+        if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 1):
+            _fail(f"round {r}: the record's hide_steps {recorded!r:.40} is not a positive integer")
         if rec.get("inner_steps") != schedule.at(r):
             _fail(f"round {r}: the record says H = {rec.get('inner_steps')!r:.40}, the records' hide_steps give {schedule.at(r)}")
         try:
             need = hide_steps(link, rec, schedule.at(r), cfg.compress.safety)
         except (KeyError, TypeError, IndexError, ValueError) as e:
             _fail(f"round {r}: hide_steps cannot be recomputed from the record ({type(e).__name__}: {e})")
-        if need != rec.get("hide_steps"):
-            _fail(f"round {r}: the record's hide_steps {rec.get('hide_steps')!r} is not what its inner_s and "
+        if need != recorded:
+            _fail(f"round {r}: the record's hide_steps {recorded!r} is not what its inner_s and "
                   f"bundle_bytes give ({need})")
+        schedule.grow(need)
     return schedule
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,6 +198,20 @@ class PipelineInnerLoop(InnerLoop):
         return combine_stage_hashes([bytes(t.cpu().tolist()).hex() for t in every])
 
 
+class _EveryLoop:
+    """An attribute that each of `EmulatedPipeline.loops` holds alike (the stages step in lockstep)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: EmulatedPipeline | None, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.loops[0], self.name)
+
+    def __set__(self, obj: EmulatedPipeline, value: Any) -> None:
+        for loop in obj.loops:
+            setattr(loop, self.name, value)
+
+
 class EmulatedPipeline:
     """A worker's S-stage pipeline run in ONE process, bit for bit: the same trace hashes, losses
     and params as `PipelineInnerLoop` on S processes (tests/test_pipeline.py checks it). It lets
@@ -221,32 +236,10 @@ class EmulatedPipeline:
         self.models, self.cfg, self.microbatches, self.loss_fn = stage_models, cfg, microbatches, loss_fn
         self.loops = [InnerLoop(m, cfg, total_steps, None) for m in stage_models]  # each slice's AdamW
 
-    @property
-    def step_count(self) -> int:
-        return self.loops[0].step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        for loop in self.loops:
-            loop.step_count = value
-
-    @property
-    def total_steps(self) -> int:
-        return self.loops[0].total_steps
-
-    @total_steps.setter
-    def total_steps(self, value: int) -> None:
-        for loop in self.loops:
-            loop.total_steps = value
-
-    @property
-    def round_start(self) -> int | None:
-        return self.loops[0].round_start
-
-    @round_start.setter
-    def round_start(self, value: int | None) -> None:
-        for loop in self.loops:
-            loop.round_start = value
+    # the LR schedule's clock, the same on every stage's loop: read from the first, set on all
+    step_count = _EveryLoop()
+    total_steps = _EveryLoop()
+    round_start = _EveryLoop()
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         for m in self.models:

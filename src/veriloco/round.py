@@ -60,6 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
+from statistics import median_high
 from typing import Any
 
 import torch
@@ -352,7 +353,6 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         w.eval_all = task.eval_batches()
     if str(worker) in cfg.adversary:
         w.adversary = load_adversary(cfg.adversary[str(worker)], worker, cfg.run.seed)
-        w.adversary.params.setdefault("_trace_entries", str(trace_entries(cfg)))  # what honest looks like
     w.schedule = StepSchedule.of(cfg, w.run.rounds()[:resume_round] if resume_round > 0 and cfg.train.inner_steps_max else [])
     if resume_round > 0:
         restore(w, resume_round)
@@ -532,7 +532,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     by as much as G moved from S_r, and this round's delta is taken from the new G, its base."""
     t0, cfg, adv = time.perf_counter(), round_cfg(w.cfg, w.schedule.at(r)), w.adversary or Adversary(w.worker, 0)
     w.inner.total_steps = w.schedule.total(r)
-    w.inner.round_start = w.schedule.before(r) if w.schedule.adaptive else None  # the per-round LR ramp's origin
+    w.inner.round_start = w.schedule.before(r)  # the per-round LR ramp's origin
     if cfg.outer.delay:  # finish_round(r - 1), which runs after this round's inner steps, saves it
         w.start_states[r] = private_state(w)
     keep = cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches
@@ -566,7 +566,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     if cfg.train.inner_state == "reset":
         w.inner.reset_state()
     k = cfg.verify.trace_every or cfg.train.inner_steps
-    if w.adversary is not None and cfg.train.inner_steps_max:  # what an honest trace holds at this round's H
+    if w.adversary is not None:  # what an honest trace holds at this round's H
         w.adversary.params["_trace_entries"] = str(trace_entries(cfg))
     steps = adv.inner_steps(r, cfg.train.inner_steps)  # an adversary may skip work ...
     t_inner = time.perf_counter()
@@ -1076,16 +1076,16 @@ def hide_steps(link: Link | None, rec: dict, steps: int, safety: float) -> int |
     `compress.suggest_inner_steps` on the round's median bundle (commitment + packet, as sent) and
     the median worker's seconds per inner step, among the workers present: what H (or, with
     `[outer] overlap_steps`, tau) would let a one-round-late exchange run entirely under the next
-    round's compute with the adaptive controller's `safety` margin. None without a declared link or
-    with fewer than two workers present. H itself is not changed: see `hide_warning`."""
+    round's compute with the adaptive controller's `safety` margin (of two middle values, the
+    larger). None without a declared link or with fewer than two workers present. Adaptive H
+    grows H from it (`StepSchedule`); otherwise `hide_warning` reports it."""
     here = [j for j, b in enumerate(rec["bundle_bytes"]) if b]
     if link is None or len(here) < 2 or steps < 1:
         return None
-    step_s = sorted(rec["inner_s"][j] for j in here)[len(here) // 2] / steps
+    step_s = median_high(rec["inner_s"][j] for j in here) / steps
     if step_s <= 0:
         return None
-    sizes = sorted(rec["bundle_bytes"][j] for j in here)
-    size, bandwidth = int(sizes[len(sizes) // 2]), link.bandwidth_bps
+    size, bandwidth = int(median_high(rec["bundle_bytes"][j] for j in here)), link.bandwidth_bps
     if math.isinf(bandwidth):  # a latency-only link: the bytes take no time (0 bytes at any finite rate)
         size, bandwidth = 0, 1.0
     return suggest_inner_steps(size, bandwidth, link.latency_s, step_s, len(here), safety)

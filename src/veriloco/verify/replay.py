@@ -193,7 +193,6 @@ def segments_to_sample(verify: VerifyConfig, train: TrainConfig) -> int:
     return max(train.inner_steps // (verify.trace_every or train.inner_steps), 1)
 
 
-
 def replayable_codec(spec: str) -> bool:
     """Whether distance mode can re-encode a replayed delta with the codec `spec`."""
     try:
