@@ -107,3 +107,29 @@ class FalseChecker(FalseAccuser):
 
     def audit_report(self, r, worker, score):
         return score
+
+
+class Withholds(Adversary):
+    """Trains honestly but never sends the start state an auditor asks for (replay_extent "state")."""
+
+    kind = "withholds"
+
+    def state(self, r, segment, tensors):
+        return None
+
+
+class Framer(Adversary):
+    """Trains honestly, sends its auditor a wrong start state in private, then the right one when
+    every member asks: it tries to get an honest auditor convicted of a false report."""
+
+    kind = "framer"
+
+    def __init__(self, worker, seed, **params):
+        super().__init__(worker, seed, **params)
+        self.asked = set()
+
+    def state(self, r, segment, tensors):
+        if (r, segment) in self.asked or tensors is None:
+            return tensors
+        self.asked.add((r, segment))
+        return {k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()}

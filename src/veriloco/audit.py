@@ -102,11 +102,17 @@ from .verify.lossgain import (
 from .verify.replay import (
     PlanInputs,
     Replayer,
+    from_state,
     judge_reported,
     plain_replayer,
     replay_failed,
     replay_run,
     slice_result,
+    state_from_bytes,
+    state_layout,
+    state_matches,
+    state_nbytes,
+    state_ref,
     worker_score,
 )
 from .verify.screen import LossGain
@@ -497,7 +503,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
                 take_whole_workers(c.check, accepted)
         if cfg.verify.replay_probability > 0:
             replays_left = _replays(cfg, task, r, checks, slices, recorded, parts, replays_left, counts, wheres,
-                                    (schedule.before(r), schedule.total(r)))
+                                    (schedule.before(r), schedule.total(r)), _stored_states(store, manifest["run_id"], G0))
         results = [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
                    for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres,
                                                                    strict=True)]
@@ -810,8 +816,25 @@ def _emulated_replayer(cfg, total: int) -> Replayer:
     return replayer
 
 
+def _stored_states(store, run_id: str, model: torch.nn.Module):
+    """state_of(r, worker, segment): the start state an auditor checked against worker's trace
+    and stored (`[verify] replay_extent = "state"`; round.StateMoves), or None when there is none
+    in the store (then the replay fails at the segment's start, as it did for a withheld state)."""
+    layout = state_layout(model)
+
+    def state_of(r: int, worker: int, segment: int) -> dict[str, torch.Tensor] | None:
+        try:
+            digest = store.get_ref(state_ref(run_id, r, worker, segment)).decode("ascii", "replace").strip()
+            return state_from_bytes(store.get(check_digest(digest), max_bytes=state_nbytes(layout)), layout)
+        except StoreError:
+            return None
+
+    return state_of
+
+
 def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list[_Slice], recorded: list[list[dict]],
-             parts: list[dict], replays_left: int, counts: dict, wheres: list[str], clock: tuple[int, int]) -> int:
+             parts: list[dict], replays_left: int, counts: dict, wheres: list[str], clock: tuple[int, int],
+             state_of=None) -> int:
     """Redo round r's replays (the random sample and the screen's suspects): re-run up to
     `replays_left` of them, check that the recorded verdicts are ones the plan allowed, and apply
     replay_mismatch / false_report verdicts to each slice's check. A re-run replay scores and
@@ -820,7 +843,8 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
     auditor who reported it as passing. With S > 1 stages the plan is the worker-wide one the
     stages pooled (PlanInputs.pooled), a replay runs the whole worker (emulated in this one
     process) and its number is the worst of the stages' comparisons, as the auditor's stages
-    combined theirs. `clock`: (steps before round r, the LR schedule's length then)."""
+    combined theirs. `clock`: (steps before round r, the LR schedule's length then). `state_of`:
+    the stored start states of segments replayed from them (`_stored_states`)."""
     (before, total), stages = clock, len(slices)
     plans = [PlanInputs.of_round(c.base, c.check, sl.banned) for c, sl in zip(checks, slices, strict=True)]
     plan = plans[0] if stages == 1 else PlanInputs.pooled([x.to_json() for x in plans])
@@ -846,6 +870,7 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
         evidence = [part.get("evidence") or {} for part in parts]
         evs = [ev.get(str(a.worker)) if isinstance(ev.get(str(a.worker)), dict) else {} for ev in evidence]
         disputed = any(isinstance(ev.get("replayed"), dict) and ev["replayed"].get("disputed") is True for ev in evs)
+        blame = not any(isinstance(ev.get("replayed"), dict) and ev["replayed"].get("state_resent") is True for ev in evs)
         if replays_left > 0:
             replays_left -= 1
             counts["replays"] += 1
@@ -853,25 +878,30 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
             for sl in slices:
                 own = sl.history.get(a.worker, []) if cfg.outer.delay else []
                 start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
-            replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
-                                  lambda step, j=a.worker: t.batch(j, r, step), a, land,
-                                  steps_before=before, total_steps=total)
             signed = [c.check.commitments[a.worker].commitment for c in checks]
-            score = worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
-                                                           replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])
+            state = state_of(r, a.worker, a.segment) if from_state(cfg.verify, a) and state_of else None
+            if from_state(cfg.verify, a) and not state_matches(state, list(signed[0].trace), a.segment):
+                score = float(a.segment)  # no stored state that hashes to the segment's start
+            else:
+                replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
+                                      lambda step, j=a.worker: t.batch(j, r, step), a, land,
+                                      steps_before=before, total_steps=total, state=state)
+                score = worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
+                                                               replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])
             for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
                 if replay_failed(cfg.verify, score) and mine.get(a.worker) == ACCEPT:
                     _fail(f"{where}worker {a.worker}'s replay fails, but the round accepted it: its auditor, "
                           f"worker {a.auditor}, reported it as passing")
                 if replay_failed(cfg.verify, score) or disputed:
-                    judge_reported(cfg.verify, checked.check, a, 0.0, score)
+                    judge_reported(cfg.verify, checked.check, a, 0.0, score, blame)
             continue
         # not re-run: the record's verdicts stand, as far as the plan allows them
         for checked, mine in zip(checks, verdicts, strict=True):
             if mine.get(a.worker) == REPLAY_MISMATCH:
                 judge_reported(cfg.verify, checked.check, a, 0.0, 0.0 if cfg.verify.replay_match == "exact" else math.inf)
-            elif disputed and mine.get(a.auditor) == FALSE_REPORT:
-                judge_reported(cfg.verify, checked.check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0)
+            elif disputed and (mine.get(a.auditor) == FALSE_REPORT or not blame):
+                judge_reported(cfg.verify, checked.check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0,
+                               blame)
     return replays_left
 
 

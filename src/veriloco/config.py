@@ -240,7 +240,11 @@ class VerifyConfig:
         "cost). A lazy worker does its first steps honestly and skips the last, so only replays "
         "that reach the skipped ones catch it: 'segment' catches a worker skipping a share s of its "
         "steps in about s of its drawn replays, at (1 + k/H) / 2 of a whole replay's cost on average. "
-        "Suspects are always replayed whole",
+        "'state': only the drawn segment, from its start state, which the audited worker sends the "
+        "auditor (params + AdamW moments, 3x the model's bytes, counted as verify_bytes; its hash "
+        "must be the trace's entry, or the worker is convicted): k/H of a round's compute per "
+        "replay, and a worker skipping a share s of its steps is caught in about s of them; "
+        "needs topology.stages = 1. Suspects are always replayed whole",
     )
     replay_tolerance: float = _f(
         0.01,
@@ -452,7 +456,12 @@ def validate(cfg: Config) -> None:
     need(v.loss_gain_action in ("audit", "reject"),
          f"verify.loss_gain_action must be 'audit' or 'reject', got {v.loss_gain_action!r}")
     need(v.replay_match in ("exact", "distance"), f"verify.replay_match must be 'exact' or 'distance', got {v.replay_match!r}")
-    need(v.replay_extent in ("round", "segment"), f"verify.replay_extent must be 'round' or 'segment', got {v.replay_extent!r}")
+    need(v.replay_extent in ("round", "segment", "state"),
+         f"verify.replay_extent must be 'round', 'segment' or 'state', got {v.replay_extent!r}")
+    if v.replay_probability > 0 and v.replay_extent == "state":
+        need(v.replay_match == "exact", "verify.replay_extent = 'state' needs verify.replay_match = 'exact' "
+             "(a segment's start state is checked by its hash in the trace)")
+        need(cfg.topology.stages == 1, "verify.replay_extent = 'state' needs topology.stages = 1")
     # >= 1 would accept any delta scaled up enough: ||r - c|| / ||c|| -> 1 as ||c|| grows
     need(0 < v.replay_tolerance < 1, f"verify.replay_tolerance must be in (0, 1), got {v.replay_tolerance}")
     if v.replay_probability > 0:

@@ -137,6 +137,9 @@ class InnerLoop:
         )
         self.step_count = 0  # inner steps taken so far in the run (drives the LR schedule)
         self.round_start: int | None = None  # step_count when this round began, when H varies (lr_at)
+        # `[verify] replay_extent = "state"`: a copy of the state behind every trace entry of the
+        # round, in trace order, for an auditor drawn to replay a segment from its start
+        self.keep: list[dict[str, torch.Tensor]] | None = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on (x, y); returns the loss before the step."""
@@ -191,4 +194,6 @@ class InnerLoop:
         """Hash of params + optimizer state: one trace entry."""
         tensors = {f"param/{n}": p.detach() for n, p in self.model.named_parameters()}
         tensors.update(self.state_tensors())
+        if self.keep is not None:
+            self.keep.append({k: v.clone() for k, v in tensors.items()})
         return tensors_hash(tensors)

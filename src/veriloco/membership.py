@@ -193,6 +193,15 @@ class GroupComm:
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
         dist.all_gather(out, t, group=self.group)
 
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        dist.send(t, group=self.group, group_dst=dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        dist.recv(t, group=self.group, group_src=src)
+
+    def broadcast_from(self, t: torch.Tensor, src: int) -> None:
+        dist.broadcast(t, group=self.group, group_src=src)
+
 
 class PgComm:
     """The same collectives over a bare process group (a quorum's; not part of any world)."""
@@ -212,6 +221,15 @@ class PgComm:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return self.pg.broadcast([t], opts)
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.pg.send([t], dst, 0).wait()
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self.pg.recv([t], src, 0).wait()
+
+    def broadcast_from(self, t: torch.Tensor, src: int) -> None:
+        self.broadcast(t, src).wait()
 
 
 def serve(argv: list[str]) -> None:

@@ -86,7 +86,7 @@ from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .inner import InnerLoop, Landing, Spent, shift_params
 from .ledger import Ledger, SqliteLedger
 from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
-from .link import Link
+from .link import Link, pace
 from .membership import GroupComm, PgComm
 from .outer import OuterOptimizer
 from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
@@ -114,6 +114,8 @@ from .verify.replay import (
     PlanInputs,
     Replayed,
     Replayer,
+    attributable,
+    from_state,
     judge_reported,
     plain_replayer,
     replay_evidence,
@@ -121,6 +123,12 @@ from .verify.replay import (
     replay_run,
     replay_score,
     slice_result,
+    state_from_bytes,
+    state_layout,
+    state_matches,
+    state_nbytes,
+    state_ref,
+    state_to_bytes,
     worker_score,
 )
 from .verify.screen import LossGain
@@ -167,6 +175,7 @@ class Worker:
     applied: int = -1  # elastic: the last round whose outer step G holds
     banned: set = field(default_factory=set)  # workers convicted of an offence (verify.OFFENCES)
     schedule: StepSchedule | None = None  # H of each round (set by setup_worker)
+    kept: dict = field(default_factory=dict)  # replay_extent "state": round -> its trace entries' states
 
     @property
     def is_recorder(self) -> bool:
@@ -570,8 +579,12 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
         w.adversary.params["_trace_entries"] = str(trace_entries(cfg))
     steps = adv.inner_steps(r, cfg.train.inner_steps)  # an adversary may skip work ...
     t_inner = time.perf_counter()
+    if states_sent(cfg):
+        w.inner.keep = []  # the state behind each trace entry, for the auditor of one of its segments
     result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
                          land=landing)
+    if w.inner.keep is not None:
+        w.kept[r], w.inner.keep = w.inner.keep, None
     if steps < cfg.train.inner_steps:  # ... and keep the LR schedule as if it had not
         w.inner.step_count += cfg.train.inner_steps - steps
     base = start if land is None else w.outer.params
@@ -755,7 +768,9 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     distance: `[verify] replay_match`); every worker learns the auditor's number. A reported
     failure convicts no one on one auditor's word: every member replays that round itself and
     judges by its own number, so an honest majority's verdicts agree; if the replay passes, the
-    auditor lied and is convicted (FALSE_REPORT). Returns the time this worker spent replaying."""
+    auditor lied and is convicted (FALSE_REPORT). With `[verify] replay_extent = "state"` a drawn
+    segment is replayed from its start state, which the worker sends (`StateMoves`). Returns the
+    time this worker spent replaying, and the states moved."""
     cfg = round_cfg(w.cfg, w.schedule.at(r))
     plan = PlanInputs.of_round(base_hash, check, w.banned)
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
@@ -764,15 +779,22 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     G_r, spent, mine = w.bases.get(r), Spent(), {}
     replayer = replayer_of(w)
     land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round
+    moves = StateMoves(w, r, part)
+    for a in audits:  # replay_extent "state": each drawn segment's start state, worker -> its auditor
+        if from_state(cfg.verify, a):
+            moves.send(a, check)
 
     def replay(a: Audit) -> float:  # this worker's own replay of audit a
         with spent.timing():
             own = w.history.get(a.worker, []) if cfg.outer.delay else []
             signed = check.commitments[a.worker].commitment
+            state = moves.received.get(a.worker) if from_state(cfg.verify, a) else None
+            if from_state(cfg.verify, a) and state is None:
+                return float(a.segment)  # no state that hashes to the segment's start in the trace
             start = start_point(cfg, w.starts[r] if land else G_r, own, w.workers, w.base_momenta.get(r))
             run = lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,  # noqa: E731
                                      lambda step, j=a.worker: w.task.batch(j, r, step), a, land,
-                                     steps_before=w.schedule.before(r), total_steps=w.schedule.total(r))
+                                     steps_before=w.schedule.before(r), total_steps=w.schedule.total(r), state=state)
             committed, codecs = check.decoded[a.worker], replay_codecs(cfg, signed)
             if w.topo.stages == 1:
                 return replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
@@ -791,9 +813,92 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             if a.worker in check.suspects:
                 check.evidence[a.worker]["suspect"] = check.suspects[a.worker]
             continue
+        if from_state(cfg.verify, a):  # the worker sends the state again, to every member alike
+            moves.resend(a, check)
+            mine.pop(a.worker, None)
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
-        judge_reported(cfg.verify, check, a, reported, score)
-    return spent
+        judge_reported(cfg.verify, check, a, reported, score, attributable(cfg.verify, a, reported))
+    w.kept = {x: v for x, v in w.kept.items() if x > r}
+    return spent, moves
+
+
+def states_sent(cfg: Config) -> bool:
+    """Whether this run's auditors replay segments from start states the workers send them."""
+    return cfg.verify.replay_probability > 0 and cfg.verify.replay_extent == "state"
+
+
+class StateMoves:
+    """`[verify] replay_extent = "state"`: the start states of round r's drawn segments, each sent
+    by the audited worker to its auditor alone (`send`), or, when the auditor reports a failure,
+    to every member (`resend`), so that the judges all replay from the same bytes and nobody can be
+    framed with a state the others never saw. A state is a fixed-size buffer in the layout of the
+    model (verify/replay.py: state_layout), checked against the trace entry of the segment's start;
+    one that does not hash to it counts as withheld. A checked state goes into the store (the
+    offline audit replays from it); the bytes moved are counted and paced on the emulated link."""
+
+    def __init__(self, w: Worker, r: int, part: Participants) -> None:
+        self.w, self.r, self.part = w, r, part
+        self.layout = state_layout(w.model)
+        self.size = state_nbytes(self.layout)
+        self.received: dict[int, dict[str, torch.Tensor]] = {}  # worker -> its checked state
+        self.sent_bytes = self.received_bytes = 0
+        self.seconds = 0.0
+
+    def _mine(self, segment: int) -> torch.Tensor:
+        """This worker's buffer for segment `segment` of round r (zeros: an adversary's withheld state)."""
+        w = self.w
+        kept = w.kept.get(self.r, [])
+        tensors = kept[segment] if segment < len(kept) else None
+        if tensors is None and w.adversary is None:
+            raise RuntimeError(f"round {self.r}: the state at segment {segment}'s start was not kept")
+        if w.adversary is not None:
+            tensors = w.adversary.state(self.r, segment, tensors)
+        try:
+            return state_to_bytes(tensors, self.layout) if tensors is not None else torch.zeros(self.size, dtype=torch.uint8)
+        except ValueError as e:
+            if w.adversary is None:
+                raise RuntimeError(f"round {self.r}: this worker's own state cannot be sent: {e}") from None
+            return torch.zeros(self.size, dtype=torch.uint8)
+
+    def _take(self, a: Audit, buf: torch.Tensor, check: RoundCheck) -> None:
+        """Keep `buf` as a's state if it hashes to the trace entry of its segment's start."""
+        state = state_from_bytes(buf, self.layout)
+        if not state_matches(state, list(check.commitments[a.worker].commitment.trace), a.segment):
+            self.received.pop(a.worker, None)
+            return
+        self.received[a.worker] = state
+        digest = self.w.store.put(buf.numpy().tobytes())
+        self.w.store.put_ref(state_ref(self.w.identity.run_id, self.r, a.worker, a.segment), digest.encode())
+
+    def _pace(self, t0: float, sent: int, received: int) -> None:
+        link = self.w.encoder.link
+        if link is not None and not link.unlimited:
+            pace(t0, sent, received, link)
+        self.seconds += time.perf_counter() - t0
+        self.sent_bytes, self.received_bytes = self.sent_bytes + sent, self.received_bytes + received
+
+    def send(self, a: Audit, check: RoundCheck) -> None:
+        """a's state from the worker to its auditor alone."""
+        pos, me, t0 = self.part.members.index, self.w.worker, time.perf_counter()
+        if me == a.worker:
+            self.part.comm.send(self._mine(a.segment), pos(a.auditor))
+            self._pace(t0, self.size, 0)
+        elif me == a.auditor:
+            buf = torch.empty(self.size, dtype=torch.uint8)
+            self.part.comm.recv(buf, pos(a.worker))
+            self._pace(t0, 0, self.size)
+            self._take(a, buf, check)
+
+    def resend(self, a: Audit, check: RoundCheck) -> None:
+        """a's state from the worker to every member."""
+        t0 = time.perf_counter()
+        buf = self._mine(a.segment) if self.w.worker == a.worker else torch.empty(self.size, dtype=torch.uint8)
+        self.part.comm.broadcast_from(buf, self.part.members.index(a.worker))
+        if self.w.worker == a.worker:
+            self._pace(t0, self.size * (len(self.part.members) - 1), 0)
+        else:
+            self._pace(t0, 0, self.size)
+        self._take(a, buf, check)  # (the worker too judges its round from what it sent everyone)
 
 
 def stage_replay_score(w: Worker, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
@@ -948,7 +1053,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     hashes = [check.packet_hashes.get(j) for j in range(W)]
     if w.adversary is None and hashes[w.worker] != sent.packet_hash:
         raise ExchangeError(f"worker {w.worker}: its own packet came back altered")
-    replays = replay_audits(w, r, check, base_hash, part) if cfg.verify.replay_probability > 0 else Spent()
+    replays, moves = replay_audits(w, r, check, base_hash, part) if cfg.verify.replay_probability > 0 else (Spent(), None)
     if cfg.verify.ban:
         w.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     for j, d in check.decoded.items():
@@ -1017,7 +1122,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     mine = torch.tensor(
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
          checks.wall + replays.wall, replays.wall, loss_gains.wall,
-         res.cpu_seconds, checks.cpu + replays.cpu, replays.cpu, loss_gains.cpu],
+         res.cpu_seconds, checks.cpu + replays.cpu, replays.cpu, loss_gains.cpu,
+         moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
@@ -1055,6 +1161,10 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }
+    if states_sent(cfg):  # the start states replays fetched: verification's own traffic, and its time
+        record |= {"state_bytes_sent": [int(x) if h else 0 for x, h in zip(g[:, :, 15].sum(1), here, strict=True)],
+                   "state_bytes_received": [int(x) if h else 0 for x, h in zip(g[:, :, 16].sum(1), here, strict=True)],
+                   "state_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 17].amax(1), here, strict=True)]}
     steps = hide_steps(w.encoder.link, record, cfg.train.inner_steps, cfg.compress.safety)
     if steps is not None:
         record["hide_steps"] = steps

@@ -9,6 +9,7 @@ of every hook is honest. `round.py` calls the hooks of the worker's adversary (i
     packet(r, packet, view) -> bytes                         the packet it commits to and sends
     commitment(r, commitment) -> commitment                  the commitment it signs (dict)
     bundle(r, bundle, view) -> bytes                         the bytes it puts on the wire
+    state(r, segment, tensors) -> tensors | None            the segment start state it sends its auditor
     audit_report(r, worker, score) -> score                  what it reports as another's auditor
     loss_gain_report(r, worker, gain) -> gain | None         what it reports as another's loss-gain checker
 
@@ -101,6 +102,12 @@ class Adversary:
     def second_commitment(self, r: int, commitment: dict) -> dict | None:
         """A second commitment to sign for the same round (equivocation); None when honest."""
         return None
+
+    def state(self, r: int, segment: int, tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """The start state of segment `segment` of round r it sends the auditor drawn to replay
+        that segment (`[verify] replay_extent = "state"`; `tensors`: the state it really had
+        there, None when it never reached it); None sends zeros."""
+        return tensors
 
     def audit_report(self, r: int, worker: int, score: float) -> float:
         """The replay score it reports for `worker`, whose round it was drawn to audit (`score`:

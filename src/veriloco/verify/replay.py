@@ -45,6 +45,7 @@ from torch import nn
 
 from ..compress import CodecError, codec_from_spec
 from ..config import TrainConfig, VerifyConfig
+from ..hashing import tensors_hash
 from ..inner import InnerLoop, Landing, shift_params
 from ..packet import decode_packet, encode_packet
 from . import FALSE_REPORT, REPLAY_MISMATCH
@@ -58,11 +59,14 @@ REPLAYABLE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
 
 @dataclass(frozen=True)
 class Audit:
-    """One sampled check: `auditor` replays `worker`'s round up to the end of `segment`."""
+    """One sampled check: `auditor` replays `worker`'s round up to the end of `segment` (with
+    `[verify] replay_extent = "state"`, only that segment, from its start state, unless `whole`:
+    a suspect, or a run that replays whole rounds)."""
 
     worker: int
     segment: int
     auditor: int
+    whole: bool = False
 
 
 def sample_audits(seed_material: str, workers: list[int], world: int, segments: int, probability: float,
@@ -79,7 +83,7 @@ def sample_audits(seed_material: str, workers: list[int], world: int, segments: 
             continue
         segment = segments - 1 if whole else int.from_bytes(h[8:12], "little") % segments
         auditor = (w + 1 + int.from_bytes(h[12:16], "little") % (world - 1)) % world
-        out.append(Audit(w, segment, auditor))
+        out.append(Audit(w, segment, auditor, whole))
     return out
 
 
@@ -90,7 +94,7 @@ def sample_round_audits(seed_material: str, accepted: list[int], members: list[i
     With every worker a member this is `sample_audits` itself."""
     pos = {j: i for i, j in enumerate(members)}
     drawn = sample_audits(seed_material, sorted(pos[j] for j in accepted), len(members), segments, probability, whole)
-    return [Audit(members[a.worker], a.segment, members[a.auditor]) for a in drawn]
+    return [Audit(members[a.worker], a.segment, members[a.auditor], a.whole) for a in drawn]
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,10 @@ def plan_audits(seed_material: str, accepted: list[int], members: list[int], seg
         if not others:
             continue
         if w in audits:
-            audits[w] = Audit(w, segments - 1, audits[w].auditor)
+            audits[w] = Audit(w, segments - 1, audits[w].auditor, True)
             continue
         h = hashlib.sha256(f"veriloco/suspect/{seed_material}/{w}".encode()).digest()
-        audits[w] = Audit(w, segments - 1, others[int.from_bytes(h[:8], "little") % len(others)])
+        audits[w] = Audit(w, segments - 1, others[int.from_bytes(h[:8], "little") % len(others)], True)
     return [audits[w] for w in sorted(audits)]
 
 
@@ -177,12 +181,80 @@ def plain_replayer(make_model: Callable[[], nn.Module], loss_fn, cfg: TrainConfi
     return replayer
 
 
-def check_replay(committed: list[str], replayed: list[str]) -> int | None:
-    """Index of the first trace entry that differs (None: all replayed boundaries match)."""
-    for i, h in enumerate(replayed):
+def check_replay(committed: list[str], replayed: list[str], offset: int = 0) -> int | None:
+    """Index of the first trace entry that differs (None: all replayed boundaries match);
+    `replayed` holds entries offset, offset + 1, ... (a replay from a segment's start state)."""
+    for i, h in enumerate(replayed, start=offset):
         if i >= len(committed) or committed[i] != h:
             return i
     return None
+
+
+# `[verify] replay_extent = "state"`: a segment's start state travels from the audited worker to
+# its auditor as one flat byte buffer in a layout both derive from the model (`state_layout`), so
+# nothing from the peer is parsed but raw numbers, and its size is known before it arrives.
+StateLayout = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
+def from_state(verify: VerifyConfig, audit: Audit) -> bool:
+    """Whether `audit` replays one segment from a start state the worker must send: the "state"
+    extent, a drawn segment past the first (the round's start is public)."""
+    return verify.replay_extent == "state" and not audit.whole and audit.segment > 0
+
+
+def state_layout(model: nn.Module) -> StateLayout:
+    """The names, dtypes and shapes of an inner state after at least one AdamW step (what a trace
+    entry hashes, `InnerLoop.state_hash`), in name order."""
+    out: StateLayout = [("inner/step_count", torch.int64, ())]
+    for n, p in model.named_parameters():
+        shape = tuple(p.shape)
+        out += [(f"param/{n}", p.dtype, shape), (f"inner/{n}/exp_avg", p.dtype, shape),
+                (f"inner/{n}/exp_avg_sq", p.dtype, shape), (f"inner/{n}/step", torch.float32, ())]
+    return sorted(out)
+
+
+def state_nbytes(layout: StateLayout) -> int:
+    """The size of a state buffer in `layout`."""
+    return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in layout)
+
+
+def state_to_bytes(tensors: dict[str, torch.Tensor], layout: StateLayout) -> torch.Tensor:
+    """`tensors` as one uint8 buffer in `layout`; ValueError when they do not have its names,
+    dtypes and shapes."""
+    if sorted(tensors) != [name for name, _, _ in layout]:
+        raise ValueError("the state's tensors are not the layout's")
+    parts = []
+    for name, dt, shape in layout:
+        t = tensors[name]
+        if t.dtype != dt or tuple(t.shape) != shape:
+            raise ValueError(f"state tensor {name} is {t.dtype} {tuple(t.shape)}, not {dt} {shape}")
+        parts.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def state_from_bytes(buf: torch.Tensor | bytes, layout: StateLayout) -> dict[str, torch.Tensor] | None:
+    """The tensors of a state buffer (None when it is not the layout's size)."""
+    if isinstance(buf, bytes | bytearray):
+        buf = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    if buf.numel() != state_nbytes(layout):
+        return None
+    out, at = {}, 0
+    for name, dt, shape in layout:
+        size = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        out[name] = buf[at : at + size].clone().view(dt).reshape(shape)
+        at += size
+    return out
+
+
+def state_matches(state: dict[str, torch.Tensor] | None, trace: list[str], segment: int) -> bool:
+    """Whether `state` is what trace entry `segment` (the segment's start) hashes."""
+    return state is not None and 0 <= segment < len(trace) and tensors_hash(state) == trace[segment]
+
+
+def state_ref(run_id: str, r: int, worker: int, segment: int) -> str:
+    """The store ref naming the blob of the state worker `worker` sent for segment `segment` of
+    round r (written by whoever checked it against the trace; the offline audit reads it)."""
+    return f"replay-states/{run_id}/{r}-{worker}-{segment}"
 
 
 def segments_to_sample(verify: VerifyConfig, train: TrainConfig) -> int:
@@ -269,6 +341,7 @@ class Replayed:
 
     trace: list[str]
     delta: dict[str, torch.Tensor] | None
+    offset: int = 0  # the trace entry `trace` starts at (a replay from a segment's start state)
 
 
 def replay_run(
@@ -282,6 +355,7 @@ def replay_run(
     land: tuple[int, dict[str, torch.Tensor]] | None = None,
     steps_before: int | None = None,
     total_steps: int | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Replayed:
     """Replay audit `audit` of round `round` from start point `start` with a loop from
     `replayer` (see `Replayer`: the worker's own kind of loop, or one that computes the same bits,
@@ -290,9 +364,13 @@ def replay_run(
     round's update landed before that step, moving the params from `start` to G's side, and the
     delta is taken from G. `steps_before` (default round x H) and `total_steps` (default the
     replayer's) place the round on the run's LR schedule when H changed during the run
-    (`[train] inner_steps_max`; `train` then holds this round's H)."""
+    (`[train] inner_steps_max`; `train` then holds this round's H). `state`: the audited segment's
+    start state (`from_state`; already checked against the trace, `state_matches`): only that
+    segment's k steps run, from it."""
     exact = verify.replay_match == "exact"
     k = verify.trace_every or train.inner_steps
+    if state is not None:
+        return _replay_segment(replayer, train, start, batch_of_step, audit, k, land, steps_before, total_steps, state)
     steps = (audit.segment + 1) * k if exact else train.inner_steps
     params, inner = replayer(start, round * train.inner_steps if steps_before is None else steps_before)
     if total_steps is not None:
@@ -310,6 +388,31 @@ def replay_run(
         return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()})
 
 
+def _replay_segment(replayer: Replayer, train: TrainConfig, start: dict[str, torch.Tensor], batch_of_step,
+                    audit: Audit, k: int, land, steps_before: int | None, total_steps: int | None,
+                    state: dict[str, torch.Tensor]) -> Replayed:
+    """replay_run from a segment's start state: steps j*k .. (j+1)*k - 1 of the round (j =
+    audit.segment), the late update landing where it would have (`land`) if that is inside them."""
+    offset = audit.segment * k
+    params, inner = replayer({key[len("param/"):]: v for key, v in state.items() if key.startswith("param/")}, 0)
+    inner.load_state_tensors({key: v for key, v in state.items() if key.startswith("inner/")})
+    if total_steps is not None:
+        inner.total_steps = total_steps
+    if steps_before is not None:
+        inner.round_start = steps_before
+    base, landing = start, None
+    if land is not None:
+        base = land[1]
+        last = offset + k >= train.inner_steps  # a round no longer than tau lands after its last step
+        if offset <= land[0] and (land[0] < offset + k or last):
+            landing = Landing(land[0] - offset, lambda: shift_params(params, base, start))
+    trace = inner.run(lambda step: batch_of_step(offset + step), k, trace_every=k, land=landing).trace
+    if offset + k < train.inner_steps:
+        return Replayed(trace, None, audit.segment)
+    with torch.no_grad():
+        return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()}, audit.segment)
+
+
 def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
                    codecs: dict[str, str]) -> float:
     """The auditor's number for a replay against what the worker committed (`trace`; `committed`:
@@ -319,7 +422,7 @@ def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], c
     match; distance mode: the relative distance of the replayed, re-encoded delta to `committed`.
     `replay_failed` turns it into the verdict."""
     if verify.replay_match == "exact":
-        bad = check_replay(trace, replayed.trace)
+        bad = check_replay(trace, replayed.trace, replayed.offset)
         if bad is not None:
             return float(bad)
         if replayed.delta is not None and packet_replayable(codecs, committed):
@@ -389,17 +492,30 @@ def replay_evidence(verify: VerifyConfig, audit: Audit, score: float) -> dict:
             "tolerance": verify.replay_tolerance}
 
 
-def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, reported: float, score: float) -> None:
+def attributable(verify: VerifyConfig, audit: Audit, reported: float) -> bool:
+    """Whether a reported failure that does not reproduce convicts the auditor: not when it said
+    the start state it was sent privately did not hash to the trace (`from_state`; entry <= the
+    segment's start): the worker may have sent it one state and the judges another."""
+    return not (from_state(verify, audit) and verify.replay_match == "exact" and reported <= audit.segment)
+
+
+def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, reported: float, score: float,
+                   blame: bool = True) -> None:
     """Judge an audit whose auditor reported `reported`, a failure, by `score`: the judge's own
     replay of it. Failed: the worker is convicted (REPLAY_MISMATCH). Passed: the auditor reported a
     failure that does not reproduce, so the auditor is convicted (FALSE_REPORT) and the worker
-    keeps its verdict. round.py (every member) and audit.py both judge with this."""
+    keeps its verdict; with `blame` False (`attributable`) no one is. round.py (every member) and
+    audit.py both judge with this."""
     if replay_failed(verify, score):
         check.verdicts[audit.worker] = REPLAY_MISMATCH
         check.evidence[audit.worker] = replay_evidence(verify, audit, score)
         if audit.worker in check.suspects:
             check.evidence[audit.worker]["suspect"] = check.suspects[audit.worker]
         check.accepted.pop(audit.worker, None)
+        return
+    if not blame:
+        check.evidence.setdefault(audit.worker, {})["replayed"] = (
+            replay_evidence(verify, audit, score) | {"disputed": True, "state_resent": True})
         return
     prior = check.evidence.get(audit.auditor) if check.verdicts.get(audit.auditor) == FALSE_REPORT else None
     check.verdicts[audit.auditor] = FALSE_REPORT  # (it may have lied as a loss-gain checker too: keep both)

@@ -1,0 +1,162 @@
+"""`[verify] replay_extent = "state"`: a drawn segment is replayed from its start state, which the
+audited worker sends its auditor (verify/replay.py, round.StateMoves)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rounds_of, tiny
+
+from veriloco.audit import audit_run
+from veriloco.config import ConfigError
+from veriloco.inner import InnerLoop
+from veriloco.model import build_model, lm_loss
+from veriloco.run import train
+from veriloco.store import LocalStore
+from veriloco.verify.replay import (
+    Audit,
+    attributable,
+    check_replay,
+    from_state,
+    plain_replayer,
+    replay_failed,
+    replay_run,
+    score_replayed,
+    state_from_bytes,
+    state_layout,
+    state_matches,
+    state_nbytes,
+    state_ref,
+    state_to_bytes,
+)
+
+STATE = ("--train.inner_state=reset", "--verify.replay_probability=1", "--verify.replay_extent=state",
+         "--verify.trace_every=1", "--verify.screen=false")
+
+
+def _round(cfg, steps: int):
+    """One honest round of `steps` inner steps from a fresh model, keeping every trace entry's state."""
+    model = build_model(cfg.model, cfg.run.seed)
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (2, cfg.model.ctx), generator=gen),) * 2 for _ in range(steps)]
+    loop = InnerLoop(model, cfg.train, 100, lambda m, x, y: lm_loss(m(x), y))
+    loop.keep = []
+    trace = loop.run(lambda s: batches[s], steps, trace_every=1).trace
+    delta = {k: start[k] - p.detach() for k, p in model.named_parameters()}
+    return model, start, batches, loop, trace, delta
+
+
+def test_state_layout_round_trips_and_refuses_other_shapes():
+    cfg = tiny()
+    model, _, _, loop, trace, _ = _round(cfg, 3)
+    layout = state_layout(model)
+    buf = state_to_bytes(loop.keep[2], layout)
+    assert buf.dtype == torch.uint8 and buf.numel() == state_nbytes(layout)
+    back = state_from_bytes(buf.numpy().tobytes(), layout)
+    assert state_matches(back, trace, 2) and not state_matches(back, trace, 1)
+    assert state_from_bytes(buf[:-1], layout) is None  # not the layout's size
+    with pytest.raises(ValueError):
+        state_to_bytes(loop.keep[0], layout)  # before the first step: no AdamW moments yet
+    bad = dict(loop.keep[2]) | {"inner/step_count": torch.tensor(2, dtype=torch.int32)}
+    with pytest.raises(ValueError, match="step_count"):
+        state_to_bytes(bad, layout)
+
+
+def test_a_segment_replayed_from_its_start_state_matches_bit_for_bit():
+    cfg = tiny("--train.inner_state=reset", "--verify.trace_every=1")
+    model, start, batches, loop, trace, delta = _round(cfg, cfg.train.inner_steps)
+    replayer = plain_replayer(lambda: build_model(cfg.model, cfg.run.seed), loop.loss_fn, cfg.train, 100)
+    H = cfg.train.inner_steps
+    for segment in (1, H - 2, H - 1):  # a middle one, and the last (which also checks the packet)
+        a = Audit(worker=1, segment=segment, auditor=0)
+        got = replay_run(cfg.verify, replayer, cfg.train, start, 0, lambda s: batches[s], a, steps_before=0,
+                         total_steps=100, state=loop.keep[segment])
+        assert got.offset == segment and len(got.trace) == 2
+        assert check_replay(trace, got.trace, got.offset) is None
+        assert (got.delta is not None) == (segment == H - 1)
+        assert score_replayed(cfg.verify, got, trace, delta, {k: "fp32" for k in delta}) == -1.0
+    # a faked entry after the segment's start is found where it is
+    forged = list(trace)
+    forged[H - 1] = "0" * 64
+    a = Audit(worker=1, segment=H - 2, auditor=0)
+    got = replay_run(cfg.verify, replayer, cfg.train, start, 0, lambda s: batches[s], a, steps_before=0,
+                     total_steps=100, state=loop.keep[H - 2])
+    assert check_replay(forged, got.trace, got.offset) == H - 1
+
+
+def test_which_audits_fetch_a_state_and_which_reports_blame_the_auditor():
+    v = tiny(*STATE).verify
+    assert from_state(v, Audit(1, 2, 0)) and not from_state(v, Audit(1, 0, 0))  # the round's start is public
+    assert not from_state(v, Audit(1, 2, 0, whole=True))  # suspects are replayed whole
+    assert not from_state(tiny(*STATE, "--verify.replay_extent=segment").verify, Audit(1, 2, 0))
+    # "the state you sent me does not hash to your trace" cannot be pinned on the auditor; a
+    # mismatch after a state that did hash can
+    assert not attributable(v, Audit(1, 2, 0), 2.0) and attributable(v, Audit(1, 2, 0), 3.0)
+    assert attributable(v, Audit(1, 0, 0), 0.0)
+    assert replay_failed(v, 2.0) and not replay_failed(v, -1.0)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("--topology.stages=2",), "stages = 1"),
+    (("--verify.replay_match=distance",), "replay_match = 'exact'"),
+    (("--verify.replay_extent=half",), "'round', 'segment' or 'state'"),
+])
+def test_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny(*STATE, *overrides)
+
+
+def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, monkeypatch):
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)  # spawned workers import the user's attacker module
+    sys.path.insert(0, tests_dir)
+    cfg = tiny(*STATE, "--topology.workers=4", "--train.rounds=4", "--verify.ban=false",
+               "--adversary.1=lazy:skip=0.4,scale=none", "--adversary.2=red_team:Withholds",
+               "--adversary.3=red_team:Framer")
+    run, _ = train(cfg, str(tmp_path / "s"), quiet=True)
+    recs = rounds_of(run.root)
+    H = cfg.train.inner_steps  # lazy does 3 of 5 steps: trace entries 0-3 are real, 4 and 5 made up
+    drawn = {w: [] for w in range(4)}
+    for rec in recs:
+        for w in range(4):
+            ev = rec["evidence"].get(str(w), {})
+            seg = ev.get("replayed", ev).get("segment")
+            assert seg is not None, (rec["round"], w, ev)  # p = 1: every worker every round
+            drawn[w].append(seg)
+            v = rec["verdicts"][w]
+            if w == 0:
+                assert v == "accept"
+            elif w == 1:  # caught exactly when its segment reaches a made-up entry
+                assert (v == "replay_mismatch") == (seg >= 3), (rec["round"], seg, v)
+            elif w == 2:  # a withheld state convicts, except for the first segment (public start)
+                assert (v == "replay_mismatch") == (seg > 0), (rec["round"], seg, v)
+            else:  # the framer's auditor is not convicted, and the framer keeps its verdict
+                assert v == "accept"
+                assert rec["verdicts"][ev["replayed"]["auditor"]] != "false_report"
+                if seg > 0:
+                    assert ev["replayed"].get("state_resent") is True and ev["replayed"]["disputed"] is True
+    assert any(s > 0 for s in drawn[2]) and any(s > 0 for s in drawn[3])  # (12 draws of 5 segments each)
+    # every byte is counted at both ends: private sends, and the resends to every member
+    sent = sum(sum(rec["state_bytes_sent"]) for rec in recs)
+    assert sent == sum(sum(rec["state_bytes_received"]) for rec in recs) > 0
+    size = state_nbytes(state_layout(build_model(cfg.model, cfg.run.seed)))
+    assert sent % size == 0
+    report = audit_run(run.root, replay=100)  # the offline audit re-runs every replay from the stored states
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] == 16
+
+    # a stored state that is not the one the round replayed from fails the audit
+    store = LocalStore(run.root / "store")
+    run_id = json.loads((run.root / "manifest.json").read_text())["run_id"]
+    r, seg = next((rec["round"], rec["evidence"]["0"]["replayed"]["segment"]) for rec in recs
+                  if rec["evidence"]["0"]["replayed"]["segment"] > 0)
+    other = next(ref for ref in sorted((run.root / "store" / "refs" / "replay-states" / run_id).iterdir())
+                 if ref.name != f"{r}-0-{seg}")
+    store.put_ref(state_ref(run_id, r, 0, seg), other.read_bytes())
+    report = audit_run(run.root, replay=100)
+    assert not report.ok and "worker 0's replay fails" in report.first_failure
