@@ -120,7 +120,7 @@ def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, mo
                "--adversary.3=red_team:Framer")
     run, _ = train(cfg, str(tmp_path / "s"), quiet=True)
     recs = rounds_of(run.root)
-    H = cfg.train.inner_steps  # lazy does 3 of 5 steps: trace entries 0-3 are real, 4 and 5 made up
+    # lazy does 3 of 5 steps: trace entries 0-3 are real, 4 and 5 made up
     drawn = {w: [] for w in range(4)}
     for rec in recs:
         for w in range(4):

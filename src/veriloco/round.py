@@ -782,7 +782,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     moves = StateMoves(w, r, part)
     for a in audits:  # replay_extent "state": each drawn segment's start state, worker -> its auditor
         if from_state(cfg.verify, a):
-            moves.send(a, check)
+            with spent.timing():  # (a replay's cost: moving, checking and storing its state too)
+                moves.send(a, check)
 
     def replay(a: Audit) -> float:  # this worker's own replay of audit a
         with spent.timing():
@@ -814,7 +815,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
                 check.evidence[a.worker]["suspect"] = check.suspects[a.worker]
             continue
         if from_state(cfg.verify, a):  # the worker sends the state again, to every member alike
-            moves.resend(a, check)
+            with spent.timing():
+                moves.resend(a, check)
             mine.pop(a.worker, None)
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score, attributable(cfg.verify, a, reported))
