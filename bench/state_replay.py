@@ -1,0 +1,149 @@
+"""What the lazy target costs with whole-round replays and with segments replayed from sent states.
+
+    python bench/state_replay.py [--rounds 8] [--inner-steps 100] [--trace-every 5] [--skip 0.25]
+                                 [--target 0.95] [--within 30] [--quick] [--out bench/results/state_replay.json]
+
+The issue's target: a lazy worker that skips >= 25% of its inner steps is caught with >= 95%
+probability within 30 rounds, at <= 5% of the training compute. Against a lazy worker that no
+screen sees (it does its first steps honestly and sends its short delta as it is) only a drawn
+replay catches it, so the replay probability p must give 1 - (1 - p c)^30 >= 0.95, where c is the
+chance that one drawn replay catches it:
+
+- `round` (`[verify] replay_extent = "round"`): the whole round from its public start, c = 1, so
+  p_round = 1 - 0.05^(1/30) = 0.0950, and each replay costs a worker-round of compute;
+- `state` (`replay_extent = "state"`): one segment of k = `--trace-every` steps drawn from the
+  H / k, from the start state the worker sends its auditor. c = the share of segments whose end
+  lies past the steps it did (the last `--skip` of them), so p_state = p_round / c, and a replay
+  costs k / H of a worker-round, plus moving the state (params and both AdamW moments, 3x the
+  model) over the link: the traffic this mode pays instead of compute.
+
+Clean runs (no attacker) of configs/verified.toml (the `make run` model with every check on:
+loss-gain screen, trimmed mean, inner state reset with the LR ramp) at H = `--inner-steps` and
+`--rounds` rounds, 4 workers, one after another in one process:
+
+- `no replays`: p = 0, one trace segment per round: the inner steps' own CPU, the baseline;
+- `round`: p_round, one trace segment per round (`trace_every = H`);
+- `state`: p_state, `trace_every = k`: the finer trace costs hashing every k steps, and the
+  worker keeps a copy of the state behind each trace entry until its round is checked.
+
+Per row, in CPU seconds of the workers' threads per worker-round (bench/verify.py's
+`overhead_of`), as shares of the baseline row's inner-step CPU: the checks, the loss gains, the
+replays as measured and as expected at p (a run draws few replays: p x one replay's measured
+cost), and the extra inner-step CPU against the baseline (trace hashing and kept states); the
+total expected overhead; the state bytes each worker sent per round beside its packets'; the
+eval loss (replays do not change training: all three the same). The chance to catch within
+`--within` rounds is computed from p and c; `bench/replay_extent.py` and `bench/verify.py`
+measure c and the catches on the tiny model. `--quick`: 1 round at H = 10, for the test.
+Writes `{"rows": [...], "p": {...}, "c": ..., "config": {...}}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from verify import ROOT, overhead_of  # noqa: E402
+
+from veriloco.config import load_config  # noqa: E402
+from veriloco.run import train  # noqa: E402
+
+
+def catch_share(inner_steps: int, trace_every: int, skip: float) -> float:
+    """c: the share of an H-step round's segments whose replay from its start state reaches a step
+    that a worker doing only round(H (1 - skip)) steps, the first ones, did not do (a segment ends
+    at a trace entry the worker could only make up)."""
+    done = max(1, round(inner_steps * (1 - skip)))
+    n = inner_steps // trace_every
+    return sum(1 for j in range(n) if (j + 1) * trace_every > done) / n
+
+
+def probability_for(target: float, within: int, c: float = 1.0) -> float:
+    """The replay probability p with 1 - (1 - p c)^within = target."""
+    return min(1.0, (1 - (1 - target) ** (1 / within)) / c)
+
+
+def row_of(name: str, recs: list[dict], summary: dict, p: float, base_inner: float | None) -> dict:
+    """One row: the CPU shares per worker-round against `base_inner` (the baseline's inner CPU
+    seconds per worker-round; None: this is the baseline)."""
+    over = overhead_of([recs], p)
+    cpu = over.get("cpu", {})
+    worker_rounds = over["worker_rounds"]
+    inner = cpu.get("inner_s", 0.0) / worker_rounds
+    base = inner if base_inner is None else base_inner
+    share = {k: cpu.get(k, 0.0) * inner / base for k in ("checks", "loss_gain", "replay")}
+    cost = cpu.get("replay_cost_per_worker_round")  # one replay, in worker-rounds of this row's inner CPU
+    replay_expected = p * cost * inner / base if cost is not None else (p if p else 0.0)
+    extra_inner = inner / base - 1
+    state_bytes = sum(sum(rec.get("state_bytes_sent") or [0]) for rec in recs) / worker_rounds
+    packet_bytes = sum(sum(rec["bytes_sent"]) for rec in recs) / worker_rounds
+    return {"name": name, "p": round(p, 4), "eval_loss": summary["eval_loss_end"], "worker_rounds": worker_rounds,
+            "replays": over["replays"], "inner_cpu_per_worker_round": round(inner, 4),
+            "extra_inner": round(extra_inner, 4), "checks": round(share["checks"], 4),
+            "loss_gain": round(share["loss_gain"], 4), "replay_measured": round(share["replay"], 4),
+            "replay_cost_worker_rounds": cost, "replay_expected": round(replay_expected, 4),
+            "overhead_expected": round(extra_inner + share["checks"] + share["loss_gain"] + replay_expected, 4),
+            "state_bytes_per_worker_round": round(state_bytes), "packet_bytes_per_worker_round": round(packet_bytes)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--inner-steps", type=int, default=100)
+    ap.add_argument("--trace-every", type=int, default=5)
+    ap.add_argument("--skip", type=float, default=0.25, help="the share of its steps the lazy worker skips")
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--within", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="1 round at H = 10 (a check that it runs)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "state_replay.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.inner_steps = 1, 10
+    if args.inner_steps % args.trace_every:
+        ap.error(f"--trace-every ({args.trace_every}) must divide --inner-steps ({args.inner_steps})")
+    if not 0 < args.skip < 1 or not 0 < args.target < 1 or args.within < 1:
+        ap.error("--skip and --target must be in (0, 1), --within >= 1")
+    c = catch_share(args.inner_steps, args.trace_every, args.skip)
+    if c == 0:
+        ap.error(f"no segment of {args.trace_every} steps reaches the skipped steps")
+    H, k = args.inner_steps, args.trace_every
+    p_round, p_state = probability_for(args.target, args.within), probability_for(args.target, args.within, c)
+    base = [f"--train.rounds={args.rounds}", f"--train.inner_steps={H}", "--train.eval_every=1000"]
+    rows_spec = [("no replays", 0.0, ["--verify.replay_probability=0", f"--verify.trace_every={H}"]),
+                 ("round", p_round, [f"--verify.replay_probability={p_round}", f"--verify.trace_every={H}",
+                                     "--verify.replay_extent=round"]),
+                 ("state", p_state, [f"--verify.replay_probability={p_state}", f"--verify.trace_every={k}",
+                                     "--verify.replay_extent=state"])]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, p, extra in rows_spec:
+            cfg = load_config(ROOT / "configs" / "verified.toml", base + extra)
+            run, summary = train(cfg, str(Path(tmp) / name.replace(" ", "-")), quiet=True)
+            recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+            rows.append(row_of(name, recs, summary, p, rows[0]["inner_cpu_per_worker_round"] if rows else None))
+            print(json.dumps(rows[-1]), flush=True)
+    for row in rows:
+        q = row["p"] * (c if row["name"] == "state" else 1.0)
+        row["caught_within"] = round(1 - (1 - q) ** args.within, 4) if row["p"] else 0.0
+    out = {"rows": rows, "p": {"round": round(p_round, 4), "state": round(p_state, 4)}, "c": c,
+           "config": {k2: getattr(args, k2) for k2 in ("rounds", "inner_steps", "trace_every", "skip", "target", "within")}}
+    print(f"\nconfigs/verified.toml, 4 workers, {args.rounds} rounds x H = {H}; lazy skipping {args.skip:.0%}: "
+          f"c = {c:.3f} of {H // k} segments; p_round = {p_round:.4f}, p_state = {p_state:.4f}")
+    print(f"{'row':<11} {'p':>6} {'replays':>7} {'extra inner':>11} {'checks':>7} {'loss gains':>10} "
+          f"{'replay (meas.)':>14} {'replay (exp.)':>13} {'total (exp.)':>12} {'caught in ' + str(args.within):>12} "
+          f"{'state MB/wr':>11} {'packet MB/wr':>12} {'eval loss':>9}")
+    for r in rows:
+        print(f"{r['name']:<11} {r['p']:>6.4f} {r['replays']:>7} {r['extra_inner']:>11.2%} {r['checks']:>7.2%} "
+              f"{r['loss_gain']:>10.2%} {r['replay_measured']:>14.2%} {r['replay_expected']:>13.2%} "
+              f"{r['overhead_expected']:>12.2%} {r['caught_within']:>12.1%} {r['state_bytes_per_worker_round'] / 1e6:>11.3f} "
+              f"{r['packet_bytes_per_worker_round'] / 1e6:>12.3f} {r['eval_loss']:>9.4f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
