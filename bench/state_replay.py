@@ -21,7 +21,9 @@ Clean runs (no attacker) of configs/verified.toml (the `make run` model with eve
 loss-gain screen, trimmed mean, inner state reset with the LR ramp) at H = `--inner-steps` and
 `--rounds` rounds, 4 workers, one after another in one process:
 
-- `no replays`: p = 0, one trace segment per round: the inner steps' own CPU, the baseline;
+- `no replays`: p = 0, one trace segment per round: the inner steps' own CPU, the baseline (its
+  loss gains are computed by every worker for every packet: without replays there is nothing to
+  settle a disputed gain, so they are not the other rows');
 - `round`: p_round, one trace segment per round (`trace_every = H`);
 - `state`: p_state, `trace_every = k`: the finer trace costs hashing every k steps, and the
   worker keeps a copy of the state behind each trace entry until its round is checked.
@@ -30,7 +32,11 @@ Per row, in CPU seconds of the workers' threads per worker-round (bench/verify.p
 `overhead_of`), as shares of the baseline row's inner-step CPU: the checks, the loss gains, the
 replays as measured and as expected at p (a run draws few replays: p x one replay's measured
 cost), and the extra inner-step CPU against the baseline (trace hashing and kept states); the
-total expected overhead; the state bytes each worker sent per round beside its packets'; the
+total expected overhead; the same total with the finer trace's price measured side by side in
+this process instead (`trace_cost`: one thread, the same steps, one trace entry per round against
+one every k steps with the states kept, alternating; `overhead_expected_paired`), because
+runs one after another drift by a few percent of inner CPU on this shared machine (the `round`
+row's trace is the baseline's, and it still differs); the state bytes each worker sent per round beside its packets'; the
 eval loss (replays do not change training: all three the same). The chance to catch within
 `--within` rounds is computed from p and c; `bench/replay_extent.py` and `bench/verify.py`
 measure c and the catches on the tiny model. `--quick`: 1 round at H = 10, for the test.
@@ -64,6 +70,46 @@ def catch_share(inner_steps: int, trace_every: int, skip: float) -> float:
 def probability_for(target: float, within: int, c: float = 1.0) -> float:
     """The replay probability p with 1 - (1 - p c)^within = target."""
     return min(1.0, (1 - (1 - target) ** (1 / within)) / c)
+
+
+def trace_cost(inner_steps: int, trace_every: int, repeats: int = 3, steps: int | None = None) -> dict:
+    """The inner steps' own price of the finer trace, side by side in this process (one thread,
+    the `make run` model, the same batches): CPU seconds of `steps` inner steps with one trace
+    entry per round (H) against entries every `trace_every` steps with the state behind each one
+    kept (replay_extent "state"), alternating, `repeats` times; the ratio of the sums."""
+    import time
+
+    import torch
+
+    from veriloco.inner import InnerLoop
+    from veriloco.model import build_model, lm_loss
+
+    cfg = load_config(ROOT / "configs" / "verified.toml", [])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        loop = InnerLoop(build_model(cfg.model, cfg.run.seed), cfg.train, 10**6, lambda m, x, y: lm_loss(m(x), y))
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.ctx), generator=gen)
+              for _ in range(4)]
+        steps = steps or inner_steps
+
+        def cpu(k: int, keep: bool) -> float:
+            loop.keep = [] if keep else None
+            c0 = time.thread_time()
+            loop.run(lambda s: (xs[s % 4], xs[(s + 1) % 4]), steps, trace_every=k)
+            loop.keep = None
+            return time.thread_time() - c0
+
+        cpu(trace_every, True)  # warm up
+        plain = kept = 0.0
+        for _ in range(repeats):
+            plain += cpu(inner_steps, False)
+            kept += cpu(trace_every, True)
+    finally:
+        torch.set_num_threads(threads)
+    return {"steps": steps, "repeats": repeats, "trace_h_cpu_s": round(plain, 3), "trace_k_kept_cpu_s": round(kept, 3),
+            "ratio": round(kept / plain, 4)}
 
 
 def row_of(name: str, recs: list[dict], summary: dict, p: float, base_inner: float | None) -> dict:
@@ -117,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
                                      "--verify.replay_extent=round"]),
                  ("state", p_state, [f"--verify.replay_probability={p_state}", f"--verify.trace_every={k}",
                                      "--verify.replay_extent=state"])]
+    cost = trace_cost(H, k, repeats=1 if args.quick else 3)
+    print(f"inner steps with a trace entry every {k} steps and each state kept, against one per round, "
+          f"side by side in one process: x{cost['ratio']}", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, p, extra in rows_spec:
@@ -128,17 +177,21 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         q = row["p"] * (c if row["name"] == "state" else 1.0)
         row["caught_within"] = round(1 - (1 - q) ** args.within, 4) if row["p"] else 0.0
-    out = {"rows": rows, "p": {"round": round(p_round, 4), "state": round(p_state, 4)}, "c": c,
+        # the same total with the finer trace's price measured side by side (trace_cost) instead
+        # of from runs one after another, whose inner CPU drifts by a few percent on this machine
+        paired = cost["ratio"] - 1 if row["name"] == "state" else 0.0
+        row["overhead_expected_paired"] = round(row["overhead_expected"] - row["extra_inner"] + paired, 4)
+    out = {"rows": rows, "trace_cost": cost, "p": {"round": round(p_round, 4), "state": round(p_state, 4)}, "c": c,
            "config": {k2: getattr(args, k2) for k2 in ("rounds", "inner_steps", "trace_every", "skip", "target", "within")}}
     print(f"\nconfigs/verified.toml, 4 workers, {args.rounds} rounds x H = {H}; lazy skipping {args.skip:.0%}: "
           f"c = {c:.3f} of {H // k} segments; p_round = {p_round:.4f}, p_state = {p_state:.4f}")
     print(f"{'row':<11} {'p':>6} {'replays':>7} {'extra inner':>11} {'checks':>7} {'loss gains':>10} "
-          f"{'replay (meas.)':>14} {'replay (exp.)':>13} {'total (exp.)':>12} {'caught in ' + str(args.within):>12} "
+          f"{'replay (meas.)':>14} {'replay (exp.)':>13} {'total (exp.)':>12} {'paired':>7} {'caught in ' + str(args.within):>12} "
           f"{'state MB/wr':>11} {'packet MB/wr':>12} {'eval loss':>9}")
     for r in rows:
         print(f"{r['name']:<11} {r['p']:>6.4f} {r['replays']:>7} {r['extra_inner']:>11.2%} {r['checks']:>7.2%} "
               f"{r['loss_gain']:>10.2%} {r['replay_measured']:>14.2%} {r['replay_expected']:>13.2%} "
-              f"{r['overhead_expected']:>12.2%} {r['caught_within']:>12.1%} {r['state_bytes_per_worker_round'] / 1e6:>11.3f} "
+              f"{r['overhead_expected']:>12.2%} {r['overhead_expected_paired']:>7.2%} {r['caught_within']:>12.1%} {r['state_bytes_per_worker_round'] / 1e6:>11.3f} "
               f"{r['packet_bytes_per_worker_round'] / 1e6:>12.3f} {r['eval_loss']:>9.4f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -13,6 +13,10 @@ does not undo the compression. Two ways to compare (`[verify] replay_match`):
   len(trace)): a clean trace does not vouch for a packet the worker made some other way. Not
   for stateful encoders (error feedback, PowerSGD's warm start), which a replay cannot redo.
   Needs deterministic kernels: CPU, same torch, same thread count.
+- "exact" with `[verify] replay_extent = "state"`: segment j > 0 is replayed alone, from its
+  start state (params + AdamW moments), which the audited worker sends the auditor as a buffer
+  in `state_layout`; it must hash to trace entry j (`state_matches`), else the replay fails
+  there (withheld). k/H of a round's compute for the state's bytes (round.StateMoves).
 - "distance": the auditor replays the whole round (all H inner steps), passes its delta
   S_r - theta through the codecs the packet names, and compares that with the committed delta
   (the decoded packet): the round passes when ||replayed - committed|| <= tolerance *
