@@ -32,11 +32,10 @@ Per row, in CPU seconds of the workers' threads per worker-round (bench/verify.p
 `overhead_of`), as shares of the baseline row's inner-step CPU: the checks, the loss gains, the
 replays as measured and as expected at p (a run draws few replays: p x one replay's measured
 cost), and the extra inner-step CPU against the baseline (trace hashing and kept states); the
-total expected overhead; the same total with the finer trace's price measured side by side in
-this process instead (`trace_cost`: one thread, the same steps, one trace entry per round against
-one every k steps with the states kept, alternating; `overhead_expected_paired`), because
-runs one after another drift by a few percent of inner CPU on this shared machine (the `round`
-row's trace is the baseline's, and it still differs); the state bytes each worker sent per round beside its packets'; the
+total expected overhead; the same total with the finer trace's price timed by its parts in this
+process instead (`trace_cost`: an inner step, a trace entry, a kept one;
+`overhead_expected_paired`), because runs one after another drift by a few percent of inner CPU
+on this shared machine (the `round` row's trace is the baseline's, and it still differs); the state bytes each worker sent per round beside its packets'; the
 eval loss (replays do not change training: all three the same). The chance to catch within
 `--within` rounds is computed from p and c; `bench/replay_extent.py` and `bench/verify.py`
 measure c and the catches on the tiny model. `--quick`: 1 round at H = 10, for the test.
@@ -72,11 +71,15 @@ def probability_for(target: float, within: int, c: float = 1.0) -> float:
     return min(1.0, (1 - (1 - target) ** (1 / within)) / c)
 
 
-def trace_cost(inner_steps: int, trace_every: int, repeats: int = 3, steps: int | None = None) -> dict:
-    """The inner steps' own price of the finer trace, side by side in this process (one thread,
-    the `make run` model, the same batches): CPU seconds of `steps` inner steps with one trace
-    entry per round (H) against entries every `trace_every` steps with the state behind each one
-    kept (replay_extent "state"), alternating, `repeats` times; the ratio of the sums."""
+def trace_cost(inner_steps: int, trace_every: int, repeats: int = 20) -> dict:
+    """The inner steps' own price of the finer trace, from its parts timed in this process (one
+    thread, the `make run` model): CPU seconds of one inner step, of one trace entry (hashing the
+    state) and of one entry whose state is also kept (copied into the memory of a state done with,
+    as from a run's second round), each the median of `repeats`; the extra share of a round's
+    inner CPU = ((H/k + 1) x kept - 2 x plain) / (H x step). (Whole runs of H steps with and
+    without the finer trace, alternating in one process, differ by -4% to +3% from run to run on
+    this shared machine: more than the thing measured.)"""
+    import statistics
     import time
 
     import torch
@@ -90,26 +93,30 @@ def trace_cost(inner_steps: int, trace_every: int, repeats: int = 3, steps: int 
     try:
         loop = InnerLoop(build_model(cfg.model, cfg.run.seed), cfg.train, 10**6, lambda m, x, y: lm_loss(m(x), y))
         gen = torch.Generator().manual_seed(0)
-        xs = [torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.ctx), generator=gen)
-              for _ in range(4)]
-        steps = steps or inner_steps
+        x, y = (torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.ctx), generator=gen)
+                for _ in range(2))
 
-        def cpu(k: int, keep: bool) -> float:
-            loop.keep = [] if keep else None
-            c0 = time.thread_time()
-            loop.run(lambda s: (xs[s % 4], xs[(s + 1) % 4]), steps, trace_every=k)
-            loop.keep = None
-            return time.thread_time() - c0
+        def cpu(f) -> float:
+            out = []
+            for _ in range(repeats):
+                c0 = time.thread_time()
+                f()
+                out.append(time.thread_time() - c0)
+            return statistics.median(out)
 
-        cpu(trace_every, True)  # warm up
-        plain = kept = 0.0
-        for _ in range(repeats):
-            plain += cpu(inner_steps, False)
-            kept += cpu(trace_every, True)
+        step = cpu(lambda: loop.step(x, y))
+        plain = cpu(loop.state_hash)
+        loop.keep = []
+        cpu(loop.state_hash)
+        loop.spare, loop.keep = loop.keep, []  # a round's states, done with: the next round's memory
+        kept = cpu(loop.state_hash)
+        loop.keep = None
     finally:
         torch.set_num_threads(threads)
-    return {"steps": steps, "repeats": repeats, "trace_h_cpu_s": round(plain, 3), "trace_k_kept_cpu_s": round(kept, 3),
-            "ratio": round(kept / plain, 4)}
+    entries = inner_steps // trace_every + 1
+    extra = (entries * kept - 2 * plain) / (inner_steps * step)
+    return {"step_cpu_s": round(step, 5), "entry_cpu_s": round(plain, 5), "kept_entry_cpu_s": round(kept, 5),
+            "entries": entries, "repeats": repeats, "extra_share": round(extra, 4)}
 
 
 def row_of(name: str, recs: list[dict], summary: dict, p: float, base_inner: float | None) -> dict:
@@ -163,9 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
                                      "--verify.replay_extent=round"]),
                  ("state", p_state, [f"--verify.replay_probability={p_state}", f"--verify.trace_every={k}",
                                      "--verify.replay_extent=state"])]
-    cost = trace_cost(H, k, repeats=1 if args.quick else 3)
-    print(f"inner steps with a trace entry every {k} steps and each state kept, against one per round, "
-          f"side by side in one process: x{cost['ratio']}", flush=True)
+    cost = trace_cost(H, k, repeats=3 if args.quick else 20)
+    print(f"an inner step {cost['step_cpu_s'] * 1e3:.1f} ms CPU, a trace entry {cost['entry_cpu_s'] * 1e3:.2f} ms, one "
+          f"kept {cost['kept_entry_cpu_s'] * 1e3:.2f} ms: {cost['entries']} entries a round instead of 2 add "
+          f"{cost['extra_share']:.2%} to its inner CPU", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, p, extra in rows_spec:
@@ -179,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         row["caught_within"] = round(1 - (1 - q) ** args.within, 4) if row["p"] else 0.0
         # the same total with the finer trace's price measured side by side (trace_cost) instead
         # of from runs one after another, whose inner CPU drifts by a few percent on this machine
-        paired = cost["ratio"] - 1 if row["name"] == "state" else 0.0
+        paired = cost["extra_share"] if row["name"] == "state" else 0.0
         row["overhead_expected_paired"] = round(row["overhead_expected"] - row["extra_inner"] + paired, 4)
     out = {"rows": rows, "trace_cost": cost, "p": {"round": round(p_round, 4), "state": round(p_state, 4)}, "c": c,
            "config": {k2: getattr(args, k2) for k2 in ("rounds", "inner_steps", "trace_every", "skip", "target", "within")}}

@@ -15,7 +15,7 @@ from veriloco.audit import audit_run
 from veriloco.config import ConfigError
 from veriloco.inner import InnerLoop
 from veriloco.model import build_model, lm_loss
-from veriloco.run import train
+from veriloco.run import resume, train
 from veriloco.store import LocalStore
 from veriloco.verify.replay import (
     Audit,
@@ -160,3 +160,15 @@ def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, mo
     store.put_ref(state_ref(run_id, r, 0, seg), other.read_bytes())
     report = audit_run(run.root, replay=100)
     assert not report.ok and "worker 0's replay fails" in report.first_failure
+
+
+def test_a_resumed_run_with_the_update_a_round_late_replays_from_states_as_the_uninterrupted_one(tmp_path):
+    cfg = tiny(*STATE, "--topology.workers=3", "--train.rounds=4", "--outer.delay=1")
+    whole, _ = train(cfg, str(tmp_path / "whole"), quiet=True)
+    part, _ = train(cfg, str(tmp_path / "part"), quiet=True, stop_after=2)
+    resume(str(part.root), quiet=True)
+    a, b = rounds_of(whole.root), rounds_of(part.root)
+    assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
+    assert [r["evidence"] for r in a] == [r["evidence"] for r in b]  # the same draws, all passed
+    assert all(v == "accept" for r in b for v in r["verdicts"])
+    assert any(sum(r["state_bytes_sent"]) for r in b[2:])  # states were sent after the resume

@@ -40,6 +40,6 @@ def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        # view as bytes without copying through numpy (bf16 has no numpy dtype)
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # the raw bytes, read in place (a uint8 view: bf16 has no numpy dtype)
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     return h.hexdigest()

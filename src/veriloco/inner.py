@@ -140,6 +140,7 @@ class InnerLoop:
         # `[verify] replay_extent = "state"`: a copy of the state behind every trace entry of the
         # round, in trace order, for an auditor drawn to replay a segment from its start
         self.keep: list[dict[str, torch.Tensor]] | None = None
+        self.spare: list[dict[str, torch.Tensor]] = []  # kept states done with, whose memory `keep` reuses
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on (x, y); returns the loss before the step."""
@@ -169,11 +170,15 @@ class InnerLoop:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state as named tensors (safetensors-ready), plus the step counter."""
+        return {k: v.clone() for k, v in self._state_views().items()}
+
+    def _state_views(self) -> dict[str, torch.Tensor]:
+        """state_tensors without the copies (the live tensors: read them before the next step)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = {"inner/step_count": torch.tensor(self.step_count, dtype=torch.int64)}
         for p, st in self.opt.state.items():
             for k, v in st.items():
-                out[f"inner/{names[id(p)]}/{k}"] = torch.as_tensor(v).detach().clone()
+                out[f"inner/{names[id(p)]}/{k}"] = torch.as_tensor(v).detach()
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -193,7 +198,20 @@ class InnerLoop:
     def state_hash(self) -> str:
         """Hash of params + optimizer state: one trace entry."""
         tensors = {f"param/{n}": p.detach() for n, p in self.model.named_parameters()}
-        tensors.update(self.state_tensors())
+        tensors.update(self._state_views())
         if self.keep is not None:
-            self.keep.append({k: v.clone() for k, v in tensors.items()})
+            self.keep.append(self._copy(tensors))
         return tensors_hash(tensors)
+
+    def _copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A copy of `tensors` for `keep`, into a spare state's memory when one has their shapes
+        (no fresh pages every trace entry of every round)."""
+        for i in range(len(self.spare) - 1, -1, -1):
+            spare = self.spare[i]
+            if spare.keys() == tensors.keys() and all(
+                    spare[k].shape == v.shape and spare[k].dtype == v.dtype for k, v in tensors.items()):
+                del self.spare[i]
+                for k, v in tensors.items():
+                    spare[k].copy_(v)
+                return spare
+        return {k: v.clone() for k, v in tensors.items()}

@@ -820,7 +820,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             mine.pop(a.worker, None)
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score, attributable(cfg.verify, a, reported))
-    w.kept = {x: v for x, v in w.kept.items() if x > r}
+    for x in [x for x in w.kept if x <= r]:  # their memory holds the next rounds' states
+        w.inner.spare.extend(w.kept.pop(x))
     return spent, moves
 
 
