@@ -172,3 +172,17 @@ def test_a_resumed_run_with_the_update_a_round_late_replays_from_states_as_the_u
     assert [r["evidence"] for r in a] == [r["evidence"] for r in b]  # the same draws, all passed
     assert all(v == "accept" for r in b for v in r["verdicts"])
     assert any(sum(r["state_bytes_sent"]) for r in b[2:])  # states were sent after the resume
+
+
+def test_elastic_membership_sends_states_over_the_quorum_group(tmp_path):
+    cfg = tiny(*STATE, "--topology.workers=3", "--run.membership=elastic", "--run.timeout_s=30",
+               "--run.heartbeat_timeout_s=1.5", "--adversary.1=lazy:skip=0.4,scale=none", "--verify.ban=false")
+    run, _ = train(cfg, str(tmp_path / "e"), quiet=True)
+    recs = rounds_of(run.root)
+    for rec in recs:
+        ev = rec["evidence"]["1"]
+        seg = ev.get("replayed", ev)["segment"]
+        assert (rec["verdicts"][1] == "replay_mismatch") == (seg >= 3)
+        assert rec["verdicts"][0] == rec["verdicts"][2] == "accept"
+    assert sum(sum(r["state_bytes_sent"]) for r in recs) == sum(sum(r["state_bytes_received"]) for r in recs) > 0
+    assert audit_run(run.root, replay=100).ok
