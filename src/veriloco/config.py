@@ -241,7 +241,7 @@ class VerifyConfig:
         "that reach the skipped ones catch it: 'segment' catches a worker skipping a share s of its "
         "steps in about s of its drawn replays, at (1 + k/H) / 2 of a whole replay's cost on average. "
         "'state': only the drawn segment, from its start state, which the audited worker sends the "
-        "auditor (params + AdamW moments, 3x the model's bytes, counted as verify_bytes; its hash "
+        "auditor (params + AdamW moments, 3x the model's bytes, recorded as state_bytes_sent; its hash "
         "must be the trace's entry, or the worker is convicted): k/H of a round's compute per "
         "replay, and a worker skipping a share s of its steps is caught in about s of them; "
         "needs topology.stages = 1. Suspects are always replayed whole",
