@@ -41,12 +41,16 @@ def test_replay_extent_on_a_tiny_run(tmp_path):
                   "--replay", "1.0", "--out", str(out))
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
-    whole, seg = res["rows"]
-    assert (whole["extent"], seg["extent"]) == ("round", "segment")
+    whole, seg, state = res["rows"]
+    assert (whole["extent"], seg["extent"], state["extent"]) == ("round", "segment", "state")
     # lazy:skip=0.25 trains 3 of 4 steps: segment 1 holds the skipped one
     assert whole["replays"] == whole["catches"] == 3 and set(whole["per_seed"][0]["segments"]) == {1}
-    caught = [s == 1 for s in seg["per_seed"][0]["segments"]]
-    assert seg["replays"] == 3 and seg["catches"] == sum(caught)
+    for row in (seg, state):  # from step 0, or from the state at step 2: caught when segment 1 is drawn
+        caught = [s == 1 for s in row["per_seed"][0]["segments"]]
+        assert row["replays"] == 3 and row["catches"] == sum(caught)
+    # segment 1 needs a sent state (segment 0 starts from the round's public start)
+    assert state["state_bytes_per_worker_round"] > 0 or state["catches"] == 0
+    assert whole["state_bytes_per_worker_round"] == seg["state_bytes_per_worker_round"] == 0
 
 
 def test_trace_every_must_divide_inner_steps():
