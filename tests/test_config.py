@@ -47,7 +47,7 @@ def test_override_types():
         ("train.rounds", "--section.key=value"),
         ("--verify.loss_gain_floor=1.5", "verify.loss_gain_floor must be in [0, 1), got 1.5"),
         ("--verify.loss_gain_floor=nan", "verify.loss_gain_floor must be in [0, 1), got nan"),
-        ("--verify.replay_extent=half", "verify.replay_extent must be 'round' or 'segment', got 'half'"),
+        ("--verify.replay_extent=half", "verify.replay_extent must be 'round', 'segment' or 'state', got 'half'"),
         ("--train.round_warmup_steps=9", "train.round_warmup_steps must be in [0, train.inner_steps = 5], got 9"),
         ("--train.inner_state=reset --verify.replay_probability=0.5", "verify.trace_every (10) must divide train.inner_steps (5)"),
     ],
