@@ -130,3 +130,14 @@ def test_the_adversary_key_names_every_builtin_attacker():
 
     line = next(ln for ln in describe().splitlines() if "worker id -> attacker" in ln)
     assert all(kind in line for kind in BUILTIN), sorted(k for k in BUILTIN if k not in line)
+
+
+def test_state_replays_under_a_codec_warn_about_their_traffic():
+    from veriloco.config import config_warnings
+
+    state = ("--train.inner_state=reset", "--train.round_warmup_steps=2", "--verify.replay_probability=0.38",
+             "--verify.replay_extent=state", "--verify.trace_every=1")
+    (line,) = config_warnings(tiny(*state, "--compress.codec=adaptive"))
+    assert "1.1 model-sizes per worker-round" in line and "'adaptive'" in line
+    assert config_warnings(tiny(*state)) == []  # fp32 packets: the states add to them, they do not dwarf them
+

@@ -597,8 +597,13 @@ def config_warnings(cfg: Config) -> list[str]:
 
     Inner state reset without a per-round LR ramp: on configs/default.toml's job the eval loss
     ends 6.6% higher than with the moments kept (H = 30) and 1.5% higher at H = 90; a ramp over
-    each round's first 10 steps closes most of it at both (`python bench/reset_ramp.py`)."""
-    o, t, out = cfg.outer, cfg.train, []
+    each round's first 10 steps closes most of it at both (`python bench/reset_ramp.py`).
+
+    Replays from sent states with compressed packets: each drawn segment moves its start state
+    (3x the model's fp32 bytes); at p = 0.38 that was 3.9 MB per worker-round beside 10.5 MB of
+    fp32 packets (`python bench/state_replay.py`), so under a codec the states outweigh the
+    packets the codec was chosen to shrink."""
+    o, t, v, out = cfg.outer, cfg.train, cfg.verify, []
     if t.mode == "diloco" and t.inner_state == "reset" and not t.round_warmup_steps:
         out.append("train.inner_state = 'reset' without train.round_warmup_steps cost 6.6% eval loss on the make run "
                    "job (14 rounds, H = 30) and 1.5% at H = 90; --train.round_warmup_steps=10 (about 1 / (1 - beta1) "
@@ -607,6 +612,12 @@ def config_warnings(cfg: Config) -> list[str]:
         out.append(f"outer.delay = 1 with outer.momentum = {o.momentum} and the {o.correction} correction was "
                    "unstable in bench/delay_stability.py; use --outer.momentum=0.5, or "
                    "--outer.correction=local --outer.lookahead=true (README: Delay 1 and outer momentum)")
+    if v.replay_probability > 0 and v.replay_extent == "state" and cfg.compress.codec != "fp32":
+        out.append(f"verify.replay_extent = 'state' moves a segment's start state (3x the model's fp32 bytes) for each "
+                   f"drawn replay, about {3 * v.replay_probability:.2g} model-sizes per worker-round at "
+                   f"replay_probability = {v.replay_probability:g}, uncompressed, beside packets that compress.codec = "
+                   f"'{cfg.compress.codec}' shrinks; on a link the packets must be compressed for, "
+                   "--verify.replay_extent=round moves nothing (bench/state_replay.py)")
     return out
 
 
