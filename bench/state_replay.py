@@ -46,14 +46,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verify import ROOT, overhead_of  # noqa: E402
 
 from veriloco.config import load_config  # noqa: E402
+from veriloco.inner import InnerLoop  # noqa: E402
+from veriloco.model import build_model, lm_loss  # noqa: E402
 from veriloco.run import train  # noqa: E402
 
 
@@ -79,14 +85,6 @@ def trace_cost(inner_steps: int, trace_every: int, repeats: int = 20) -> dict:
     inner CPU = ((H/k + 1) x kept - 2 x plain) / (H x step). (Whole runs of H steps with and
     without the finer trace, alternating in one process, differ by -4% to +3% from run to run on
     this shared machine: more than the thing measured.)"""
-    import statistics
-    import time
-
-    import torch
-
-    from veriloco.inner import InnerLoop
-    from veriloco.model import build_model, lm_loss
-
     cfg = load_config(ROOT / "configs" / "verified.toml", [])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

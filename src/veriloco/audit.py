@@ -479,6 +479,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
                              EquivocationDetector(admitted)))
     counts.update(signatures=0, bundles=0, checkpoints=0, replays=0)
     schedule = _step_schedule(cfg, records)
+    stored_states = _stored_states(store, manifest["run_id"], G0)  # replay_extent "state": what auditors replayed from
     base_cfg = cfg
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
         cfg = round_cfg(base_cfg, schedule.at(r))  # this round's H (adaptive H: [train] inner_steps_max)
@@ -503,7 +504,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
                 take_whole_workers(c.check, accepted)
         if cfg.verify.replay_probability > 0:
             replays_left = _replays(cfg, task, r, checks, slices, recorded, parts, replays_left, counts, wheres,
-                                    (schedule.before(r), schedule.total(r)), _stored_states(store, manifest["run_id"], G0))
+                                    (schedule.before(r), schedule.total(r)), stored_states)
         results = [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
                    for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres,
                                                                    strict=True)]

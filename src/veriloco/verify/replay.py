@@ -373,48 +373,29 @@ def replay_run(
     segment's k steps run, from it."""
     exact = verify.replay_match == "exact"
     k = verify.trace_every or train.inner_steps
-    if state is not None:
-        return _replay_segment(replayer, train, start, batch_of_step, audit, k, land, steps_before, total_steps, state)
-    steps = (audit.segment + 1) * k if exact else train.inner_steps
-    params, inner = replayer(start, round * train.inner_steps if steps_before is None else steps_before)
+    if state is None:  # from the round's start, through the audited segment (distance: the whole round)
+        first, offset, steps = 0, 0, (audit.segment + 1) * k if exact else train.inner_steps
+        params, inner = replayer(start, round * train.inner_steps if steps_before is None else steps_before)
+    else:  # the audited segment alone, from its start state (its step counter comes with it)
+        first, offset, steps = audit.segment, audit.segment * k, k  # (first: its trace entry)
+        params, inner = replayer({key[len("param/"):]: v for key, v in state.items() if key.startswith("param/")}, 0)
+        inner.load_state_tensors({key: v for key, v in state.items() if key.startswith("inner/")})
     if total_steps is not None:
         inner.total_steps = total_steps
     if steps_before is not None:  # the round's own ramp origin (the same as step % H when H is fixed)
         inner.round_start = steps_before
+    end = offset + steps
     base, landing = start, None
     if land is not None:
-        base = land[1]
-        landing = Landing(land[0], lambda: shift_params(params, base, start))
-    trace = inner.run(batch_of_step, steps, trace_every=k if exact else 0, land=landing).trace
-    if steps != train.inner_steps:
-        return Replayed(trace, None)
+        base, tau = land[1], land[0] - offset  # (tau < 0: it landed before the segment, in its state)
+        if tau >= 0 and (tau < steps or end >= train.inner_steps):  # a round no longer than tau lands after its last step
+            landing = Landing(tau, lambda: shift_params(params, base, start))
+    trace = inner.run(lambda step: batch_of_step(offset + step), steps, trace_every=k if exact else 0,
+                      land=landing).trace
+    if end != train.inner_steps:
+        return Replayed(trace, None, first)
     with torch.no_grad():
-        return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()})
-
-
-def _replay_segment(replayer: Replayer, train: TrainConfig, start: dict[str, torch.Tensor], batch_of_step,
-                    audit: Audit, k: int, land, steps_before: int | None, total_steps: int | None,
-                    state: dict[str, torch.Tensor]) -> Replayed:
-    """replay_run from a segment's start state: steps j*k .. (j+1)*k - 1 of the round (j =
-    audit.segment), the late update landing where it would have (`land`) if that is inside them."""
-    offset = audit.segment * k
-    params, inner = replayer({key[len("param/"):]: v for key, v in state.items() if key.startswith("param/")}, 0)
-    inner.load_state_tensors({key: v for key, v in state.items() if key.startswith("inner/")})
-    if total_steps is not None:
-        inner.total_steps = total_steps
-    if steps_before is not None:
-        inner.round_start = steps_before
-    base, landing = start, None
-    if land is not None:
-        base = land[1]
-        last = offset + k >= train.inner_steps  # a round no longer than tau lands after its last step
-        if offset <= land[0] and (land[0] < offset + k or last):
-            landing = Landing(land[0] - offset, lambda: shift_params(params, base, start))
-    trace = inner.run(lambda step: batch_of_step(offset + step), k, trace_every=k, land=landing).trace
-    if offset + k < train.inner_steps:
-        return Replayed(trace, None, audit.segment)
-    with torch.no_grad():
-        return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()}, audit.segment)
+        return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()}, first)
 
 
 def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
