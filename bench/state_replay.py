@@ -39,6 +39,8 @@ on this shared machine (the `round` row's trace is the baseline's, and it still 
 eval loss (replays do not change training: all three the same). The chance to catch within
 `--within` rounds is computed from p and c; `bench/replay_extent.py` and `bench/verify.py`
 measure c and the catches on the tiny model. `--quick`: 1 round at H = 10, for the test.
+`--trace-cost-only`: only `trace_cost` (with `PYTHONPATH` at an older checkout's `src`, that
+code's price: `bench/results/trace_cost-before-hash-fix.json`).
 Writes `{"rows": [...], "p": {...}, "c": ..., "config": {...}}`.
 """
 
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--within", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="1 round at H = 10 (a check that it runs)")
+    ap.add_argument("--trace-cost-only", action="store_true",
+                    help="only time the finer trace by its parts (trace_cost), e.g. against older code on PYTHONPATH")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "state_replay.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -172,6 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"an inner step {cost['step_cpu_s'] * 1e3:.1f} ms CPU, a trace entry {cost['entry_cpu_s'] * 1e3:.2f} ms, one "
           f"kept {cost['kept_entry_cpu_s'] * 1e3:.2f} ms: {cost['entries']} entries a round instead of 2 add "
           f"{cost['extra_share']:.2%} to its inner CPU", flush=True)
+    if args.trace_cost_only:
+        out = {"trace_cost": cost, "config": {"inner_steps": H, "trace_every": k}}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        return out
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, p, extra in rows_spec:
