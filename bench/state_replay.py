@@ -63,6 +63,12 @@ from veriloco.config import load_config  # noqa: E402
 from veriloco.inner import InnerLoop  # noqa: E402
 from veriloco.model import build_model, lm_loss  # noqa: E402
 from veriloco.run import train  # noqa: E402
+from veriloco.verify.replay import state_layout  # noqa: E402
+
+try:  # keep_states (fourteenth session); --trace-cost-only also times older code on PYTHONPATH
+    from veriloco.verify.kept import InMemory, OnDisk
+except ImportError:
+    InMemory = OnDisk = None
 
 
 def catch_share(inner_steps: int, trace_every: int, skip: float) -> float:
@@ -106,17 +112,37 @@ def trace_cost(inner_steps: int, trace_every: int, repeats: int = 20) -> dict:
 
         step = cpu(lambda: loop.step(x, y))
         plain = cpu(loop.state_hash)
-        loop.keep = []
-        cpu(loop.state_hash)
-        loop.spare, loop.keep = loop.keep, []  # a round's states, done with: the next round's memory
-        kept = cpu(loop.state_hash)
+        disk = disk_wall = None
+        if InMemory is None:  # older code on PYTHONPATH: a list, its copies reused from loop.spare
+            loop.keep = []
+            cpu(loop.state_hash)
+            loop.spare, loop.keep = loop.keep, []
+            kept = cpu(loop.state_hash)
+        else:
+            loop.keep = InMemory(state_layout(loop.model), [])
+            cpu(loop.state_hash)
+            loop.keep.release()  # a round's states, done with: the next round's memory
+            loop.keep = InMemory(state_layout(loop.model), loop.keep.pool)
+            kept = cpu(loop.state_hash)
+            with tempfile.TemporaryDirectory() as tmp:  # keep_states = "disk": written to a file instead
+                loop.keep = OnDisk(state_layout(loop.model), Path(tmp) / "kept.bin")
+                w0 = time.perf_counter()
+                disk = cpu(loop.state_hash)
+                disk_wall = (time.perf_counter() - w0) / repeats
+                loop.keep.release()
         loop.keep = None
     finally:
         torch.set_num_threads(threads)
     entries = inner_steps // trace_every + 1
     extra = (entries * kept - 2 * plain) / (inner_steps * step)
+    extra_disk = (entries * disk - 2 * plain) / (inner_steps * step) if disk is not None else None
     return {"step_cpu_s": round(step, 5), "entry_cpu_s": round(plain, 5), "kept_entry_cpu_s": round(kept, 5),
-            "entries": entries, "repeats": repeats, "extra_share": round(extra, 4)}
+            "disk_entry_cpu_s": _r(disk), "disk_entry_wall_s": _r(disk_wall),
+            "entries": entries, "repeats": repeats, "extra_share": round(extra, 4), "extra_share_disk": _r(extra_disk, 4)}
+
+
+def _r(x: float | None, digits: int = 5) -> float | None:
+    return round(x, digits) if x is not None else None
 
 
 def row_of(name: str, recs: list[dict], summary: dict, p: float, base_inner: float | None) -> dict:
@@ -175,7 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
     cost = trace_cost(H, k, repeats=3 if args.quick else 20)
     print(f"an inner step {cost['step_cpu_s'] * 1e3:.1f} ms CPU, a trace entry {cost['entry_cpu_s'] * 1e3:.2f} ms, one "
           f"kept {cost['kept_entry_cpu_s'] * 1e3:.2f} ms: {cost['entries']} entries a round instead of 2 add "
-          f"{cost['extra_share']:.2%} to its inner CPU", flush=True)
+          f"{cost['extra_share']:.2%} to its inner CPU"
+          + (f"; kept on disk {cost['disk_entry_cpu_s'] * 1e3:.2f} ms CPU, {cost['disk_entry_wall_s'] * 1e3:.2f} ms wall: "
+             f"{cost['extra_share_disk']:.2%}" if cost.get("disk_entry_cpu_s") is not None else ""), flush=True)
     if args.trace_cost_only:
         out = {"trace_cost": cost, "config": {"inner_steps": H, "trace_every": k}}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

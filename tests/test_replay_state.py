@@ -17,6 +17,7 @@ from veriloco.inner import InnerLoop
 from veriloco.model import build_model, lm_loss
 from veriloco.run import resume, train
 from veriloco.store import LocalStore
+from veriloco.verify.kept import InMemory, OnDisk
 from veriloco.verify.replay import (
     Audit,
     attributable,
@@ -45,7 +46,7 @@ def _round(cfg, steps: int):
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 256, (2, cfg.model.ctx), generator=gen),) * 2 for _ in range(steps)]
     loop = InnerLoop(model, cfg.train, 100, lambda m, x, y: lm_loss(m(x), y))
-    loop.keep = []
+    loop.keep = InMemory(state_layout(model), [])
     trace = loop.run(lambda s: batches[s], steps, trace_every=1).trace
     delta = {k: start[k] - p.detach() for k, p in model.named_parameters()}
     return model, start, batches, loop, trace, delta
@@ -55,14 +56,14 @@ def test_state_layout_round_trips_and_refuses_other_shapes():
     cfg = tiny()
     model, _, _, loop, trace, _ = _round(cfg, 3)
     layout = state_layout(model)
-    buf = state_to_bytes(loop.keep[2], layout)
+    buf = state_to_bytes(loop.keep.tensors(2), layout)
     assert buf.dtype == torch.uint8 and buf.numel() == state_nbytes(layout)
     back = state_from_bytes(buf.numpy().tobytes(), layout)
     assert state_matches(back, trace, 2) and not state_matches(back, trace, 1)
     assert state_from_bytes(buf[:-1], layout) is None  # not the layout's size
     with pytest.raises(ValueError):
-        state_to_bytes(loop.keep[0], layout)  # before the first step: no AdamW moments yet
-    bad = dict(loop.keep[2]) | {"inner/step_count": torch.tensor(2, dtype=torch.int32)}
+        state_to_bytes(loop.keep.tensors(0), layout)  # before the first step: no AdamW moments yet
+    bad = dict(loop.keep.tensors(2)) | {"inner/step_count": torch.tensor(2, dtype=torch.int32)}
     with pytest.raises(ValueError, match="step_count"):
         state_to_bytes(bad, layout)
 
@@ -75,7 +76,7 @@ def test_a_segment_replayed_from_its_start_state_matches_bit_for_bit():
     for segment in (1, H - 2, H - 1):  # a middle one, and the last (which also checks the packet)
         a = Audit(worker=1, segment=segment, auditor=0)
         got = replay_run(cfg.verify, replayer, cfg.train, start, 0, lambda s: batches[s], a, steps_before=0,
-                         total_steps=100, state=loop.keep[segment])
+                         total_steps=100, state=loop.keep.tensors(segment))
         assert got.offset == segment and len(got.trace) == 2
         assert check_replay(trace, got.trace, got.offset) is None
         assert (got.delta is not None) == (segment == H - 1)
@@ -85,7 +86,7 @@ def test_a_segment_replayed_from_its_start_state_matches_bit_for_bit():
     forged[H - 1] = "0" * 64
     a = Audit(worker=1, segment=H - 2, auditor=0)
     got = replay_run(cfg.verify, replayer, cfg.train, start, 0, lambda s: batches[s], a, steps_before=0,
-                     total_steps=100, state=loop.keep[H - 2])
+                     total_steps=100, state=loop.keep.tensors(H - 2))
     assert check_replay(forged, got.trace, got.offset) == H - 1
 
 
@@ -162,16 +163,46 @@ def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, mo
     assert not report.ok and "worker 0's replay fails" in report.first_failure
 
 
+def test_states_kept_on_disk_are_the_states_kept_in_memory(tmp_path):
+    cfg = tiny("--train.inner_state=reset", "--verify.trace_every=1")
+    model, _, batches, loop, _, _ = _round(cfg, 4)
+    layout = state_layout(model)
+    again = InnerLoop(build_model(cfg.model, cfg.run.seed), cfg.train, 100, lambda m, x, y: lm_loss(m(x), y))
+    path = tmp_path / "kept-0.bin"
+    again.keep = OnDisk(layout, path)
+    again.run(lambda s: batches[s], 4, trace_every=1)
+    mem, disk = loop.keep, again.keep
+    assert len(mem) == len(disk) == 5 and path.stat().st_size == 4 * state_nbytes(layout)
+    assert mem.buffer(0) is None and disk.buffer(0) is None  # before the first step: not a sendable state
+    for j in range(1, 5):
+        assert torch.equal(mem.buffer(j), disk.buffer(j))
+        assert all(torch.equal(mem.tensors(j)[k], v) for k, v in disk.tensors(j).items())
+    disk.release()
+    assert not path.exists()
+    # a released round's memory holds the next round's states (no fresh pages every entry)
+    name = next(n for n, _, _ in layout if n.startswith("param/"))
+    before = {mem.tensors(j)[name].data_ptr() for j in range(5)}
+    mem.release()
+    loop.keep = InMemory(layout, mem.pool)
+    loop.run(lambda s: batches[s], 4, trace_every=1)  # no reset: every entry has the layout's tensors
+    after = [loop.keep.tensors(j)[name].data_ptr() for j in range(5)]
+    assert sum(p in before for p in after) == 4 and len(mem.pool) == 1  # the old entry 0 had no moments
+
+
 def test_a_resumed_run_with_the_update_a_round_late_replays_from_states_as_the_uninterrupted_one(tmp_path):
-    cfg = tiny(*STATE, "--topology.workers=3", "--train.rounds=4", "--outer.delay=1")
+    # states kept on disk here (the other runs keep them in memory)
+    cfg = tiny(*STATE, "--topology.workers=3", "--train.rounds=4", "--outer.delay=1", "--verify.keep_states=disk")
     whole, _ = train(cfg, str(tmp_path / "whole"), quiet=True)
     part, _ = train(cfg, str(tmp_path / "part"), quiet=True, stop_after=2)
+    stale = part.root / "workers" / "1" / "kept-2.bin"  # as a run killed mid-round leaves it
+    stale.write_bytes(b"x" * 100)
     resume(str(part.root), quiet=True)
     a, b = rounds_of(whole.root), rounds_of(part.root)
     assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
     assert [r["evidence"] for r in a] == [r["evidence"] for r in b]  # the same draws, all passed
     assert all(v == "accept" for r in b for v in r["verdicts"])
     assert any(sum(r["state_bytes_sent"]) for r in b[2:])  # states were sent after the resume
+    assert not list(whole.root.rglob("kept-*.bin")) and not list(part.root.rglob("kept-*.bin"))
 
 
 def test_elastic_membership_sends_states_over_the_quorum_group(tmp_path):

@@ -246,6 +246,14 @@ class VerifyConfig:
         "replay, and a worker skipping a share s of its steps is caught in about s of them; "
         "needs topology.stages = 1. Suspects are always replayed whole",
     )
+    keep_states: str = _f(
+        "memory",
+        "replay_extent = 'state': where a worker keeps the state behind each trace entry until its round "
+        "is checked (it cannot know which segment will be drawn): H/k + 1 states of 3x the model per round "
+        "in flight (two rounds under outer.delay = 1). 'memory' = host memory, reused round after round; "
+        "'disk' = a file per round in the worker's directory of the run, read back only for a drawn "
+        "segment and deleted once the round is checked",
+    )
     replay_tolerance: float = _f(
         0.01,
         "distance mode: the largest accepted norm(replayed - committed) / norm(committed). A security "
@@ -458,6 +466,7 @@ def validate(cfg: Config) -> None:
     need(v.replay_match in ("exact", "distance"), f"verify.replay_match must be 'exact' or 'distance', got {v.replay_match!r}")
     need(v.replay_extent in ("round", "segment", "state"),
          f"verify.replay_extent must be 'round', 'segment' or 'state', got {v.replay_extent!r}")
+    need(v.keep_states in ("memory", "disk"), f"verify.keep_states must be 'memory' or 'disk', got {v.keep_states!r}")
     if v.replay_probability > 0 and v.replay_extent == "state":
         need(v.replay_match == "exact", "verify.replay_extent = 'state' needs verify.replay_match = 'exact' "
              "(a segment's start state is checked by its hash in the trace)")

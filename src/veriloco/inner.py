@@ -13,12 +13,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .config import TrainConfig
 from .hashing import tensors_hash
+
+if TYPE_CHECKING:
+    from .verify.kept import KeptStates
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -137,10 +141,10 @@ class InnerLoop:
         )
         self.step_count = 0  # inner steps taken so far in the run (drives the LR schedule)
         self.round_start: int | None = None  # step_count when this round began, when H varies (lr_at)
-        # `[verify] replay_extent = "state"`: a copy of the state behind every trace entry of the
-        # round, in trace order, for an auditor drawn to replay a segment from its start
-        self.keep: list[dict[str, torch.Tensor]] | None = None
-        self.spare: list[dict[str, torch.Tensor]] = []  # kept states done with, whose memory `keep` reuses
+        # `[verify] replay_extent = "state"`: keeps a copy of the state behind every trace entry of
+        # the round, in trace order, for an auditor drawn to replay a segment from its start
+        # (verify/kept.py: its `append` copies the live tensors it is handed)
+        self.keep: KeptStates | None = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on (x, y); returns the loss before the step."""
@@ -200,18 +204,5 @@ class InnerLoop:
         tensors = {f"param/{n}": p.detach() for n, p in self.model.named_parameters()}
         tensors.update(self._state_views())
         if self.keep is not None:
-            self.keep.append(self._copy(tensors))
+            self.keep.append(tensors)
         return tensors_hash(tensors)
-
-    def _copy(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A copy of `tensors` for `keep`, into a spare state's memory when one has their shapes
-        (no fresh pages every trace entry of every round)."""
-        for i in range(len(self.spare) - 1, -1, -1):
-            spare = self.spare[i]
-            if spare.keys() == tensors.keys() and all(
-                    spare[k].shape == v.shape and spare[k].dtype == v.dtype for k, v in tensors.items()):
-                del self.spare[i]
-                for k, v in tensors.items():
-                    spare[k].copy_(v)
-                return spare
-        return {k: v.clone() for k, v in tensors.items()}

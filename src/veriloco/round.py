@@ -101,6 +101,7 @@ from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root, take_whole_workers
 from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
+from .verify.kept import kept_states
 from .verify.lossgain import (
     Settled,
     assign_checkers,
@@ -175,7 +176,9 @@ class Worker:
     applied: int = -1  # elastic: the last round whose outer step G holds
     banned: set = field(default_factory=set)  # workers convicted of an offence (verify.OFFENCES)
     schedule: StepSchedule | None = None  # H of each round (set by setup_worker)
-    kept: dict = field(default_factory=dict)  # replay_extent "state": round -> its trace entries' states
+    kept: dict = field(default_factory=dict)  # replay_extent "state": round -> its trace entries' states (KeptStates)
+    kept_pool: list = field(default_factory=list)  # keep_states "memory": released states, whose memory is reused
+    layout: list = field(default_factory=list)  # replay_extent "state": a sent state's layout (state_layout)
 
     @property
     def is_recorder(self) -> bool:
@@ -363,6 +366,10 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     if str(worker) in cfg.adversary:
         w.adversary = load_adversary(cfg.adversary[str(worker)], worker, cfg.run.seed)
     w.schedule = StepSchedule.of(cfg, w.run.rounds()[:resume_round] if resume_round > 0 and cfg.train.inner_steps_max else [])
+    if states_sent(cfg):
+        w.layout = state_layout(model)
+        for stale in run.worker_dir(rank).glob("kept-*.bin"):  # keep_states "disk": an interrupted run's
+            stale.unlink()
     if resume_round > 0:
         restore(w, resume_round)
     return w
@@ -579,8 +586,9 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
         w.adversary.params["_trace_entries"] = str(trace_entries(cfg))
     steps = adv.inner_steps(r, cfg.train.inner_steps)  # an adversary may skip work ...
     t_inner = time.perf_counter()
-    if states_sent(cfg):
-        w.inner.keep = []  # the state behind each trace entry, for the auditor of one of its segments
+    if states_sent(cfg):  # the state behind each trace entry, for the auditor of one of its segments
+        w.inner.keep = kept_states(cfg.verify.keep_states, w.layout, w.kept_pool,
+                                   w.run.worker_dir(w.rank) / f"kept-{r}.bin")
     result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
                          land=landing)
     if w.inner.keep is not None:
@@ -820,8 +828,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             mine.pop(a.worker, None)
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score, attributable(cfg.verify, a, reported))
-    for x in [x for x in w.kept if x <= r]:  # their memory holds the next rounds' states
-        w.inner.spare.extend(w.kept.pop(x))
+    for x in [x for x in w.kept if x <= r]:  # their memory (or file) is done with
+        w.kept.pop(x).release()
     return spent, moves
 
 
@@ -841,7 +849,7 @@ class StateMoves:
 
     def __init__(self, w: Worker, r: int, part: Participants) -> None:
         self.w, self.r, self.part = w, r, part
-        self.layout = state_layout(w.model)
+        self.layout = w.layout
         self.size = state_nbytes(self.layout)
         self.received: dict[int, dict[str, torch.Tensor]] = {}  # worker -> its checked state
         self.sent_bytes = self.received_bytes = 0
@@ -849,18 +857,16 @@ class StateMoves:
 
     def _mine(self, segment: int) -> torch.Tensor:
         """This worker's buffer for segment `segment` of round r (zeros: an adversary's withheld state)."""
-        w = self.w
-        kept = w.kept.get(self.r, [])
-        tensors = kept[segment] if segment < len(kept) else None
-        if tensors is None and w.adversary is None:
-            raise RuntimeError(f"round {self.r}: the state at segment {segment}'s start was not kept")
-        if w.adversary is not None:
-            tensors = w.adversary.state(self.r, segment, tensors)
+        w, kept = self.w, self.w.kept.get(self.r)
+        if w.adversary is None:
+            buf = kept.buffer(segment) if kept is not None else None
+            if buf is None:
+                raise RuntimeError(f"round {self.r}: the state at segment {segment}'s start was not kept")
+            return buf
+        tensors = w.adversary.state(self.r, segment, kept.tensors(segment) if kept is not None else None)
         try:
             return state_to_bytes(tensors, self.layout) if tensors is not None else torch.zeros(self.size, dtype=torch.uint8)
-        except ValueError as e:
-            if w.adversary is None:
-                raise RuntimeError(f"round {self.r}: this worker's own state cannot be sent: {e}") from None
+        except ValueError:
             return torch.zeros(self.size, dtype=torch.uint8)
 
     def _take(self, a: Audit, buf: torch.Tensor, check: RoundCheck) -> None:
