@@ -133,3 +133,14 @@ class Framer(Adversary):
             return tensors
         self.asked.add((r, segment))
         return {k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+class StateLiar(Adversary):
+    """Trains honestly; as an auditor it always says the start state it was sent in private did not
+    hash to the trace (entry 0 at the latest), a report no one can pin on it the first time: it
+    tries to make the workers it audits send their states to every member, round after round."""
+
+    kind = "state_liar"
+
+    def audit_report(self, r, worker, score):
+        return 0.0

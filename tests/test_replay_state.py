@@ -122,7 +122,7 @@ def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, mo
     run, _ = train(cfg, str(tmp_path / "s"), quiet=True)
     recs = rounds_of(run.root)
     # lazy does 3 of 5 steps: trace entries 0-3 are real, 4 and 5 made up
-    drawn = {w: [] for w in range(4)}
+    drawn, disputed = {w: [] for w in range(4)}, set()
     for rec in recs:
         for w in range(4):
             ev = rec["evidence"].get(str(w), {})
@@ -136,11 +136,16 @@ def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, mo
                 assert (v == "replay_mismatch") == (seg >= 3), (rec["round"], seg, v)
             elif w == 2:  # a withheld state convicts, except for the first segment (public start)
                 assert (v == "replay_mismatch") == (seg > 0), (rec["round"], seg, v)
+            elif (ev.get("replayed", ev)["auditor"], 3) in disputed and seg > 0:
+                # framed this auditor before: now its state goes to every member at once, and a wrong one convicts
+                assert v == "replay_mismatch" and "state_resent" not in ev, (rec["round"], ev)
             else:  # the framer's auditor is not convicted, and the framer keeps its verdict
                 assert v == "accept"
                 assert rec["verdicts"][ev["replayed"]["auditor"]] != "false_report"
                 if seg > 0:
                     assert ev["replayed"].get("state_resent") is True and ev["replayed"]["disputed"] is True
+                    disputed.add((ev["replayed"]["auditor"], 3))
+        assert sorted(map(list, disputed)) == rec.get("disputes", [])
     assert any(s > 0 for s in drawn[2]) and any(s > 0 for s in drawn[3])  # (12 draws of 5 segments each)
     # every byte is counted at both ends: private sends, and the resends to every member
     sent = sum(sum(rec["state_bytes_sent"]) for rec in recs)
@@ -161,6 +166,38 @@ def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, mo
     store.put_ref(state_ref(run_id, r, 0, seg), other.read_bytes())
     report = audit_run(run.root, replay=100)
     assert not report.ok and "worker 0's replay fails" in report.first_failure
+
+
+def test_an_auditor_disputes_a_private_state_once_per_worker_then_the_state_is_public(tmp_path, monkeypatch):
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    cfg = tiny(*STATE, "--topology.workers=3", "--train.rounds=6", "--verify.ban=false",
+               "--adversary.2=red_team:StateLiar")
+    run, _ = train(cfg, str(tmp_path / "s"), quiet=True)
+    recs = rounds_of(run.root)
+    size = state_nbytes(state_layout(build_model(cfg.model, cfg.run.seed)))
+    disputed, convicted = set(), 0
+    for rec in recs:
+        assert rec["verdicts"][0] == rec["verdicts"][1] == "accept"  # never framed by the liar
+        sends = 0  # states sent this round, in state sizes: 1 in private, 2 to both other members
+        for j in (0, 1, 2):
+            ev = rec["evidence"][str(j)]["replayed"]
+            if ev["auditor"] != 2 or j == 2:
+                sends += ev["segment"] > 0
+            elif ev["segment"] == 0 or (2, j) in disputed:  # a public state: the lie is pinned on the liar
+                assert rec["verdicts"][2] == "false_report" and "state_resent" not in ev, (rec["round"], ev)
+                convicted += 1
+                sends += 2 * (ev["segment"] > 0)
+            else:  # the pair's first dispute: no one can tell who lies; the state goes to everyone, now and later
+                assert ev["state_resent"] is True
+                disputed.add((2, j))
+                sends += 1 + 2
+        assert rec.get("disputes", []) == sorted(map(list, disputed))
+        assert sum(rec["state_bytes_sent"]) == sum(rec["state_bytes_received"]) == sends * size, rec["round"]
+    assert convicted >= 1 and len(disputed) <= 2  # (6 rounds, 3 workers: the liar audits a worker twice)
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
 
 
 def test_states_kept_on_disk_are_the_states_kept_in_memory(tmp_path):

@@ -406,6 +406,7 @@ class _Slice:
     momenta: list = field(default_factory=list)  # the outer momentum after each round (lookahead)
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
     banned: set = field(default_factory=set)  # workers convicted so far (verify.OFFENCES)
+    disputes: set = field(default_factory=set)  # (auditor, worker) pairs whose states now go public
 
     def start_of(self, back: int) -> dict:  # G after round `back` (G_0 before round 0)
         return self.bases[back] if back >= 0 else self.init
@@ -730,6 +731,9 @@ def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, record
         sl.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     if sorted(sl.banned) != part.get("banned", []):
         _fail(f"{where}the record bans workers {part.get('banned', [])}, the verdicts so far ban {sorted(sl.banned)}")
+    if sorted([a, j] for a, j in sl.disputes) != part.get("disputes", []):
+        _fail(f"{where}the record lists disputed pairs {part.get('disputes', [])}, the replays so far "
+              f"{sorted([a, j] for a, j in sl.disputes)}")
     for j, d in check.decoded.items():
         sl.history[j] = (sl.history.get(j, []) + [d])[-2:]
     for c in recorded:
@@ -867,11 +871,17 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
     land = None
     if cfg.outer.overlap_steps:  # round r-1's update landed inside round r, before this step
         land = (cfg.outer.overlap_steps, {k: v for sl in slices for k, v in sl.start_of(r - 1).items()})
+    disputes: set[tuple[int, int]] = set()  # the round's new unattributable disputes
     for a in audits:
         evidence = [part.get("evidence") or {} for part in parts]
         evs = [ev.get(str(a.worker)) if isinstance(ev.get(str(a.worker)), dict) else {} for ev in evidence]
         disputed = any(isinstance(ev.get("replayed"), dict) and ev["replayed"].get("disputed") is True for ev in evs)
         blame = not any(isinstance(ev.get("replayed"), dict) and ev["replayed"].get("state_resent") is True for ev in evs)
+        if not blame:  # an unattributable dispute: each pair has at most one (round.disputed_pairs)
+            if any((a.auditor, a.worker) in sl.disputes for sl in slices):
+                _fail(f"{wheres[0]}worker {a.worker}'s dispute with its auditor, worker {a.auditor}, is recorded as "
+                      "unattributable, but the two had disputed before, so its state went to every member")
+            disputes.add((a.auditor, a.worker))
         if replays_left > 0:
             replays_left -= 1
             counts["replays"] += 1
@@ -903,6 +913,8 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
             elif disputed and (mine.get(a.auditor) == FALSE_REPORT or not blame):
                 judge_reported(cfg.verify, checked.check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0,
                                blame)
+    for sl in slices:
+        sl.disputes |= disputes
     return replays_left
 
 

@@ -306,6 +306,7 @@ def heal(w: Worker, to_round: int) -> int:
     w.base_momenta, w.start_states = {}, {}  # (start states: delay 1, for rounds it will not finish)
     done = w.run.rounds()[:to_round]  # the bans in force: the last record it can see
     w.banned = set(done[-1].get("banned", [])) if done else set()
+    w.disputes = {(a, j) for a, j in done[-1].get("disputes", [])} if done else set()
     return to_round
 
 
@@ -363,6 +364,7 @@ def _snapshot(w: Worker) -> dict:
         "history": dict(w.history), "history_rounds": dict(w.history_rounds), "previous": w.previous,
         "bases": dict(w.bases),
         "base_hashes": dict(w.base_hashes), "banned": set(w.banned), "base_momenta": dict(w.base_momenta),
+        "disputes": set(w.disputes),
     }
 
 
@@ -371,6 +373,7 @@ def _restore(w: Worker, saved: dict) -> None:
     w.outer.load_state_tensors(saved["outer"])
     w.history, w.previous, w.bases, w.base_hashes = saved["history"], saved["previous"], saved["bases"], saved["base_hashes"]
     w.banned, w.base_momenta, w.history_rounds = saved["banned"], saved["base_momenta"], saved["history_rounds"]
+    w.disputes = saved["disputes"]
 
 
 @contextmanager

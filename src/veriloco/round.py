@@ -175,6 +175,7 @@ class Worker:
     defer_entry: bool = False  # elastic: the ledger entry is appended at commit (elastic.py), not here
     applied: int = -1  # elastic: the last round whose outer step G holds
     banned: set = field(default_factory=set)  # workers convicted of an offence (verify.OFFENCES)
+    disputes: set = field(default_factory=set)  # (auditor, worker): a private state disputed (disputed_pairs)
     schedule: StepSchedule | None = None  # H of each round (set by setup_worker)
     kept: dict = field(default_factory=dict)  # replay_extent "state": round -> its trace entries' states (KeptStates)
     kept_pool: list = field(default_factory=list)  # keep_states "memory": released states, whose memory is reused
@@ -392,6 +393,7 @@ def restore(w: Worker, next_round: int) -> None:
     mine = part(records[next_round - 1])
     outer = _load_checkpoint(w, mine, next_round - 1)
     w.banned = set(mine.get("banned", []))
+    w.disputes = {(a, j) for a, j in mine.get("disputes", [])}
     # the screen's "previous round": its accepted packets, decoded again from the store
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
 
@@ -587,6 +589,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     steps = adv.inner_steps(r, cfg.train.inner_steps)  # an adversary may skip work ...
     t_inner = time.perf_counter()
     if states_sent(cfg):  # the state behind each trace entry, for the auditor of one of its segments
+        if r in w.kept:  # an elastic retry of the round: its first try's states are done with
+            w.kept.pop(r).release()
         w.inner.keep = kept_states(cfg.verify.keep_states, w.layout, w.kept_pool,
                                    w.run.worker_dir(w.rank) / f"kept-{r}.bin")
     result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
@@ -822,15 +826,30 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             if a.worker in check.suspects:
                 check.evidence[a.worker]["suspect"] = check.suspects[a.worker]
             continue
-        if from_state(cfg.verify, a):  # the worker sends the state again, to every member alike
+        public = a.worker in moves.public
+        if from_state(cfg.verify, a) and not public:  # the worker sends the state again, to every member alike
             with spent.timing():
                 moves.resend(a, check)
             mine.pop(a.worker, None)
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
-        judge_reported(cfg.verify, check, a, reported, score, attributable(cfg.verify, a, reported))
+        judge_reported(cfg.verify, check, a, reported, score, public or attributable(cfg.verify, a, reported))
+    w.disputes |= disputed_pairs(audits, check)
     for x in [x for x in w.kept if x <= r]:  # their memory (or file) is done with
         w.kept.pop(x).release()
     return spent, moves
+
+
+def disputed_pairs(audits: list[Audit], check: RoundCheck) -> set[tuple[int, int]]:
+    """(auditor, worker) of the round's audits whose private state neither could be blamed for
+    (`state_resent` in the worker's evidence): from then on that worker sends that auditor its
+    states in public (StateMoves.send), so each pair disputes once and a lying auditor or framing
+    worker moves at most one state to everyone per peer. round.py and audit.py both derive it."""
+    out = set()
+    for a in audits:
+        ev = check.evidence.get(a.worker) or {}
+        if isinstance(ev.get("replayed"), dict) and ev["replayed"].get("state_resent") is True:
+            out.add((a.auditor, a.worker))
+    return out
 
 
 def states_sent(cfg: Config) -> bool:
@@ -852,6 +871,7 @@ class StateMoves:
         self.layout = w.layout
         self.size = state_nbytes(self.layout)
         self.received: dict[int, dict[str, torch.Tensor]] = {}  # worker -> its checked state
+        self.public: set[int] = set()  # workers whose state went to every member at the first send
         self.sent_bytes = self.received_bytes = 0
         self.seconds = 0.0
 
@@ -887,7 +907,13 @@ class StateMoves:
         self.sent_bytes, self.received_bytes = self.sent_bytes + sent, self.received_bytes + received
 
     def send(self, a: Audit, check: RoundCheck) -> None:
-        """a's state from the worker to its auditor alone."""
+        """a's state from the worker to its auditor alone; to every member when the two have
+        disputed a private send before (`Worker.disputes`): then the bytes are public from the
+        start, and a report on them is pinned on whoever is wrong."""
+        if (a.auditor, a.worker) in self.w.disputes:
+            self.resend(a, check)
+            self.public.add(a.worker)
+            return
         pos, me, t0 = self.part.members.index, self.w.worker, time.perf_counter()
         if me == a.worker:
             self.part.comm.send(self._mine(a.segment), pos(a.auditor))
@@ -1122,6 +1148,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         stage_record["loss_gain_reports"] = check.loss_gains.record  # the audit re-settles from them
     if w.banned:
         stage_record["banned"] = sorted(w.banned)  # after this round's verdicts
+    if w.disputes:
+        stage_record["disputes"] = sorted([a, j] for a, j in w.disputes)  # so far: these pairs send in public
     entry_commitments = [
         {"worker": j, "signed": c.to_dict() if c else None, "bundle_sha256": None if c else hashes[j],
          "verdict": verdicts[j]}
