@@ -40,7 +40,9 @@ eval loss (replays do not change training: all three the same). The chance to ca
 `--within` rounds is computed from p and c; `bench/replay_extent.py` and `bench/verify.py`
 measure c and the catches on the tiny model. `--quick`: 1 round at H = 10, for the test.
 `--trace-cost-only`: only `trace_cost` (with `PYTHONPATH` at an older checkout's `src`, that
-code's price: `bench/results/trace_cost-before-hash-fix.json`).
+code's price: `bench/results/trace_cost-before-hash-fix.json`). `--keep-states-only`: only the
+state row, with its states kept in memory and then on disk (`[verify] keep_states`): peak
+resident memory per worker, inner CPU, eval loss (`bench/results/keep_states.json`).
 Writes `{"rows": [...], "p": {...}, "c": ..., "config": {...}}`.
 """
 
@@ -168,6 +170,36 @@ def row_of(name: str, recs: list[dict], summary: dict, p: float, base_inner: flo
             "state_bytes_per_worker_round": round(state_bytes), "packet_bytes_per_worker_round": round(packet_bytes)}
 
 
+def keep_states_rows(overrides: list[str], p: float, out_path: str) -> dict:
+    """The state row with its states kept in memory, then on disk, one after the other: the
+    workers' peak resident memory (each process's ru_maxrss, the record's `peak_rss_mb`: median
+    and max over the workers at the run's end), their inner-step CPU per worker-round, the replays
+    and state bytes, and the eval loss (the same in both: where the states wait changes nothing
+    else)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for how in ("memory", "disk"):
+            cfg = load_config(ROOT / "configs" / "verified.toml", [*overrides, f"--verify.keep_states={how}"])
+            run, summary = train(cfg, str(Path(tmp) / how), quiet=True)
+            recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+            rss = recs[-1]["peak_rss_mb"]
+            row = row_of(f"state, {how}", recs, summary, p, None)
+            row |= {"keep_states": how, "peak_rss_mb_median": statistics.median(rss), "peak_rss_mb_max": max(rss),
+                    "kept_files_left": len(list(run.root.rglob("kept-*.bin")))}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    mem, disk = rows
+    out = {"rows": rows, "p": round(p, 4), "overrides": overrides,
+           "rss_saved_mb_median": round(mem["peak_rss_mb_median"] - disk["peak_rss_mb_median"], 1),
+           "inner_cpu_disk_over_memory": round(disk["inner_cpu_per_worker_round"] / mem["inner_cpu_per_worker_round"], 4)}
+    print(f"peak RSS per worker (median): memory {mem['peak_rss_mb_median']:.0f} MB, disk {disk['peak_rss_mb_median']:.0f} MB; "
+          f"inner CPU per worker-round disk / memory x{out['inner_cpu_disk_over_memory']:.3f}; eval loss "
+          f"{mem['eval_loss']:.4f} / {disk['eval_loss']:.4f}")
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=8)
@@ -179,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="1 round at H = 10 (a check that it runs)")
     ap.add_argument("--trace-cost-only", action="store_true",
                     help="only time the finer trace by its parts (trace_cost), e.g. against older code on PYTHONPATH")
+    ap.add_argument("--keep-states-only", action="store_true",
+                    help="only the state row, twice: its states kept in memory, then on disk ([verify] keep_states)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "state_replay.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -209,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         return out
+    if args.keep_states_only:
+        return keep_states_rows(base + rows_spec[2][2], p_state, args.out)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, p, extra in rows_spec:

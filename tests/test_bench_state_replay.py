@@ -43,3 +43,15 @@ def test_quick_run(tmp_path):
 def test_trace_every_must_divide_inner_steps():
     p = run_bench("state_replay.py", "--inner-steps", "10", "--trace-every", "3", timeout=60)
     assert p.returncode == 2 and "--trace-every (3) must divide --inner-steps (10)" in p.stderr.splitlines()[-1]
+
+
+def test_quick_keep_states(tmp_path):
+    out = tmp_path / "ks.json"
+    p = run_bench("state_replay.py", "--quick", "--keep-states-only", "--out", str(out), timeout=600)
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    mem, disk = res["rows"]
+    assert (mem["keep_states"], disk["keep_states"]) == ("memory", "disk")
+    assert mem["eval_loss"] == disk["eval_loss"]  # where the states wait changes nothing else
+    assert mem["kept_files_left"] == disk["kept_files_left"] == 0
+    assert all(r["peak_rss_mb_median"] > 0 for r in res["rows"])

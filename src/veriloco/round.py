@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -1160,7 +1161,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
          checks.wall + replays.wall, replays.wall, loss_gains.wall,
          res.cpu_seconds, checks.cpu + replays.cpu, replays.cpu, loss_gains.cpu,
-         moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0],
+         moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0,
+         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],  # KiB on Linux
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
@@ -1195,6 +1197,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         # waiting or descheduled; a pipelined worker's stages summed
         **{key: [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, i].sum(1), here, strict=True)]
            for key, i in (("inner_cpu_s", 11), ("verify_cpu_s", 12), ("replay_cpu_s", 13), ("loss_gain_cpu_s", 14))},
+        # the most resident memory each process has held so far, MB (a worker's stages summed)
+        "peak_rss_mb": [round(float(x), 1) if h else 0.0 for x, h in zip(g[:, :, 18].sum(1), here, strict=True)],
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }
