@@ -184,7 +184,7 @@ def keep_states_rows(overrides: list[str], p: float, out_path: str) -> dict:
             recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
             rss = recs[-1]["peak_rss_mb"]
             row = row_of(f"state, {how}", recs, summary, p, None)
-            row |= {"keep_states": how, "peak_rss_mb_median": statistics.median(rss), "peak_rss_mb_max": max(rss),
+            row |= {"keep_states": how, "peak_rss_mb_median": round(statistics.median(rss), 1), "peak_rss_mb_max": max(rss),
                     "kept_files_left": len(list(run.root.rglob("kept-*.bin")))}
             rows.append(row)
             print(json.dumps(row), flush=True)
