@@ -35,8 +35,6 @@ def test_h_grows_in_whole_segments_never_shrinks_and_stops_at_the_cap():
     (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=3"), "must be 0 or >= train.inner_steps"),
     (("--link.latency=20ms", "--train.inner_steps_max=20"), "needs train.mode = 'diloco', outer.delay = 1"),
     (("--outer.delay=1", "--train.inner_steps_max=20"), "needs a [link]"),
-    (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--run.membership=elastic"),
-     "run.membership = 'static'"),
     (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--outer.overlap_steps=2"),
      "outer.overlap_steps = 0"),
     (("--outer.delay=1", "--link.latency=20ms", "--train.inner_steps_max=20", "--topology.workers=1"),
@@ -116,6 +114,24 @@ def test_a_resumed_run_takes_its_h_from_the_records_and_an_edited_h_fails_the_au
     (run_dir / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(edited | {"hide_steps": "70"}), *lines[2:]]) + "\n")
     report = audit_run(run_dir)
     assert not report.ok and "round 1: the record's hide_steps '70' is not a positive integer" in report.first_failure
+
+
+def test_elastic_workers_follow_the_recorded_h_through_a_death_and_a_restart(tmp_path):
+    run_dir = tmp_path / "run"
+    # min_workers = 3: no round commits without worker 2, so the restarted process heals (a fresh
+    # process: every H it uses comes from the records) and takes part in every later round
+    cfg = tiny(*SLOW, "--topology.workers=3", "--train.rounds=7", "--run.membership=elastic", "--run.timeout_s=10",
+               "--run.heartbeat_timeout_s=1.5", "--run.min_workers=3")
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["die:2@2.1", "restart:2+2"])
+    recs = rounds_of(run_dir)
+    assert summary["complete"] and [r["round"] for r in recs] == list(range(7))
+    assert all(r["verdicts"] == ["accept"] * 3 for r in recs)
+    steps = [r["inner_steps"] for r in recs]
+    assert steps == StepSchedule.of(cfg, recs).steps[:7] and min(steps[3:]) > 5, steps  # grown after the restart
+    kinds = [(e["event"], e["worker"]) for e in (json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines())]
+    assert kinds.count(("started", 2)) == 2 and ("died", 2) in kinds
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure
 
 
 def test_the_slow_link_config_is_make_run_with_the_slow_link_settings():

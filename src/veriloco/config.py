@@ -80,7 +80,8 @@ class TrainConfig:
         "adaptive H: with outer.delay = 1 and a [link], a round's H may grow (never shrink) up to this "
         "so that the exchange it overlaps hides under its compute (the records' hide_steps); 0 = H stays "
         "inner_steps. Rounds stay train.rounds; the LR schedule is re-aimed each round at the steps taken "
-        "plus the rounds left at the current H",
+        "plus the rounds left at the current H. With run.membership = 'elastic' every member (a healed one "
+        "too) takes each round's H from the records",
     )
     round_warmup_steps: int = _f(
         0,
@@ -534,7 +535,6 @@ def _check_adaptive_h(cfg: Config) -> None:
          "(H grows so the delayed exchange hides under a whole round)")
     need(not Link.from_strings(cfg.link.bandwidth, cfg.link.latency).unlimited,
          "train.inner_steps_max (adaptive H) needs a [link] (bandwidth or latency) to hide the exchange under")
-    need(cfg.run.membership == "static", "train.inner_steps_max (adaptive H) needs run.membership = 'static' (not supported yet)")
     need(cfg.topology.workers >= 2, "train.inner_steps_max (adaptive H) needs topology.workers >= 2 (one worker exchanges nothing)")
     k = cfg.verify.trace_every
     need(not k or t.inner_steps_max % k == 0,

@@ -52,6 +52,7 @@ from .outer import OuterOptimizer
 from .round import (
     Participants,
     Sent,
+    StepSchedule,
     Worker,
     append_entry,
     finish_round,
@@ -109,6 +110,7 @@ def train_worker_elastic(
         sent = None
         if r < cfg.train.rounds:
             catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
+            follow_schedule(w, r)
             sent = run_inner_and_send(w, r)
             if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
                 time.sleep(injector.late_s(r))
@@ -293,7 +295,8 @@ def heal(w: Worker, to_round: int) -> int:
     from (round to_round-1's with delay 0, to_round-2's with delay 1), from the store, checked
     against the round record (waiting up to run.timeout_s for it). Returns to_round."""
     catch_up(w, to_round - 1 - w.cfg.outer.delay)
-    w.inner.step_count = to_round * w.cfg.train.inner_steps  # the LR schedule is the run's, not the worker's
+    follow_schedule(w, to_round)
+    w.inner.step_count = w.schedule.before(to_round)  # the LR schedule is the run's, not the worker's
     if w.encoder.feedback is not None:
         w.encoder.feedback = ErrorFeedback()  # what it dropped belongs to rounds it was not in
     own = w.run.worker_dir(w.rank) / f"state-{to_round - 1}.safetensors"
@@ -323,6 +326,17 @@ def heal_toward(w: Worker, members: Membership, target: int, quiet: bool = False
         now = len(w.run.rounds())
         _say(quiet, f"worker {w.worker}: {e}; healing to round {now}, the one the others are retrying")
         return heal(w, now)
+
+
+def follow_schedule(w: Worker, r: int) -> None:
+    """Adaptive H: every H up to round r's, from the records (round r's H follows round r-2's
+    record, which exists by the time round r starts: this worker committed it, or caught up to
+    it). A worker left out of a round, or whose try of it failed, grew its schedule differently
+    or not at all; the records are what every member agrees on."""
+    if w.schedule.adaptive:
+        w.schedule = StepSchedule.of(w.cfg, w.run.rounds()[: max(r - 1, 0)])
+        if len(w.schedule.steps) <= r:
+            raise RuntimeError(f"worker {w.worker}: round {r}'s H is not decided yet (round {r - 2} is not recorded)")
 
 
 def catch_up(w: Worker, round: int) -> None:
