@@ -216,6 +216,21 @@ def test_states_kept_on_disk_are_the_states_kept_in_memory(tmp_path):
         assert all(torch.equal(mem.tensors(j)[k], v) for k, v in disk.tensors(j).items())
     disk.release()
     assert not path.exists()
+    full = OnDisk(layout, tmp_path / "kept-1.bin")
+
+    class NoSpace:  # the file a full disk gives
+        def __getattr__(self, name):
+            return getattr(full_file, name)
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    full_file, full.file = full.file, NoSpace()
+    with pytest.raises(OSError, match=r"kept-1.bin: cannot keep trace entry 0's state \(\d+ bytes each\): No space"):
+        full.append(mem.tensors(1))
+    assert len(full) == 0
+    full.file = full_file
+    full.release()
     # a released round's memory holds the next round's states (no fresh pages every entry)
     name = next(n for n, _, _ in layout if n.startswith("param/"))
     before = {mem.tensors(j)[name].data_ptr() for j in range(5)}

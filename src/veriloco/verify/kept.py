@@ -115,10 +115,15 @@ class OnDisk(KeptStates):
         if not _fits(tensors, self.layout):
             self.offsets.append(None)
             return
+        try:
+            self.file.seek(self.end)  # (past a write that failed part-way)
+            for name, _, _ in self.layout:  # state_to_bytes's bytes, written part by part (no 3x-model buffer)
+                part = tensors[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                self.file.write(memoryview(part.numpy()))
+        except OSError as e:  # e.g. the disk is full: say which file, and how much each state needs
+            raise OSError(e.errno, f"{self.path}: cannot keep trace entry {len(self.offsets)}'s state "
+                                   f"({self.size} bytes each): {e.strerror}") from None
         self.offsets.append(self.end)
-        for name, _, _ in self.layout:  # state_to_bytes's bytes, written part by part (no 3x-model buffer)
-            part = tensors[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            self.file.write(memoryview(part.numpy()))
         self.end += self.size
 
     def __len__(self) -> int:
