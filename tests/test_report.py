@@ -145,6 +145,8 @@ def test_report_of_a_real_run_renders_in_chromium(real_run: Path, browser, tmp_p
     assert len(cells) == 6  # 2 workers x 3 rounds
     assert {c.get_attribute("data-state") for c in cells} == {"accept"}
     assert "3 / 3" in browser.find_element(By.CSS_SELECTOR, "header").text
+    peak = max(x for line in (real_run / "rounds.jsonl").read_text().splitlines() for x in json.loads(line)["peak_rss_mb"])
+    assert f"PEAK MEMORY\n{peak:.0f} MB" in browser.find_element(By.CSS_SELECTOR, "header").text.upper()
     assert "None: every recorded packet was accepted" in browser.find_element(By.ID, "trust").text
 
 
