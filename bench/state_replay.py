@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
                                      "--verify.replay_extent=round"]),
                  ("state", p_state, [f"--verify.replay_probability={p_state}", f"--verify.trace_every={k}",
                                      "--verify.replay_extent=state"])]
+    if args.keep_states_only:
+        return keep_states_rows(base + rows_spec[2][2], p_state, args.out)
     cost = trace_cost(H, k, repeats=3 if args.quick else 20)
     print(f"an inner step {cost['step_cpu_s'] * 1e3:.1f} ms CPU, a trace entry {cost['entry_cpu_s'] * 1e3:.2f} ms, one "
           f"kept {cost['kept_entry_cpu_s'] * 1e3:.2f} ms: {cost['entries']} entries a round instead of 2 add "
@@ -243,8 +245,6 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         return out
-    if args.keep_states_only:
-        return keep_states_rows(base + rows_spec[2][2], p_state, args.out)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, p, extra in rows_spec:

@@ -65,7 +65,8 @@ def test_dead_worker_survivors_go_on_it_rejoins_and_a_death_mid_exchange_is_retr
     # Under load it can be left out of an earlier round as late and heal past round 4: it then
     # dies in the first exchange it reaches after it (faults.py)
     absent1 = [r["verdicts"][1] == "absent" for r in recs]
-    gone1 = next(i for i in range(len(recs)) if all(absent1[i:]))  # 1 was not restarted: absent to the end
+    gone1 = next((i for i in range(len(recs)) if all(absent1[i:])), None)  # 1 was not restarted: absent to the end
+    assert gone1 is not None, ([r["verdicts"] for r in recs], events_of(run_dir))
     left_out = [(r["round"], r["verdicts"][1]) for r in recs[:gone1] if r["verdicts"][1] != "accept"]
     assert gone1 in ((4,) if delay == 0 else (4, 5)) or (left_out and 4 < gone1 < len(recs)), (gone1, left_out)
     assert 1 not in recs[gone1]["members"]  # committed without 1

@@ -172,7 +172,7 @@ def test_an_auditor_disputes_a_private_state_once_per_worker_then_the_state_is_p
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)
     sys.path.insert(0, tests_dir)
-    cfg = tiny(*STATE, "--topology.workers=3", "--train.rounds=6", "--verify.ban=false",
+    cfg = tiny(*STATE, "--topology.workers=3", "--train.rounds=8", "--verify.ban=false",
                "--adversary.2=red_team:StateLiar")
     run, _ = train(cfg, str(tmp_path / "s"), quiet=True)
     recs = rounds_of(run.root)
@@ -195,7 +195,9 @@ def test_an_auditor_disputes_a_private_state_once_per_worker_then_the_state_is_p
                 sends += 1 + 2
         assert rec.get("disputes", []) == sorted(map(list, disputed))
         assert sum(rec["state_bytes_sent"]) == sum(rec["state_bytes_received"]) == sends * size, rec["round"]
-    assert convicted >= 1 and len(disputed) <= 2  # (6 rounds, 3 workers: the liar audits a worker twice)
+    # the liar audits worker j in a round with chance 1/2: in 8 rounds it meets one of them twice, or
+    # audits a segment 0 (a public start), all but surely; each audit's outcome is checked exactly above
+    assert convicted >= 1 and len(disputed) <= 2
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
 
