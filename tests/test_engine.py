@@ -236,6 +236,20 @@ def test_resume_refuses_a_torn_private_state_file_in_one_line(tmp_path):
     assert len(rounds_of(run.root)) == 1  # nothing written
 
 
+def test_resume_refuses_a_record_whose_bans_or_disputes_are_not_worker_ids(tmp_path):
+    from veriloco.records import RunDirError
+    from veriloco.run import resume
+
+    run, _ = train(tiny("--train.rounds=3"), str(tmp_path / "r"), quiet=True, stop_after=1)
+    line = (run.root / "rounds.jsonl").read_text()
+    for key, value, match in (("disputes", [[1, 1]], "'disputes' must be a list of \\[auditor, worker\\] pairs"),
+                              ("disputes", "0-1", "'disputes' must be"), ("banned", [7], "'banned' must be a list")):
+        (run.root / "rounds.jsonl").write_text(json.dumps(json.loads(line) | {key: value}) + "\n")
+        with pytest.raises(RunDirError, match=match):
+            resume(str(run.root), quiet=True)
+        assert len(rounds_of(run.root)) == 1  # nothing written
+
+
 def test_round_warmup_ramps_the_inner_lr_at_every_round_start_but_not_under_ddp():
     from veriloco.config import TrainConfig
     from veriloco.inner import lr_at

@@ -172,9 +172,12 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
     run = RunDir(run_dir)
     manifest = run.read_manifest()
     cfg = config_from_dict(manifest["config"])
-    done = len(run.rounds())
+    records = run.rounds()
+    done = len(records)
     if done >= cfg.train.rounds:
         raise RunDirError(f"{run.root} is already complete ({done}/{cfg.train.rounds} rounds)")
+    if done:
+        check_carried(records[-1], cfg.topology.workers, f"{run.rounds_path} round {done - 1}")
     processes = cfg.topology.workers * cfg.topology.stages if cfg.run.membership == "static" and done else 0
     for rank in range(processes):  # private state is per process (elastic workers heal instead)
         state = run.worker_dir(rank) / f"state-{done - 1}.safetensors"
@@ -187,6 +190,22 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after)
+
+
+def check_carried(rec: dict, workers: int, where: str) -> None:
+    """RunDirError unless what a resumed run carries on from its last record is well formed: the
+    workers banned so far (a list of worker ids) and the pairs whose states now go in public
+    (`disputes`: [auditor, worker] pairs of two different workers)."""
+    def worker_id(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < workers
+
+    banned, disputes = rec.get("banned", []), rec.get("disputes", [])
+    if not isinstance(banned, list) or not all(worker_id(j) for j in banned):
+        raise RunDirError(f"{where}: 'banned' must be a list of worker ids below {workers}, got {str(banned)[:80]}")
+    if not isinstance(disputes, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(worker_id(j) for j in p) and p[0] != p[1] for p in disputes):
+        raise RunDirError(f"{where}: 'disputes' must be a list of [auditor, worker] pairs of worker ids below "
+                          f"{workers}, got {str(disputes)[:80]}")
 
 
 def torchrun_main(argv: list[str]) -> None:
