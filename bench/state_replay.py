@@ -143,6 +143,12 @@ def trace_cost(inner_steps: int, trace_every: int, repeats: int = 20) -> dict:
             "entries": entries, "repeats": repeats, "extra_share": round(extra, 4), "extra_share_disk": _r(extra_disk, 4)}
 
 
+def _write(path: str, out: dict) -> dict:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
 def _r(x: float | None, digits: int = 5) -> float | None:
     return round(x, digits) if x is not None else None
 
@@ -181,7 +187,7 @@ def keep_states_rows(overrides: list[str], p: float, out_path: str) -> dict:
         for how in ("memory", "disk"):
             cfg = load_config(ROOT / "configs" / "verified.toml", [*overrides, f"--verify.keep_states={how}"])
             run, summary = train(cfg, str(Path(tmp) / how), quiet=True)
-            recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+            recs = run.rounds()
             rss = recs[-1]["peak_rss_mb"]
             row = row_of(f"state, {how}", recs, summary, p, None)
             row |= {"keep_states": how, "peak_rss_mb_median": round(statistics.median(rss), 1), "peak_rss_mb_max": max(rss),
@@ -195,9 +201,7 @@ def keep_states_rows(overrides: list[str], p: float, out_path: str) -> dict:
     print(f"peak RSS per worker (median): memory {mem['peak_rss_mb_median']:.0f} MB, disk {disk['peak_rss_mb_median']:.0f} MB; "
           f"inner CPU per worker-round disk / memory x{out['inner_cpu_disk_over_memory']:.3f}; eval loss "
           f"{mem['eval_loss']:.4f} / {disk['eval_loss']:.4f}")
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_path).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return _write(out_path, out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -241,16 +245,13 @@ def main(argv: list[str] | None = None) -> dict:
           + (f"; kept on disk {cost['disk_entry_cpu_s'] * 1e3:.2f} ms CPU, {cost['disk_entry_wall_s'] * 1e3:.2f} ms wall: "
              f"{cost['extra_share_disk']:.2%}" if cost.get("disk_entry_cpu_s") is not None else ""), flush=True)
     if args.trace_cost_only:
-        out = {"trace_cost": cost, "config": {"inner_steps": H, "trace_every": k}}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-        return out
+        return _write(args.out, {"trace_cost": cost, "config": {"inner_steps": H, "trace_every": k}})
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, p, extra in rows_spec:
             cfg = load_config(ROOT / "configs" / "verified.toml", base + extra)
             run, summary = train(cfg, str(Path(tmp) / name.replace(" ", "-")), quiet=True)
-            recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+            recs = run.rounds()
             rows.append(row_of(name, recs, summary, p, rows[0]["inner_cpu_per_worker_round"] if rows else None))
             print(json.dumps(rows[-1]), flush=True)
     for row in rows:
@@ -272,9 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['loss_gain']:>10.2%} {r['replay_measured']:>14.2%} {r['replay_expected']:>13.2%} "
               f"{r['overhead_expected']:>12.2%} {r['overhead_expected_paired']:>7.2%} {r['caught_within']:>12.1%} {r['state_bytes_per_worker_round'] / 1e6:>11.3f} "
               f"{r['packet_bytes_per_worker_round'] / 1e6:>12.3f} {r['eval_loss']:>9.4f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return _write(args.out, out)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from .round import (
     StepSchedule,
     Worker,
     append_entry,
+    carried,
     finish_round,
     progress_line,
     run_inner_and_send,
@@ -308,8 +309,7 @@ def heal(w: Worker, to_round: int) -> int:
     w.history, w.history_rounds, w.previous, w.bases, w.base_hashes = {}, {}, ({}, {}), {}, {}
     w.base_momenta, w.start_states = {}, {}  # (start states: delay 1, for rounds it will not finish)
     done = w.run.rounds()[:to_round]  # the bans in force: the last record it can see
-    w.banned = set(done[-1].get("banned", [])) if done else set()
-    w.disputes = {(a, j) for a, j in done[-1].get("disputes", [])} if done else set()
+    w.banned, w.disputes = carried(done[-1] if done else None)
     return to_round
 
 

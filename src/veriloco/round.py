@@ -377,6 +377,13 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     return w
 
 
+def carried(rec: dict | None) -> tuple[set[int], set[tuple[int, int]]]:
+    """What a round's record carries on to the rounds after it (resume, heal): the workers banned
+    so far and the (auditor, worker) pairs whose states go in public (run.check_carried checks them)."""
+    rec = rec or {}
+    return set(rec.get("banned", [])), {(a, j) for a, j in rec.get("disputes", [])}
+
+
 def restore(w: Worker, next_round: int) -> None:
     """Load G, outer state and this worker's private state as of the end of round next_round-1.
 
@@ -393,8 +400,7 @@ def restore(w: Worker, next_round: int) -> None:
     part = lambda rec: rec["stages"][w.stage] if w.topo.stages > 1 else rec  # noqa: E731 (this stage's slice)
     mine = part(records[next_round - 1])
     outer = _load_checkpoint(w, mine, next_round - 1)
-    w.banned = set(mine.get("banned", []))
-    w.disputes = {(a, j) for a, j in mine.get("disputes", [])}
+    w.banned, w.disputes = carried(mine)
     # the screen's "previous round": its accepted packets, decoded again from the store
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
 

@@ -20,6 +20,7 @@ adversary's hook), bit for bit the same.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -36,28 +37,30 @@ def _fits(tensors: dict[str, torch.Tensor], layout: StateLayout) -> bool:
         tensors[name].dtype == dt and tuple(tensors[name].shape) == shape for name, dt, shape in layout)
 
 
-class KeptStates:
+class KeptStates(ABC):
     """One round's kept states, in trace order (entry j: the start of segment j)."""
 
     def __init__(self, layout: StateLayout) -> None:
         self.layout = layout
         self.size = state_nbytes(layout)
 
+    @abstractmethod
     def append(self, tensors: dict[str, torch.Tensor]) -> None:
         """Keep a copy of `tensors` (live views of the training state: copied before the next step)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def __len__(self) -> int:
-        raise NotImplementedError
+        """How many entries were appended."""
 
+    @abstractmethod
     def buffer(self, j: int) -> torch.Tensor | None:
         """Entry j as the uint8 buffer that is sent; None when it was not kept or is not in the layout."""
-        raise NotImplementedError
 
+    @abstractmethod
     def tensors(self, j: int) -> dict[str, torch.Tensor] | None:
         """Entry j's tensors (None when not kept)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def release(self) -> None:
         """The round is checked: give back what its states hold."""
 
