@@ -257,3 +257,49 @@ def test_workers_that_crash_are_named_with_their_error(tmp_path):
     died = [e for e in events_of(tmp_path / "run") if e["event"] == "died"]
     assert sorted(e["worker"] for e in died) == [0, 1] and all("crashes in round 1" in e["error"] for e in died)
     assert "Traceback" in (tmp_path / "run" / "error-0.txt").read_text()
+
+
+def test_a_worker_left_out_once_is_waited_for_again_until_the_deadline():
+    """torchft's Lighthouse forms a "fast quorum" as soon as the previous quorum's members are all
+    back, so on its own a worker left out once stays out whenever it asks last (membership.py)."""
+    import threading
+    import time
+
+    from veriloco.membership import Coordinator, Membership
+
+    deadline = 2.0
+    coord = Coordinator(min_workers=2, round_deadline_s=deadline, heartbeat_timeout_s=1.0)
+    ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 20, heartbeat_timeout_s=1.0,
+                     round_deadline_s=deadline, workers=3) for w in range(3)]
+
+    def ask(r: int, after: dict[int, float]) -> tuple[dict, float]:
+        views, t0 = {}, time.monotonic()
+
+        def one(w: int) -> None:
+            time.sleep(after[w])
+            views[w] = ms[w].quorum(r)
+
+        threads = [threading.Thread(target=one, args=(w,)) for w in after]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return views, time.monotonic() - t0
+
+    try:
+        ms[1].pause()  # round 0 forms without 1: its heartbeats stopped (starved, or healing)
+        time.sleep(1.3)
+        views, _ = ask(0, {0: 0.0, 2: 0.0})
+        assert [v.active for v in views.values()] == [[0, 2]] * 2
+        ms[1].resume()
+        time.sleep(0.4)
+        # round 1: 1 is alive and asks 0.5 s after the others, well inside the deadline: it is in
+        views, _ = ask(1, {0: 0.0, 1: 0.5, 2: 0.0})
+        assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
+        assert len({v.key for v in views.values()}) == 1
+        # round 2: 1 is alive but never asks: the others go on without it, after the deadline
+        views, waited = ask(2, {0: 0.0, 2: 0.0})
+        assert [v.active for v in views.values()] == [[0, 2]] * 2
+        assert waited >= deadline - 0.1, waited
+    finally:
+        for m in ms:
+            m.close()
+        coord.shutdown()

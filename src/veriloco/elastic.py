@@ -90,7 +90,7 @@ def train_worker_elastic(
     `eval_start`: the initial model's eval loss (the launcher's); `store_host`: the coordinator's."""
     injector = Injector(faults, worker)
     members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s,
-                         host=store_host, round_deadline_s=cfg.run.round_deadline)
+                         host=store_host, round_deadline_s=cfg.run.round_deadline, workers=cfg.topology.workers)
     w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True)
     w.exchange = HoldingExchange()
     w.defer_entry = True  # commit() appends the ledger entry, once, under the commit lock
@@ -254,13 +254,8 @@ def _absence(members: Membership, view: QuorumView, j: int) -> str:
     """LATE for a worker that is alive (heartbeating) but not in the round, else ABSENT."""
     if j in view.rounds:  # in the quorum but behind: it is healing, it has no packet for this round
         return ABSENT
-    key = f"alive/{j}"
-    try:  # check() does not block; get() of a missing key would wait for it
-        seen = float(members.store.get(key).decode()) if members.store.check([key]) else float("-inf")
-    except (RuntimeError, ValueError):
-        return ABSENT
     # a live worker beats every 0.2 s; the quorum left a dead one out only after heartbeat_timeout_s
-    return LATE if time.time() - seen < max(members.heartbeat_timeout_s / 2, 0.6) else ABSENT
+    return LATE if time.time() - members.seen(f"alive/{j}") < max(members.heartbeat_timeout_s / 2, 0.6) else ABSENT
 
 
 def commit(w: Worker, rec: dict, quiet: bool) -> None:

@@ -20,6 +20,16 @@ away, or is new) and heals: it loads the last committed round's params and outer
 store, hash-checked against the round record (`round.py: heal`), and joins the next round.
 A quorum with fewer than `min_workers` active members commits nothing: its members ask again.
 
+The Lighthouse alone does not keep the deadline once a worker has been left out: its "fast
+quorum" forms at once when every member of the previous quorum has joined again, without waiting
+for anyone else. A worker left out of one round (late, or its heartbeats starved) would then be
+left out of every round in which it asks last, however small its lag and however long the
+deadline (measured: 0.5 s late against a 10 s deadline). So each quorum is also checked here:
+it stands only if every live worker (a fresh `alive/W` in the store) is in it or the deadline has
+passed since the earliest of its members asked; otherwise its members discard it and ask again,
+and the worker still on its way is in the next one. The first member to judge a quorum writes
+the judgement to the store (compare-and-set) and the others take it, so all agree.
+
 Everything a round needs from the others after the quorum (the exchange, replay verdicts, the
 agreement check, eval, stats) runs on `group(view)`; if any of it fails (a member died mid-round),
 the round is discarded whole and retried with a new quorum from the same packets.
@@ -98,12 +108,15 @@ class Membership:
     """A worker's side: heartbeats, quorums, and the process group of each quorum."""
 
     def __init__(self, worker: int, lighthouse_addr: str, store_port: int, timeout_s: float,
-                 heartbeat_timeout_s: float = 2.0, host: str = "127.0.0.1", round_deadline_s: float = 0.0) -> None:
+                 heartbeat_timeout_s: float = 2.0, host: str = "127.0.0.1", round_deadline_s: float = 0.0,
+                 workers: int = 0) -> None:
         from torchft.coordination import LighthouseClient
 
         self.worker, self.timeout_s, self.heartbeat_timeout_s = worker, timeout_s, heartbeat_timeout_s
+        self.workers = workers  # the admitted workers, 0..workers-1: whose liveness a quorum answers to
+        self.deadline_s = round_deadline_s or timeout_s  # as the Coordinator's join timeout
         # a quorum may wait round_deadline for a straggler before it forms: ask for longer than that
-        self.quorum_timeout_s = max(round_deadline_s or timeout_s, 0.0) + timeout_s
+        self.quorum_timeout_s = max(self.deadline_s, 0.0) + timeout_s
         self._paused = threading.Event()
         self._host, self._port = host, store_port
         self.rid = replica_id(worker)
@@ -157,10 +170,23 @@ class Membership:
         time.sleep(0.5)  # two heartbeats: the Lighthouse now counts everyone as alive
 
     def quorum(self, round: int) -> QuorumView:
-        """Join the quorum for `round` (blocks); raises MembershipError after the timeout."""
+        """Join the quorum for `round` (blocks) and return it once it stands (module docstring: a
+        quorum that left out a live worker before the deadline is discarded and asked again);
+        raises MembershipError after the timeout."""
+        self.resume()
+        self.store.set(f"asked/{self.worker}", f"{round} {time.time()!r}")  # when this worker began to ask
+        give_up = time.monotonic() + self.quorum_timeout_s
+        while True:
+            view = self._join(round, give_up - time.monotonic())
+            if self._stands(view):
+                return view
+            time.sleep(0.05)  # the live worker it lacks is on its way: let it ask first
+
+    def _join(self, round: int, timeout_s: float) -> QuorumView:
         try:
-            self.resume()
-            q = self.client.quorum(replica_id=self.rid, timeout=timedelta(seconds=self.quorum_timeout_s),
+            if timeout_s <= 0:
+                raise TimeoutError("waited for live workers until the timeout")
+            q = self.client.quorum(replica_id=self.rid, timeout=timedelta(seconds=timeout_s),
                                    address="", store_address="", step=round, world_size=1, shrink_only=False)
         except Exception as e:
             raise MembershipError(f"no quorum for round {round} within {self.quorum_timeout_s:g} s: "
@@ -170,6 +196,31 @@ class Membership:
         created = f"{q.created.seconds}.{q.created.nanos}" if q.created is not None else ""
         return QuorumView(f"{q.quorum_id}/{created}/{top}", rounds, top, sorted(w for w, s in rounds.items() if s == top))
 
+    def _stands(self, view: QuorumView) -> bool:
+        """Whether `view` may be used: every live worker is in it, or the deadline passed since the
+        earliest of its active members began to ask. The first member to judge decides for all."""
+        if not self.workers:
+            return True
+        now = time.time()
+        live = [j for j in range(self.workers) if self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s]
+        missing = [j for j in live if j not in view.rounds]
+        asked = [self.seen(f"asked/{j}", view.round) for j in view.active]
+        ok = not missing or now - min(asked) >= self.deadline_s
+        return self.store.compare_set(f"stands/{view.key}", "", "1" if ok else "0") == b"1"
+
+    def seen(self, key: str, round: int | None = None) -> float:
+        """The time in `key` ("T" for alive/, "ROUND T" for asked/, then only if ROUND is `round`);
+        -inf if there is none."""
+        try:  # check() does not block; get() of a missing key would wait for it
+            if not self.store.check([key]):
+                return float("-inf")
+            value = self.store.get(key).decode().split()
+            if round is not None and int(value[0]) != round:
+                return float("-inf")
+            return float(value[-1])
+        except (RuntimeError, ValueError, IndexError):
+            return float("-inf")
+
     def group(self, view: QuorumView) -> PgComm:
         """A gloo group over `view.active`, this worker's index = its position in the list."""
         prefix = dist.PrefixStore(f"pg/{view.key}", self.store)
@@ -177,7 +228,13 @@ class Membership:
         return PgComm(pg, view.index(self.worker), len(view.active))
 
     def close(self) -> None:
+        """Stop heartbeating, and say so at once: no quorum waits for a worker that has finished."""
         self._stop.set()
+        self._beat.join(timeout=5)
+        try:
+            self.store.set(f"alive/{self.worker}", "0")
+        except Exception:  # the coordinator already gone
+            pass
 
 
 class GroupComm:
