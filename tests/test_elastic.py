@@ -303,3 +303,29 @@ def test_a_worker_left_out_once_is_waited_for_again_until_the_deadline():
         for m in ms:
             m.close()
         coord.shutdown()
+
+
+def test_a_member_that_dies_before_the_group_forms_costs_a_heartbeat_timeout_not_the_run_timeout():
+    import threading
+    import time
+
+    from veriloco.membership import Coordinator, Membership, MembershipError
+
+    coord = Coordinator(min_workers=2, round_deadline_s=5.0, heartbeat_timeout_s=1.0)
+    ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 60, heartbeat_timeout_s=1.0,
+                     round_deadline_s=5.0, workers=2) for w in range(2)]
+    try:
+        views = {}
+        threads = [threading.Thread(target=lambda w=w: views.__setitem__(w, ms[w].quorum(0))) for w in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert views[0].active == [0, 1]
+        ms[1].pause()  # 1 goes silent (as if killed) and never connects
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match="worker 1 of the quorum went silent"):
+            ms[0].group(views[0])
+        assert time.monotonic() - t0 < 10  # the collective timeout is 60 s
+    finally:
+        for m in ms:
+            m.close()
+        coord.shutdown()

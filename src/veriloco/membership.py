@@ -222,10 +222,36 @@ class Membership:
             return float("-inf")
 
     def group(self, view: QuorumView) -> PgComm:
-        """A gloo group over `view.active`, this worker's index = its position in the list."""
-        prefix = dist.PrefixStore(f"pg/{view.key}", self.store)
-        pg = dist.ProcessGroupGloo(prefix, view.index(self.worker), len(view.active), timedelta(seconds=self.timeout_s))
-        return PgComm(pg, view.index(self.worker), len(view.active))
+        """A gloo group over `view.active`, this worker's index = its position in the list.
+
+        Forming it waits for every member to connect, up to timeout_s or, with gloo's connect
+        retries, several times that (seen in tests/test_elastic.py's death test: a member died
+        after it had joined the quorum). So it is formed in a thread, and given up on with a
+        MembershipError (the round is retried with a new quorum) as soon as a member's heartbeat
+        is stale: a death costs heartbeat_timeout_s. The abandoned thread ends when gloo gives up."""
+        # its own store connection: the rendezvous blocks in it, while the liveness reads below go on
+        own = dist.TCPStore(self._host, self._port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        prefix = dist.PrefixStore(f"pg/{view.key}", own)
+        rank, size, made = view.index(self.worker), len(view.active), {}
+
+        def form() -> None:
+            try:
+                made["pg"] = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=self.timeout_s))
+            except Exception as e:  # noqa: BLE001 - handed to the caller below
+                made["error"] = e
+
+        thread = threading.Thread(target=form, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            now = time.time()
+            dead = [j for j in view.active if j != self.worker
+                    and self.seen(f"alive/{j}") < now - self.heartbeat_timeout_s]
+            if dead and thread.is_alive():
+                raise MembershipError(f"worker {dead[0]} of the quorum went silent before the round's group formed")
+        if "error" in made:
+            raise made["error"]
+        return PgComm(made["pg"], rank, size)
 
     def close(self) -> None:
         """Stop heartbeating, and say so at once: no quorum waits for a worker that has finished."""
