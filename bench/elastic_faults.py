@@ -1,6 +1,6 @@
 """Deaths and restarts under elastic membership: an older revision against the current code.
 
-    python bench/elastic_faults.py [--old REV] [--trials 6] [--delays 0,1] [--out results.json]
+    python bench/elastic_faults.py [--old REV] [--trials 6] [--delays 0,1] [--load N] [--out results.json]
 
 The fault scenario of `tests/test_elastic.py`'s death test, run again and again: 3 workers, the
 tiny GPT, 8 rounds; worker 2 is killed (kill -9) at round 1, step 2 and restarted 3 s later;
@@ -10,7 +10,9 @@ revision's `src` first on PYTHONPATH (the worker processes inherit it), so both 
 machine load. Per revision and delay: wall seconds of `train` (median, max), worker-rounds in
 which a live worker was left out (`late`) or a worker had no packet (`absent`), the seconds from
 worker 2's restart to the first committed round it is a member of, and trials that did not
-complete. Writes `{"rows": [...], "trials": [...]}`.
+complete. `--load N` keeps N extra processes spinning on the CPU meanwhile (the test suite's load
+on a 2-core machine, under which the death test used to go wrong). Writes `{"rows": [...],
+"trials": [...]}`.
 """
 
 from __future__ import annotations
@@ -70,10 +72,10 @@ def summarize(which: str, rev: str, delay: int, trials: list[dict]) -> dict:
     return {
         "code": which, "rev": rev, "delay": delay, "trials": len(trials),
         "incomplete": sum(not t["complete"] for t in trials),
-        "wall_median_s": statistics.median(walls), "wall_max_s": max(walls),
+        "wall_median_s": round(statistics.median(walls), 2), "wall_max_s": max(walls),
         "late_worker_rounds": sum(t["late"] for t in trials), "absent_worker_rounds": sum(t["absent"] for t in trials),
         "trials_with_late": sum(t["late"] > 0 for t in trials),
-        "restart_to_member_median_s": statistics.median(backs) if backs else None,
+        "restart_to_member_median_s": round(statistics.median(backs), 2) if backs else None,
         "restart_never_member": len(trials) - len(backs),
     }
 
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--old", default=BEFORE, help="git revision to compare with")
     ap.add_argument("--trials", type=int, default=6, help="trials per revision and delay")
     ap.add_argument("--delays", default="0,1")
+    ap.add_argument("--load", type=int, default=0, help="processes spinning on the CPU during the trials")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     args = ap.parse_args()
     delays = [int(d) for d in args.delays.split(",")]
@@ -92,6 +95,7 @@ def main() -> None:
         old_tree = Path(tmp) / "old"
         subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), rev], cwd=ROOT, check=True,
                        capture_output=True)
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
         try:
             script = Path(tmp) / "trial.py"
             script.write_text(TRIAL)
@@ -106,6 +110,8 @@ def main() -> None:
                               f"late {t['late']}  absent {t['absent']}  restart->member {t['restart_to_member_s']}",
                               flush=True)
         finally:
+            for p in spinners:
+                p.kill()
             subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)], cwd=ROOT, capture_output=True)
     rows = [summarize(which, rev if which == "old" else "this tree", delay,
                       [t for t in trials if t["code"] == which and t["delay"] == delay])
@@ -116,7 +122,8 @@ def main() -> None:
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
     if args.out:
-        Path(args.out).write_text(json.dumps({"old": rev, "faults": FAULTS, "overrides": ELASTIC, "rows": rows,
+        Path(args.out).write_text(json.dumps({"old": rev, "load": args.load, "faults": FAULTS, "overrides": ELASTIC,
+                                              "rows": rows,
                                               "trials": trials}, indent=1) + "\n")
 
 

@@ -44,8 +44,6 @@ def test_landing_moves_before_its_step_after_the_trace_and_is_not_timed():
     (("--outer.delay=1", "--outer.overlap_steps=5"), "outer.overlap_steps must be in [0, train.inner_steps = 5), got 5"),
     (("--outer.overlap_steps=1",), "outer.overlap_steps = 1 needs outer.delay = 1"),
     (("--outer.delay=1", "--outer.overlap_steps=-1"), "outer.overlap_steps must be in [0, train.inner_steps = 5), got -1"),
-    (("--run.membership=elastic", "--outer.delay=1", "--outer.overlap_steps=1"),
-     "run.membership = 'elastic' needs outer.overlap_steps = 0 (not supported yet)"),
 ])
 def test_bad_overlap_steps_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import fcntl
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from .faults import Fault, Injector, first_death
 from .hashing import tensors_hash
 from .membership import Membership, MembershipError, QuorumView
 from .outer import OuterOptimizer
+from .packet import PacketError, decode_bundle, decode_packet
 from .round import (
     Participants,
     Sent,
@@ -108,20 +110,30 @@ def train_worker_elastic(
     r = heal(w, done) if done else 0
     pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
     while r < cfg.train.rounds or pending is not None:
-        sent = None
+        sent, behind = None, None
         if r < cfg.train.rounds:
             catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
             follow_schedule(w, r)
-            sent = run_inner_and_send(w, r)
+            if cfg.outer.overlap_steps:  # the previous round lands inside this one, after overlap_steps
+                try:
+                    sent = run_inner_and_send(w, r, _lander(ctx, r, pending))
+                except _Behind as e:  # it was committed without this worker's packet
+                    behind = e.view
+                    if w.inner.keep is not None:  # the states kept for this round's replays
+                        w.inner.keep.release()
+                        w.inner.keep = None
+                pending = None  # settled inside the round, or dropped
+            else:
+                sent = run_inner_and_send(w, r)
             if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
                 time.sleep(injector.late_s(r))
-        if cfg.outer.delay == 0:
+        if behind is not None:
+            pass
+        elif cfg.outer.delay == 0:
             behind = settle(ctx, _Flight(sent, sent.handle.bundle))
-        elif pending is not None:  # finish the previous round, whose exchange overlapped this one's steps
+        elif pending is not None:  # finish the previous round (overlap_steps: the last), whose exchange overlapped
             behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
             pending = None
-        else:
-            behind = None
         if behind is not None:  # the others committed without this worker's packet: drop its work, heal
             target = behind.round + 1 + cfg.outer.delay if len(behind.active) >= ctx.min_active else behind.round
             _say(quiet, f"worker {worker}: a round was committed without it (quorum at round {behind.round}); "
@@ -135,6 +147,32 @@ def train_worker_elastic(
             pending.start(ctx)  # the quorum and the exchange, in the background
         r += 1
     members.close()
+
+
+class _Behind(Exception):
+    """Raised out of a round's inner steps when the round landing inside it (`[outer] overlap_steps`)
+    was committed without this worker: its work is dropped and it heals."""
+
+    def __init__(self, view: QuorumView) -> None:
+        super().__init__(f"behind: quorum at round {view.round}")
+        self.view = view
+
+
+def _lander(ctx: _Ctx, r: int, pending: _Flight | None) -> Callable[[float], None]:
+    """`[outer] overlap_steps`: what happens before inner step tau of round r. Round r-1 (pending)
+    is settled and committed, as in the static loop; a worker that has no round in flight (round 0,
+    or it healed into round r, starting from round r-2's params) takes round r-1's params from its
+    record, as the others commit it. Either way round r's delta is then taken from G after r-1."""
+
+    def land(overlapped_s: float) -> None:
+        if pending is not None:
+            behind = settle(ctx, pending, overlapped_s)
+            if behind is not None:
+                raise _Behind(behind)
+        else:
+            catch_up(ctx.w, r - 1)
+
+    return land
 
 
 @dataclass
@@ -301,11 +339,45 @@ def heal(w: Worker, to_round: int) -> int:
         w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
         w.encoder.load_state_tensors(state)
     w.own_decoded, w.own_packet = [], None
-    w.history, w.history_rounds, w.previous, w.bases, w.base_hashes = {}, {}, ({}, {}), {}, {}
-    w.base_momenta, w.start_states = {}, {}  # (start states: delay 1, for rounds it will not finish)
+    w.bases, w.base_hashes, w.base_momenta, w.start_states, w.starts = {}, {}, {}, {}, {}  # (for rounds it will not finish)
     done = w.run.rounds()[:to_round]  # the bans in force: the last record it can see
     w.banned, w.disputes = carried(done[-1] if done else None)
+    if w.cfg.outer.delay and len(done) == to_round > 0:
+        # round to_round starts from its own newest delta, if round to_round-1 has a packet of its (a
+        # restart: of the process before it), as the others and the audit assume (round.start_point).
+        # Not recorded yet: it had no packet in flight for it (it was behind), so none will be in it
+        decoded, packets = _decoded(w, done[-1])
+        if w.worker in decoded:
+            w.own_decoded, w.own_packet = [decoded[w.worker]], packets[w.worker]
     return to_round
+
+
+def _decoded(w: Worker, record: dict) -> tuple[dict, dict]:
+    """Every packet of a recorded round that decodes, and the packets, by worker (from the store)."""
+    shapes = {k: tuple(v.shape) for k, v in w.outer.params.items()}
+    decoded, packets = {}, {}
+    for j, h in enumerate(record["bundles"]):
+        if h is None:
+            continue
+        try:
+            packets[j] = decode_bundle(w.store.get(h))[1]
+            decoded[j] = decode_packet(packets[j], shapes, w.cfg.run.max_packet_bytes)
+        except (PacketError, ValueError):  # the others could not decode it either: it was rejected
+            continue
+    return decoded, packets
+
+
+def _take_views(w: Worker, round: int, record: dict) -> None:
+    """What a member that finished `round` holds from it (round.finish_round), for a worker that
+    takes the round from its record instead: every decoded packet as its worker's newest delta
+    (the eager correction of that worker's next start point, in replays) and the screen's
+    previous round (its packets, and the accepted deltas). Otherwise the healer's replays and
+    screen would judge the next round from other start points than the others'."""
+    decoded, _ = _decoded(w, record)
+    w.history = {j: [d] for j, d in decoded.items()}
+    w.history_rounds = dict.fromkeys(decoded, round)
+    accepted = {j: decoded[j] for j, v in enumerate(record["verdicts"]) if v == "accept" and j in decoded}
+    w.previous = ({j: h for j, h in enumerate(record["packets"]) if h is not None}, accepted)
 
 
 def heal_toward(w: Worker, members: Membership, target: int, quiet: bool = False) -> int:
@@ -345,6 +417,7 @@ def catch_up(w: Worker, round: int) -> None:
         raise RuntimeError(f"checkpoint of round {round} does not match its record")
     w.outer = OuterOptimizer(params, w.cfg.outer)
     w.outer.load_state_tensors(ckpt)
+    _take_views(w, round, record)
     w.applied = round
 
 
@@ -371,7 +444,7 @@ def _snapshot(w: Worker) -> dict:
         "params": {k: v.clone() for k, v in w.outer.params.items()},
         "outer": {k: v.clone() for k, v in w.outer.state_tensors().items()},
         "history": dict(w.history), "history_rounds": dict(w.history_rounds), "previous": w.previous,
-        "bases": dict(w.bases),
+        "bases": dict(w.bases), "starts": dict(w.starts),
         "base_hashes": dict(w.base_hashes), "banned": set(w.banned), "base_momenta": dict(w.base_momenta),
         "disputes": set(w.disputes),
     }
@@ -382,7 +455,7 @@ def _restore(w: Worker, saved: dict) -> None:
     w.outer.load_state_tensors(saved["outer"])
     w.history, w.previous, w.bases, w.base_hashes = saved["history"], saved["previous"], saved["bases"], saved["base_hashes"]
     w.banned, w.base_momenta, w.history_rounds = saved["banned"], saved["base_momenta"], saved["history_rounds"]
-    w.disputes = saved["disputes"]
+    w.disputes, w.starts = saved["disputes"], saved["starts"]
 
 
 @contextmanager
