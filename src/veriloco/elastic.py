@@ -327,7 +327,9 @@ def commit(w: Worker, rec: dict, quiet: bool) -> None:
 def heal(w: Worker, to_round: int) -> int:
     """Catch up to the start of round `to_round`: the params and outer state its inner steps start
     from (round to_round-1's with delay 0, to_round-2's with delay 1), from the store, checked
-    against the round record (waiting up to run.timeout_s for it). Returns to_round."""
+    against the round record (waiting up to run.timeout_s for it), with what the members who
+    finished that round hold from it (catch_up), and with delay 1 its own newest delta.
+    Returns to_round."""
     catch_up(w, to_round - 1 - w.cfg.outer.delay)
     follow_schedule(w, to_round)
     w.inner.step_count = w.schedule.before(to_round)  # the LR schedule is the run's, not the worker's
