@@ -293,6 +293,15 @@ def test_a_worker_left_out_once_is_waited_for_again_until_the_deadline():
         views, waited = ask(2, {0: 0.0, 2: 0.0})
         assert [v.active for v in views.values()] == [[0, 2]] * 2
         assert waited >= deadline - 0.1, waited
+        # round 3: it still has not asked since it missed the deadline (stuck): not waited for again
+        views, waited = ask(3, {0: 0.0, 2: 0.0})
+        assert [v.active for v in views.values()] == [[0, 2]] * 2
+        assert waited < deadline / 2, waited
+        # round 4: it asks again (first, so it is in); round 5: 0.5 s after the others, waited for again
+        views, _ = ask(4, {0: 0.3, 1: 0.0, 2: 0.3})
+        assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
+        views, _ = ask(5, {0: 0.0, 1: 0.5, 2: 0.0})
+        assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
     finally:
         for m in ms:
             m.close()

@@ -28,7 +28,9 @@ deadline (measured: 0.5 s late against a 10 s deadline). So each quorum is also 
 it stands only if every live worker (a fresh `alive/W` in the store) is in it or the deadline has
 passed since the earliest of its members asked; otherwise its members discard it and ask again,
 and the worker still on its way is in the next one. The first member to judge a quorum writes
-the judgement to the store (compare-and-set) and the others take it, so all agree.
+the judgement to the store (compare-and-set) and the others take it, so all agree. A live worker
+that missed a deadline is not waited for again until it next asks for a quorum, so a worker that
+is stuck but heartbeating costs the deadline once, not every round.
 
 Everything a round needs from the others after the quorum (the exchange, replay verdicts, the
 agreement check, eval, stats) runs on `group(view)`; if any of it fails (a member died mid-round),
@@ -203,10 +205,16 @@ class Membership:
             return True
         now = time.time()
         live = [j for j in range(self.workers) if self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s]
-        missing = [j for j in live if j not in view.rounds]
+        # a live worker that missed a deadline and has not asked for a quorum since (stuck, or still
+        # computing a round long gone) is not waited for again: it would cost every round the deadline
+        missing = [j for j in live if j not in view.rounds and self.seen(f"asked/{j}") >= self.seen(f"late/{j}")]
         asked = [self.seen(f"asked/{j}", view.round) for j in view.active]
         ok = not missing or now - min(asked) >= self.deadline_s
-        return self.store.compare_set(f"stands/{view.key}", "", "1" if ok else "0") == b"1"
+        stands = self.store.compare_set(f"stands/{view.key}", "", "1" if ok else "0") == b"1"
+        if stands:
+            for j in missing:  # it stands without them: they missed the deadline
+                self.store.set(f"late/{j}", repr(now))
+        return stands
 
     def seen(self, key: str, round: int | None = None) -> float:
         """The time in `key` ("T" for alive/, "ROUND T" for asked/, then only if ROUND is `round`);
