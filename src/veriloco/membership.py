@@ -24,7 +24,7 @@ The Lighthouse alone does not keep the deadline once a worker has been left out:
 quorum" forms at once when every member of the previous quorum has joined again, without waiting
 for anyone else. A worker left out of one round (late, or its heartbeats starved) would then be
 left out of every round in which it asks last, however small its lag and however long the
-deadline (measured: 0.5 s late against a 10 s deadline). So each quorum is also checked here:
+deadline (tests/test_elastic.py: 0.5 s late against 2 s, left out). So each quorum is also checked here:
 it stands only if every live worker (a fresh `alive/W` in the store) is in it or the deadline has
 passed since the earliest of its members asked; otherwise its members discard it and ask again,
 and the worker still on its way is in the next one. The first member to judge a quorum writes
