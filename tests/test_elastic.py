@@ -364,3 +364,19 @@ def test_overlap_steps_elastic_is_the_static_run_and_survives_a_death(tmp_path):
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
     report = audit_run(run_dir)
     assert report.ok, report.first_failure
+
+
+def test_overlap_steps_elastic_a_straggler_learns_at_the_landing_that_it_was_left_out(tmp_path):
+    """With `overlap_steps`, the round in flight settles inside the next round's inner steps: a
+    worker whose packet missed the deadline learns there that the round was committed without it
+    (elastic._Behind), drops the round's work, heals, and takes part again."""
+    run_dir = tmp_path / "run"
+    cfg = tiny("--topology.workers=3", "--outer.delay=1", "--outer.overlap_steps=1", "--outer.momentum=0.5",
+               "--train.rounds=14", "--run.round_deadline=1", "--link.latency=300ms", *ELASTIC)
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["late:1@3+2"])
+    recs = rounds_of(run_dir)
+    assert summary["complete"] and [r["round"] for r in recs] == list(range(14))
+    assert recs[3]["verdicts"][1] == "late" and 1 not in recs[3]["members"], [r["verdicts"] for r in recs]
+    assert recs[-1]["verdicts"] == ["accept"] * 3, [r["verdicts"] for r in recs]  # it healed and came back
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure

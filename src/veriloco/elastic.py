@@ -108,6 +108,8 @@ def train_worker_elastic(
     members.announce(first, wait=done == 0 and worker in first)
     ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1)
     r = heal(w, done) if done else 0
+    if done:
+        members.heading(r)
     pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
     while r < cfg.train.rounds or pending is not None:
         sent, behind = None, None
@@ -141,6 +143,7 @@ def train_worker_elastic(
             if target > behind.round + 1:  # delay 1: round behind.round+1 forms without it; do not
                 members.pause()  # make the others wait for it (quorum() resumes the heartbeats)
             r, pending = heal_toward(w, members, target, quiet), None
+            members.heading(r)  # the others' quorums of round r wait for it again
             continue
         if cfg.outer.delay and sent is not None:
             pending = _Flight(sent, sent.handle.bundle)

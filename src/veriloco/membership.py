@@ -160,6 +160,12 @@ class Membership:
             except Exception:
                 pass
 
+    def heading(self, round: int) -> None:
+        """Heartbeat again and say which round this worker will ask for next (after a heal): the
+        quorums of that round wait for it (up to the deadline), those of earlier rounds do not."""
+        self.resume()
+        self.store.set(f"asked/{self.worker}", f"{round} {time.time()!r}")
+
     def announce(self, workers: list[int], wait: bool) -> None:
         """Start of a run: say "I am here"; with `wait`, wait (up to the timeout) until every
         worker in `workers` said so, so that round 0's quorum does not form without a slow starter."""
@@ -207,7 +213,9 @@ class Membership:
         live = [j for j in range(self.workers) if self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s]
         # a live worker that missed a deadline and has not asked for a quorum since (stuck, or still
         # computing a round long gone) is not waited for again: it would cost every round the deadline
-        missing = [j for j in live if j not in view.rounds and self.seen(f"asked/{j}") >= self.seen(f"late/{j}")]
+        # nor is one heading for a later round (a healer that skips this one, membership.heading)
+        missing = [j for j in live if j not in view.rounds and self.seen(f"asked/{j}") >= self.seen(f"late/{j}")
+                   and self.asked_round(j) <= view.round]
         asked = [self.seen(f"asked/{j}", view.round) for j in view.active]
         ok = not missing or now - min(asked) >= self.deadline_s
         stands = self.store.compare_set(f"stands/{view.key}", "", "1" if ok else "0") == b"1"
@@ -215,6 +223,14 @@ class Membership:
             for j in missing:  # it stands without them: they missed the deadline
                 self.store.set(f"late/{j}", repr(now))
         return stands
+
+    def asked_round(self, j: int) -> int:
+        """The round worker j last asked for or is heading for (-1 if none)."""
+        try:
+            key = f"asked/{j}"
+            return int(self.store.get(key).decode().split()[0]) if self.store.check([key]) else -1
+        except (RuntimeError, ValueError, IndexError):
+            return -1
 
     def seen(self, key: str, round: int | None = None) -> float:
         """The time in `key` ("T" for alive/, "ROUND T" for asked/, then only if ROUND is `round`);
