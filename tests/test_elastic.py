@@ -380,3 +380,38 @@ def test_overlap_steps_elastic_a_straggler_learns_at_the_landing_that_it_was_lef
     assert recs[-1]["verdicts"] == ["accept"] * 3, [r["verdicts"] for r in recs]  # it healed and came back
     report = audit_run(run_dir)
     assert report.ok, report.first_failure
+
+
+def test_a_healer_is_waited_for_in_the_round_it_heads_for_and_not_before():
+    import threading
+    import time
+
+    from veriloco.membership import Coordinator, Membership
+
+    deadline = 2.0
+    coord = Coordinator(min_workers=2, round_deadline_s=deadline, heartbeat_timeout_s=1.0)
+    ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 20, heartbeat_timeout_s=1.0,
+                     round_deadline_s=deadline, workers=3) for w in range(3)]
+
+    def ask(r: int, after: dict[int, float]) -> tuple[dict, float]:
+        views, t0 = {}, time.monotonic()
+        threads = [threading.Thread(target=lambda w=w: (time.sleep(after[w]), views.__setitem__(w, ms[w].quorum(r))))
+                   for w in after]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return views, time.monotonic() - t0
+
+    try:
+        views, _ = ask(1, {0: 0.0, 1: 0.0, 2: 0.0})
+        assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
+        ms[1].pause()  # 1 heals (its heartbeats paused), skipping round 2, heading for round 3
+        ms[1].heading(3)
+        time.sleep(1.3)
+        views, waited = ask(2, {0: 0.0, 2: 0.0})
+        assert [v.active for v in views.values()] == [[0, 2]] * 2 and waited < deadline / 2, waited
+        views, _ = ask(3, {0: 0.0, 1: 0.5, 2: 0.0})  # round 3: waited for, 0.5 s after the others
+        assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
+    finally:
+        for m in ms:
+            m.close()
+        coord.shutdown()

@@ -161,9 +161,9 @@ class Membership:
                 pass
 
     def heading(self, round: int) -> None:
-        """Heartbeat again and say which round this worker will ask for next (after a heal): the
-        quorums of that round wait for it (up to the deadline), those of earlier rounds do not."""
-        self.resume()
+        """Say which round this worker will ask for next (after a heal): the quorums of that round
+        wait for it (up to the deadline) even while its heartbeats are paused; those of earlier
+        rounds do not (paused, it is not live to them or to the Lighthouse)."""
         self.store.set(f"asked/{self.worker}", f"{round} {time.time()!r}")
 
     def announce(self, workers: list[int], wait: bool) -> None:
@@ -205,17 +205,13 @@ class Membership:
         return QuorumView(f"{q.quorum_id}/{created}/{top}", rounds, top, sorted(w for w, s in rounds.items() if s == top))
 
     def _stands(self, view: QuorumView) -> bool:
-        """Whether `view` may be used: every live worker is in it, or the deadline passed since the
-        earliest of its active members began to ask. The first member to judge decides for all."""
+        """Whether `view` may be used: every worker it waits for (_awaited) is in it, or the deadline
+        passed since the earliest of its active members began to ask. The first member to judge
+        decides for all."""
         if not self.workers:
             return True
         now = time.time()
-        live = [j for j in range(self.workers) if self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s]
-        # a live worker that missed a deadline and has not asked for a quorum since (stuck, or still
-        # computing a round long gone) is not waited for again: it would cost every round the deadline
-        # nor is one heading for a later round (a healer that skips this one, membership.heading)
-        missing = [j for j in live if j not in view.rounds and self.seen(f"asked/{j}") >= self.seen(f"late/{j}")
-                   and self.asked_round(j) <= view.round]
+        missing = [j for j in range(self.workers) if j not in view.rounds and self._awaited(j, view.round, now)]
         asked = [self.seen(f"asked/{j}", view.round) for j in view.active]
         ok = not missing or now - min(asked) >= self.deadline_s
         stands = self.store.compare_set(f"stands/{view.key}", "", "1" if ok else "0") == b"1"
@@ -223,6 +219,16 @@ class Membership:
             for j in missing:  # it stands without them: they missed the deadline
                 self.store.set(f"late/{j}", repr(now))
         return stands
+
+    def _awaited(self, j: int, round: int, now: float) -> bool:
+        """Whether a quorum of `round` waits for worker j (not in it): j heads for this round (a
+        healer, membership.heading, heartbeating or not), or it is live and not heading past it.
+        Not a worker that missed a deadline and has not asked since (stuck, or still computing a
+        round long gone): that would cost every round the deadline."""
+        if self.seen(f"asked/{j}") < self.seen(f"late/{j}"):
+            return False
+        heads = self.asked_round(j)
+        return heads == round or (heads < round and self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s)
 
     def asked_round(self, j: int) -> int:
         """The round worker j last asked for or is heading for (-1 if none)."""
