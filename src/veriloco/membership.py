@@ -164,7 +164,7 @@ class Membership:
         """Say which round this worker will ask for next (after a heal): the quorums of that round
         wait for it (up to the deadline) even while its heartbeats are paused; those of earlier
         rounds do not (paused, it is not live to them or to the Lighthouse)."""
-        self.store.set(f"asked/{self.worker}", f"{round} {time.time()!r}")
+        self.store.set(f"heading/{self.worker}", f"{round} {time.time()!r}")
 
     def announce(self, workers: list[int], wait: bool) -> None:
         """Start of a run: say "I am here"; with `wait`, wait (up to the timeout) until every
@@ -221,19 +221,21 @@ class Membership:
         return stands
 
     def _awaited(self, j: int, round: int, now: float) -> bool:
-        """Whether a quorum of `round` waits for worker j (not in it): j heads for this round (a
-        healer, membership.heading, heartbeating or not), or it is live and not heading past it.
-        Not a worker that missed a deadline and has not asked since (stuck, or still computing a
-        round long gone): that would cost every round the deadline."""
-        if self.seen(f"asked/{j}") < self.seen(f"late/{j}"):
+        """Whether a quorum of `round` waits for worker j (not in it). A worker that healed since it
+        last asked (membership.heading) is waited for in the round it heads for only, heartbeating
+        or not; any other, if it is live and not past this round. Not a worker that missed a
+        deadline and has not asked or healed since (stuck, or still computing a round long gone):
+        that would cost every round the deadline."""
+        asked, heading = self.seen(f"asked/{j}"), self.seen(f"heading/{j}")
+        if max(asked, heading) < self.seen(f"late/{j}"):
             return False
-        heads = self.asked_round(j)
-        return heads == round or (heads < round and self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s)
+        if heading > asked:
+            return self._round_in(f"heading/{j}") == round
+        return self._round_in(f"asked/{j}") <= round and self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s
 
-    def asked_round(self, j: int) -> int:
-        """The round worker j last asked for or is heading for (-1 if none)."""
+    def _round_in(self, key: str) -> int:
+        """The round in an asked/ or heading/ key ("ROUND T"), -1 if none."""
         try:
-            key = f"asked/{j}"
             return int(self.store.get(key).decode().split()[0]) if self.store.check([key]) else -1
         except (RuntimeError, ValueError, IndexError):
             return -1
