@@ -281,7 +281,7 @@ def test_a_worker_left_out_once_is_waited_for_again_until_the_deadline():
 
     try:
         ms[1].pause()  # round 0 forms without 1: its heartbeats stopped (starved, or healing)
-        time.sleep(1.3)
+        time.sleep(2.0)  # stale to the Lighthouse (1 s), even under load
         views, _ = ask(0, {0: 0.0, 2: 0.0})
         assert [v.active for v in views.values()] == [[0, 2]] * 2
         ms[1].resume()
@@ -388,7 +388,7 @@ def test_a_healer_is_waited_for_in_the_round_it_heads_for_and_not_before():
 
     from veriloco.membership import Coordinator, Membership
 
-    deadline = 2.0
+    deadline = 4.0
     coord = Coordinator(min_workers=2, round_deadline_s=deadline, heartbeat_timeout_s=1.0)
     ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 20, heartbeat_timeout_s=1.0,
                      round_deadline_s=deadline, workers=3) for w in range(3)]
@@ -402,11 +402,12 @@ def test_a_healer_is_waited_for_in_the_round_it_heads_for_and_not_before():
         return views, time.monotonic() - t0
 
     try:
+        time.sleep(0.6)  # every heartbeat has reached the Lighthouse and the store (Membership.announce)
         views, _ = ask(1, {0: 0.0, 1: 0.0, 2: 0.0})
         assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
         ms[1].pause()  # 1 heals (its heartbeats paused), skipping round 2, heading for round 3
         ms[1].heading(3)
-        time.sleep(1.3)
+        time.sleep(2.0)  # its heartbeat is stale to the Lighthouse (1 s), even under load
         views, waited = ask(2, {0: 0.0, 2: 0.0})
         assert [v.active for v in views.values()] == [[0, 2]] * 2 and waited < deadline / 2, waited
         views, _ = ask(3, {0: 0.0, 1: 0.5, 2: 0.0})  # round 3: waited for, 0.5 s after the others
