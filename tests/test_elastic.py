@@ -25,6 +25,38 @@ def events_of(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
+class Lighthouse:
+    """A Coordinator and `workers` Memberships in this process (membership.py), for the quorum
+    tests: `ask(round, {worker: delay_s})` asks for one quorum from threads."""
+
+    def __init__(self, deadline: float, workers: int = 3, timeout_s: float = 20) -> None:
+        from veriloco.membership import Coordinator, Membership
+
+        self.coord = Coordinator(min_workers=2, round_deadline_s=deadline, heartbeat_timeout_s=1.0)
+        self.ms = [Membership(w, self.coord.lighthouse_addr, self.coord.store_port, timeout_s, heartbeat_timeout_s=1.0,
+                              round_deadline_s=deadline, workers=workers) for w in range(workers)]
+
+    def ask(self, r: int, after: dict[int, float]) -> tuple[dict, float]:
+        import threading
+        import time
+
+        views, t0 = {}, time.monotonic()
+
+        def one(w: int) -> None:
+            time.sleep(after[w])
+            views[w] = self.ms[w].quorum(r)
+
+        threads = [threading.Thread(target=one, args=(w,)) for w in after]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return views, time.monotonic() - t0
+
+    def close(self) -> None:
+        for m in self.ms:
+            m.close()
+        self.coord.shutdown()
+
+
 def test_elastic_without_faults_is_the_static_run(tmp_path):
     common = ("--topology.workers=3", "--train.rounds=3")
     _, static = train(tiny(*common), str(tmp_path / "static"), quiet=True)
@@ -256,29 +288,13 @@ def test_workers_that_crash_are_named_with_their_error(tmp_path):
 def test_a_worker_left_out_once_is_waited_for_again_until_the_deadline():
     """torchft's Lighthouse forms a "fast quorum" as soon as the previous quorum's members are all
     back, so on its own a worker left out once stays out whenever it asks last (membership.py):
-    with `workers=0` below, which turns the judge off, round 1 comes out [0, 2] (torchft 0.2.0)."""
-    import threading
+    with Memberships built with `workers=0`, which turns the judge off, round 1 comes out [0, 2]
+    (torchft 0.2.0)."""
     import time
 
-    from veriloco.membership import Coordinator, Membership
-
     deadline = 2.0
-    coord = Coordinator(min_workers=2, round_deadline_s=deadline, heartbeat_timeout_s=1.0)
-    ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 20, heartbeat_timeout_s=1.0,
-                     round_deadline_s=deadline, workers=3) for w in range(3)]
-
-    def ask(r: int, after: dict[int, float]) -> tuple[dict, float]:
-        views, t0 = {}, time.monotonic()
-
-        def one(w: int) -> None:
-            time.sleep(after[w])
-            views[w] = ms[w].quorum(r)
-
-        threads = [threading.Thread(target=one, args=(w,)) for w in after]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-        return views, time.monotonic() - t0
-
+    lh = Lighthouse(deadline)
+    ms, ask = lh.ms, lh.ask
     try:
         ms[1].pause()  # round 0 forms without 1: its heartbeats stopped (starved, or healing)
         time.sleep(2.0)  # stale to the Lighthouse (1 s), even under load
@@ -304,25 +320,18 @@ def test_a_worker_left_out_once_is_waited_for_again_until_the_deadline():
         views, _ = ask(5, {0: 0.0, 1: 0.5, 2: 0.0})
         assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
     finally:
-        for m in ms:
-            m.close()
-        coord.shutdown()
+        lh.close()
 
 
 def test_a_member_that_dies_before_the_group_forms_costs_a_heartbeat_timeout_not_the_run_timeout():
-    import threading
     import time
 
-    from veriloco.membership import Coordinator, Membership, MembershipError
+    from veriloco.membership import MembershipError
 
-    coord = Coordinator(min_workers=2, round_deadline_s=5.0, heartbeat_timeout_s=1.0)
-    ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 60, heartbeat_timeout_s=1.0,
-                     round_deadline_s=5.0, workers=2) for w in range(2)]
+    lh = Lighthouse(5.0, workers=2, timeout_s=60)
+    ms = lh.ms
     try:
-        views = {}
-        threads = [threading.Thread(target=lambda w=w: views.__setitem__(w, ms[w].quorum(0))) for w in range(2)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+        views, _ = lh.ask(0, {0: 0.0, 1: 0.0})
         assert views[0].active == [0, 1]
         ms[1].pause()  # 1 goes silent (as if killed) and never connects
         t0 = time.monotonic()
@@ -330,9 +339,7 @@ def test_a_member_that_dies_before_the_group_forms_costs_a_heartbeat_timeout_not
             ms[0].group(views[0])
         assert time.monotonic() - t0 < 10  # the collective timeout is 60 s
     finally:
-        for m in ms:
-            m.close()
-        coord.shutdown()
+        lh.close()
 
 
 def test_overlap_steps_elastic_is_the_static_run_and_survives_a_death(tmp_path):
@@ -383,24 +390,11 @@ def test_overlap_steps_elastic_a_straggler_learns_at_the_landing_that_it_was_lef
 
 
 def test_a_healer_is_waited_for_in_the_round_it_heads_for_and_not_before():
-    import threading
     import time
 
-    from veriloco.membership import Coordinator, Membership
-
     deadline = 4.0
-    coord = Coordinator(min_workers=2, round_deadline_s=deadline, heartbeat_timeout_s=1.0)
-    ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 20, heartbeat_timeout_s=1.0,
-                     round_deadline_s=deadline, workers=3) for w in range(3)]
-
-    def ask(r: int, after: dict[int, float]) -> tuple[dict, float]:
-        views, t0 = {}, time.monotonic()
-        threads = [threading.Thread(target=lambda w=w: (time.sleep(after[w]), views.__setitem__(w, ms[w].quorum(r))))
-                   for w in after]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
-        return views, time.monotonic() - t0
-
+    lh = Lighthouse(deadline)
+    ms, ask = lh.ms, lh.ask
     try:
         time.sleep(0.6)  # every heartbeat has reached the Lighthouse and the store (Membership.announce)
         views, _ = ask(1, {0: 0.0, 1: 0.0, 2: 0.0})
@@ -413,6 +407,4 @@ def test_a_healer_is_waited_for_in_the_round_it_heads_for_and_not_before():
         views, _ = ask(3, {0: 0.0, 1: 0.5, 2: 0.0})  # round 3: waited for, 0.5 s after the others
         assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
     finally:
-        for m in ms:
-            m.close()
-        coord.shutdown()
+        lh.close()
