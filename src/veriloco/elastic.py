@@ -27,8 +27,7 @@ drop its error feedback, and take the round's decoded packets (the newest deltas
 start points and replays use) and the screen's previous round from the record and the store.
 A worker joins round r's quorum only once round r-1 is recorded, and stops heartbeating while
 it heals toward a round the others are not forming yet, so that nobody waits for it; healed,
-it heartbeats again and names the round it heads for (Membership.heading), whose quorums wait
-for it.
+it names the round it heads for (Membership.heading), whose quorums wait for it.
 
 The launcher (`launch_elastic`) starts the coordinator and one process per worker (in network
 namespaces when a partition fault asks for it), applies the faults, and writes RUN/events.jsonl.

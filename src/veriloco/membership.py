@@ -30,7 +30,8 @@ passed since the earliest of its members asked; otherwise its members discard it
 and the worker still on its way is in the next one. The first member to judge a quorum writes
 the judgement to the store (compare-and-set) and the others take it, so all agree. A live worker
 that missed a deadline is not waited for again until it next asks for a quorum, so a worker that
-is stuck but heartbeating costs the deadline once, not every round.
+is stuck but heartbeating costs the deadline once, not every round; a healer is waited for in the
+round it names (`heading`) only, even while its heartbeats are paused.
 
 Everything a round needs from the others after the quorum (the exchange, replay verdicts, the
 agreement check, eval, stats) runs on `group(view)`; if any of it fails (a member died mid-round),
@@ -226,32 +227,29 @@ class Membership:
         or not; any other, if it is live and not past this round. Not a worker that missed a
         deadline and has not asked or healed since (stuck, or still computing a round long gone):
         that would cost every round the deadline."""
-        asked, heading = self.seen(f"asked/{j}"), self.seen(f"heading/{j}")
+        (asked_round, asked), (heading_round, heading) = self._stamp(f"asked/{j}"), self._stamp(f"heading/{j}")
         if max(asked, heading) < self.seen(f"late/{j}"):
             return False
         if heading > asked:
-            return self._round_in(f"heading/{j}") == round
-        return self._round_in(f"asked/{j}") <= round and self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s
+            return heading_round == round
+        return (asked_round if asked_round is not None else -1) <= round \
+            and self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s
 
-    def _round_in(self, key: str) -> int:
-        """The round in an asked/ or heading/ key ("ROUND T"), -1 if none."""
-        try:
-            return int(self.store.get(key).decode().split()[0]) if self.store.check([key]) else -1
-        except (RuntimeError, ValueError, IndexError):
-            return -1
-
-    def seen(self, key: str, round: int | None = None) -> float:
-        """The time in `key` ("T" for alive/, "ROUND T" for asked/, then only if ROUND is `round`);
-        -inf if there is none."""
+    def _stamp(self, key: str) -> tuple[int | None, float]:
+        """(ROUND, T) of a key holding "T" (alive/, late/) or "ROUND T" (asked/, heading/), read
+        once; (None, -inf) if there is none."""
         try:  # check() does not block; get() of a missing key would wait for it
             if not self.store.check([key]):
-                return float("-inf")
-            value = self.store.get(key).decode().split()
-            if round is not None and int(value[0]) != round:
-                return float("-inf")
-            return float(value[-1])
+                return None, float("-inf")
+            *head, t = self.store.get(key).decode().split()
+            return (int(head[0]) if head else None), float(t)
         except (RuntimeError, ValueError, IndexError):
-            return float("-inf")
+            return None, float("-inf")
+
+    def seen(self, key: str, round: int | None = None) -> float:
+        """The time in `key`, if it names `round` (when given); -inf if there is none."""
+        r, t = self._stamp(key)
+        return t if round is None or r == round else float("-inf")
 
     def group(self, view: QuorumView) -> PgComm:
         """A gloo group over `view.active`, this worker's index = its position in the list.
