@@ -132,7 +132,8 @@ def test_straggler_is_left_out_as_late_and_a_new_worker_joins(tmp_path):
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("die:9@1", "names worker 9"), ("explode:1@2", "is not one of"), ("late:1@2", "is not one of")],
+    [("die:9@1", "names worker 9"), ("explode:1@2", "is not one of"), ("late:1@2", "is not one of"),
+     ("stop:1@2", "is not one of")],
 )
 def test_bad_fault_specs_are_rejected(spec, message):
     with pytest.raises(FaultError, match=message):
@@ -408,3 +409,56 @@ def test_a_healer_is_waited_for_in_the_round_it_heads_for_and_not_before():
         assert [v.active for v in views.values()] == [[0, 1, 2]] * 3
     finally:
         lh.close()
+
+
+def test_a_member_frozen_mid_collective_is_given_up_after_a_heartbeat_timeout_and_told_so_when_it_thaws():
+    """gloo notices a killed peer (its sockets close), not a frozen or cut-off one: without the
+    watch, a collective waits the whole timeout_s (60 s here) for it."""
+    import threading
+    import time
+
+    import torch
+
+    from veriloco.membership import MembershipError
+
+    lh = Lighthouse(5.0, workers=2, timeout_s=60)
+    ms = lh.ms
+    try:
+        views, _ = lh.ask(0, {0: 0.0, 1: 0.0})
+        comms = {}
+        threads = [threading.Thread(target=lambda w=w: comms.__setitem__(w, ms[w].group(views[w]))) for w in (0, 1)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        out = [torch.zeros(2), torch.zeros(2)]
+        ms[1].pause()  # 1 freezes: it holds its sockets open, its heartbeats stop, it issues nothing
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match="worker 1 of the quorum went silent"):
+            comms[0].all_gather(out, torch.ones(2))
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(MembershipError):  # given up: the group is not used again
+            comms[0].all_gather(out, torch.ones(2))
+        ms[1].resume()  # 1 thaws; its peer is alive, but left the group: it finds out at once
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match="worker 0 gave the round's group up"):
+            comms[1].broadcast_from(torch.ones(2), 1 - comms[1].rank)
+        assert time.monotonic() - t0 < 5
+    finally:
+        lh.close()
+
+
+def test_a_worker_frozen_in_the_exchange_costs_the_round_a_heartbeat_timeout_then_it_heals(tmp_path):
+    run_dir = tmp_path / "run"
+    # a 0.4 s link latency makes the rounds long enough for the frozen worker to come back
+    cfg = tiny("--topology.workers=3", "--train.rounds=16", "--link.latency=400ms", *ELASTIC)
+    # worker 1 stops for 6 s inside round 2's exchange, after the round's group formed
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["stop:1@2+6"])
+    recs = rounds_of(run_dir)
+    assert summary["complete"] and [r["round"] for r in recs] == list(range(16))
+    assert recs[2].get("members") == [0, 2] and recs[2]["verdicts"][1] == "absent"
+    # the others gave the group up after heartbeat_timeout_s (1.5 s) and retried without it; gloo
+    # alone would have held them until the freeze ended (6 s) and then gone on with it
+    assert recs[2]["round_s"] < 5.0, recs[2]["round_s"]
+    assert not any(e["event"] == "died" for e in events_of(run_dir))
+    assert recs[-1]["verdicts"] == ["accept"] * 3, [r["verdicts"] for r in recs]  # it thawed, healed, came back
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure

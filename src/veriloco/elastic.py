@@ -526,7 +526,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run)
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
     restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
-    left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "late")] for j in range(W)}
+    left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "stop", "late")] for j in range(W)}
     first = [j for j in range(W) if j not in joins]
     procs: dict = {}
     seen = 0  # rounds recorded as of the last look at rounds.jsonl (read once per loop)
@@ -806,6 +806,8 @@ def _error_of(root: Path, j: int) -> str | None:
 def _main(spec_path: str) -> None:
     """One worker of a partition run, a program of its own in its namespace (see _NetnsHost)."""
     import json
+    import os
+    import sys
 
     from .config import config_from_dict
     from .records import RunDir
@@ -818,4 +820,9 @@ def _main(spec_path: str) -> None:
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"]).as_task()
     spec["faults"] = [Fault(**f) for f in spec["faults"]]
     _worker_main(cfg, task, spec["run_dir"], spec["lighthouse"], spec["store_host"], spec["store_port"], spec)
+    # as a forkserver child does: no interpreter teardown, which would wait for gloo's timeout on
+    # any group given up mid-collective (membership.PgComm)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 

@@ -128,7 +128,7 @@ class Exchange:
                 elif n:
                     works.append(dist.broadcast(buf, src=self._ranks[r], group=self.group, async_op=True))
             for w in works:
-                w.wait()
+                self.comm.wait(w) if self.comm is not None else w.wait()
             box["packets"] = [packet if r == self.rank else bytes(b.cpu().numpy().tobytes()) for r, b in enumerate(bufs)]
             peers = self.size - 1
             box["sent"] = (len(packet) + 8) * peers

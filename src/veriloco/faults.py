@@ -6,6 +6,9 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
     die:W@R        ... in the middle of round R's exchange (after the quorum, before its packet is out)
                    (a worker that healed past that point, left out of an earlier round as late,
                    dies at the first step or exchange it reaches after it instead)
+    stop:W@R+T     worker W freezes (SIGSTOP; a helper process sends SIGCONT after T seconds) in the
+                   middle of round R's exchange, after the round's group formed: its sockets stay
+                   open and its heartbeats stop, as in a paused VM or a partition
     late:W@R+T     worker W's round-R packet is T seconds late: it joins the round's quorum T seconds
                    after its inner steps end (with delay 1 that wait overlaps its next round's steps,
                    as a packet late on the wire would)
@@ -25,10 +28,12 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from dataclasses import dataclass
 
 _SPEC = re.compile(
     r"^(?:(?P<die>die):(?P<dw>\d+)@(?P<dr>\d+)(?:\.(?P<ds>\d+))?"
+    r"|(?P<stop>stop):(?P<sw>\d+)@(?P<sr>\d+)\+(?P<st>\d+(?:\.\d+)?)"
     r"|(?P<late>late):(?P<lw>\d+)@(?P<lr>\d+)\+(?P<lt>\d+(?:\.\d+)?)"
     r"|(?P<restart>restart):(?P<rw>\d+)\+(?P<rt>\d+(?:\.\d+)?)"
     r"|(?P<join>join):(?P<jw>\d+)@(?P<jr>\d+)"
@@ -42,22 +47,24 @@ class FaultError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "die" | "late" | "restart" | "join" | "partition"
+    kind: str  # "die" | "stop" | "late" | "restart" | "join" | "partition"
     worker: int
     round: int = 0
     step: int | None = None  # die: the inner step; None = during the exchange
-    seconds: float = 0.0  # late: how late; restart: how long after the death; partition: how long cut
+    seconds: float = 0.0  # late: how late; stop: how long frozen; restart: how long after the death; partition: how long cut
 
 
 def parse_fault(text: str, workers: int) -> Fault:
     """One spec (see the module docstring) -> Fault; FaultError names what is wrong."""
     m = _SPEC.match(text.strip())
     if m is None:
-        raise FaultError(f"fault {text!r} is not one of die:W@R[.S], late:W@R+SECONDS, restart:W+SECONDS, "
+        raise FaultError(f"fault {text!r} is not one of die:W@R[.S], stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, "
                          "join:W@R, partition:W@R+SECONDS")
     g = m.groupdict()
     if g["die"]:
         f = Fault("die", int(g["dw"]), int(g["dr"]), int(g["ds"]) if g["ds"] is not None else None)
+    elif g["stop"]:
+        f = Fault("stop", int(g["sw"]), int(g["sr"]), seconds=float(g["st"]))
     elif g["late"]:
         f = Fault("late", int(g["lw"]), int(g["lr"]), seconds=float(g["lt"]))
     elif g["restart"]:
@@ -84,6 +91,7 @@ class Injector:
 
     def __init__(self, faults: list[Fault], worker: int) -> None:
         self.faults = [f for f in faults if f.worker == worker]
+        self._stopped: list[Fault] = []
 
     def at_step(self, round: int, step: int) -> None:
         if any(f.kind == "die" and f.step is not None and (f.round, f.step) <= (round, step) for f in self.faults):
@@ -92,6 +100,10 @@ class Injector:
     def in_exchange(self, round: int) -> None:
         if any(f.kind == "die" and f.step is None and f.round <= round for f in self.faults):
             die()
+        for f in self.faults:
+            if f.kind == "stop" and f.round == round and f not in self._stopped:
+                self._stopped.append(f)  # once: the round is retried after the others gave it up
+                freeze(f.seconds)
 
     def late_s(self, round: int) -> float:
         return sum(f.seconds for f in self.faults if f.kind == "late" and f.round == round)
@@ -106,3 +118,12 @@ def first_death(faults: list[Fault]) -> Fault | None:
 def die() -> None:
     """kill -9 of this process: no cleanup, no flush, no goodbye to the peers."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def freeze(seconds: float) -> None:
+    """SIGSTOP of this process for `seconds`: every thread stops (heartbeats too), every socket
+    stays open. A helper process of its own session sends the SIGCONT."""
+    pid = os.getpid()
+    subprocess.Popen(["/bin/sh", "-c", f"sleep {seconds:g}; kill -CONT {pid}"], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.kill(pid, signal.SIGSTOP)

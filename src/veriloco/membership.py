@@ -35,7 +35,10 @@ round it names (`heading`) only, even while its heartbeats are paused.
 
 Everything a round needs from the others after the quorum (the exchange, replay verdicts, the
 agreement check, eval, stats) runs on `group(view)`; if any of it fails (a member died mid-round),
-the round is discarded whole and retried with a new quorum from the same packets.
+the round is discarded whole and retried with a new quorum from the same packets. Its collectives
+also watch the members while they wait (`PgComm`): a member that froze or was cut off holds its
+sockets open, so gloo alone would wait `timeout_s` for it; the others give the group up as soon
+as its heartbeat is stale.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -51,6 +55,8 @@ import torch.distributed as dist
 
 # torchft's Rust side logs every quorum at INFO to stderr; keep a user's own RUST_LOG if set
 os.environ.setdefault("RUST_LOG", "warn")
+
+WATCH_S = 0.2  # how often a collective of a quorum's group checks its members (PgComm.wait)
 
 
 class MembershipError(RuntimeError):
@@ -274,14 +280,26 @@ class Membership:
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            now = time.time()
-            dead = [j for j in view.active if j != self.worker
-                    and self.seen(f"alive/{j}") < now - self.heartbeat_timeout_s]
-            if dead and thread.is_alive():
-                raise MembershipError(f"worker {dead[0]} of the quorum went silent before the round's group formed")
+            why = self._silent(view)
+            if why is not None and thread.is_alive():
+                raise MembershipError(f"{why} before the round's group formed")
         if "error" in made:
             raise made["error"]
-        return PgComm(made["pg"], rank, size)
+
+        def leave() -> None:
+            self.store.set(f"left/{view.key}", f"{self.worker} {time.time()!r}")
+
+        return PgComm(made["pg"], rank, size, watch=lambda: self._silent(view), leave=leave)
+
+    def _silent(self, view: QuorumView) -> str | None:
+        """Why the group of `view` cannot go on, or None: a member's heartbeat is stale (killed,
+        frozen, or cut off from the coordinator), or a member gave the group up (PgComm.wait)."""
+        now = time.time()
+        for j in view.active:
+            if j != self.worker and self.seen(f"alive/{j}") < now - self.heartbeat_timeout_s:
+                return f"worker {j} of the quorum went silent"
+        who, _ = self._stamp(f"left/{view.key}")
+        return f"worker {who} gave the round's group up" if who is not None else None
 
     def close(self) -> None:
         """Stop heartbeating, and say so at once: no quorum waits for a worker that has finished."""
@@ -316,33 +334,83 @@ class GroupComm:
         dist.broadcast(t, group=self.group, group_src=src)
 
 
-class PgComm:
-    """The same collectives over a bare process group (a quorum's; not part of any world)."""
+_GIVEN_UP: list = []  # groups left mid-collective: destroying one would block until gloo's own timeout
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int) -> None:
+
+class PgComm:
+    """The same collectives over a bare process group (a quorum's; not part of any world).
+
+    With a `watch` (Membership.group's), every wait watches the members: gloo notices a killed
+    peer at once (its sockets close), but a member that is frozen (SIGSTOP, a paused VM) or cut
+    off (a partition) holds its sockets open, and gloo would wait the whole collective timeout
+    (`[run] timeout_s`). So a wait gives the group up as soon as `watch()` names a reason (a
+    member's heartbeat is stale, or a member gave the group up): it raises MembershipError, the
+    round is discarded whole and retried with a new quorum, and `leave()` tells the other members,
+    so that one that was frozen and comes back finds out at its next collective instead of
+    waiting for peers that moved on."""
+
+    def __init__(self, pg: dist.ProcessGroup, rank: int, size: int,
+                 watch: Callable[[], str | None] | None = None, leave: Callable[[], None] | None = None) -> None:
         self.pg, self.rank, self.size = pg, rank, size
+        self._watch, self._leave = watch, leave
+        self.given_up: str | None = None
+
+    def wait(self, work) -> None:
+        """Wait for a collective of this group (see the class docstring)."""
+        if self.given_up is not None:
+            raise MembershipError(self.given_up)
+        if self._watch is None:
+            work.wait()
+            return
+        done = threading.Event()
+        try:
+            work.get_future().add_done_callback(lambda _: done.set())
+            poll = WATCH_S
+        except RuntimeError:  # gloo's send/recv have no future: poll the work itself
+            poll = 0.005
+        waited = 0.0
+        while not (done.wait(poll) or work.is_completed()):
+            waited += poll
+            if waited < WATCH_S:
+                continue
+            waited = 0.0
+            why = self._watch()
+            if why is not None:
+                self.give_up(why)
+                raise MembershipError(why)
+        work.wait()  # gloo's own error, if the collective failed
+
+    def give_up(self, why: str) -> None:
+        self.given_up = why
+        _GIVEN_UP.append(self.pg)
+        if self._leave is not None:
+            try:
+                self._leave()
+            except Exception:  # the coordinator unreachable: the others' own watch finds out
+                pass
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.pg.allreduce([t], opts).wait()
+        self.wait(self.pg.allreduce([t], opts))
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
-        self.pg.allgather([out], [t]).wait()
+        self.wait(self.pg.allgather([out], [t]))
 
     def broadcast(self, t: torch.Tensor, root: int):
+        """Starts a broadcast and returns its work: wait for it with `wait`."""
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return self.pg.broadcast([t], opts)
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        self.pg.send([t], dst, 0).wait()
+        self.wait(self.pg.send([t], dst, 0))
 
     def recv(self, t: torch.Tensor, src: int) -> None:
-        self.pg.recv([t], src, 0).wait()
+        self.wait(self.pg.recv([t], src, 0))
 
     def broadcast_from(self, t: torch.Tensor, src: int) -> None:
-        self.broadcast(t, src).wait()
+        self.wait(self.broadcast(t, src))
 
 
 def serve(argv: list[str]) -> None:
