@@ -429,6 +429,12 @@ def test_a_member_frozen_mid_collective_is_given_up_after_a_heartbeat_timeout_an
         threads = [threading.Thread(target=lambda w=w: comms.__setitem__(w, ms[w].group(views[w]))) for w in (0, 1)]
         [t.start() for t in threads]
         [t.join() for t in threads]
+        got = torch.zeros(2)  # gloo's send/recv have no future: they are waited for in a thread
+        sender = threading.Thread(target=lambda: comms[0].send(torch.full((2,), 7.0), 1 - comms[0].rank))
+        sender.start()
+        comms[1].recv(got, 1 - comms[1].rank)
+        sender.join()
+        assert got.tolist() == [7.0, 7.0]
         out = [torch.zeros(2), torch.zeros(2)]
         ms[1].pause()  # 1 freezes: it holds its sockets open, its heartbeats stop, it issues nothing
         t0 = time.monotonic()
@@ -461,4 +467,22 @@ def test_a_worker_frozen_in_the_exchange_costs_the_round_a_heartbeat_timeout_the
     assert not any(e["event"] == "died" for e in events_of(run_dir))
     assert recs[-1]["verdicts"] == ["accept"] * 3, [r["verdicts"] for r in recs]  # it thawed, healed, came back
     report = audit_run(run_dir)
+    assert report.ok, report.first_failure
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_an_elastic_run_stopped_after_n_rounds_resumes_to_the_uninterrupted_run(tmp_path, delay):
+    from veriloco.run import resume
+
+    momentum = ("--outer.momentum=0.5",) if delay else ()
+    cfg = tiny("--topology.workers=3", "--train.rounds=4", f"--outer.delay={delay}", *momentum, *ELASTIC)
+    train(cfg, str(tmp_path / "a"), quiet=True)
+    _, stopped = train(cfg, str(tmp_path / "b"), quiet=True, stop_after=2)
+    assert not stopped["complete"] and len(rounds_of(tmp_path / "b")) == 2
+    _, summary = resume(str(tmp_path / "b"), quiet=True)
+    a, b = rounds_of(tmp_path / "a"), rounds_of(tmp_path / "b")
+    assert summary["complete"] and len(b) == 4
+    assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
+    assert [r["verdicts"] for r in b] == [["accept"] * 3] * 4
+    report = audit_run(tmp_path / "b")
     assert report.ok, report.first_failure

@@ -86,12 +86,15 @@ class HoldingExchange:
 def train_worker_elastic(
     cfg: Config, worker: int, task: Task, run_dir: str, lighthouse_addr: str, store_port: int,
     faults: list[Fault], first: list[int], quiet: bool = False, eval_start: float | None = None,
-    store_host: str = "127.0.0.1",
+    store_host: str = "127.0.0.1", stop_after: int | None = None,
 ) -> None:
     """The whole run of one worker process under elastic membership (see the module docstring).
 
     `first`: the workers the launcher starts together at round 0 (they wait for each other once);
-    `eval_start`: the initial model's eval loss (the launcher's); `store_host`: the coordinator's."""
+    `eval_start`: the initial model's eval loss (the launcher's); `store_host`: the coordinator's;
+    `stop_after`: stop once that many rounds are committed (a preemption point; a resumed run's
+    workers heal from the last record, as a restarted worker does)."""
+    end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     injector = Injector(faults, worker)
     members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s,
                          host=store_host, round_deadline_s=cfg.run.round_deadline, workers=cfg.topology.workers)
@@ -113,9 +116,9 @@ def train_worker_elastic(
     if done:
         members.heading(r)
     pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
-    while r < cfg.train.rounds or pending is not None:
+    while r < end or pending is not None:
         sent, behind = None, None
-        if r < cfg.train.rounds:
+        if r < end:
             catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
             follow_schedule(w, r)
             if cfg.outer.overlap_steps:  # the previous round lands inside this one, after overlap_steps
@@ -341,7 +344,7 @@ def heal(w: Worker, to_round: int) -> int:
     if w.encoder.feedback is not None:
         w.encoder.feedback = ErrorFeedback()  # what it dropped belongs to rounds it was not in
     own = w.run.worker_dir(w.rank) / f"state-{to_round - 1}.safetensors"
-    if w.cfg.outer.delay == 0 and own.exists():  # it took part in that round (a resume): its state goes on
+    if own.exists():  # it committed that round (a resume, or a restart): its state as round to_round began goes on
         state = st_load(own.read_bytes())
         w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
         w.encoder.load_state_tensors(state)
@@ -510,18 +513,22 @@ def summarize(cfg: Config, records: list[dict], eval_start: float, wall: float) 
 # --- the launcher: a coordinator, one process per worker, and the faults that happen to them ---
 
 
-def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: bool = False) -> dict:
+def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: bool = False,
+                   stop_after: int | None = None) -> dict:
     """Start the coordinator (torchft Lighthouse + TCPStore), one process per worker, and
     supervise them: a worker that dies is left out by the others (and started again if a
     `restart` fault says so), `join` faults start a worker late, `partition` faults cut a
     worker's network link (then everything runs in network namespaces). Every start, death and
-    cut goes to RUN/events.jsonl. Returns the summary once the run is complete."""
+    cut goes to RUN/events.jsonl. Returns the summary once the run is complete, or once
+    `stop_after` rounds are committed (`veriloco train --resume` goes on from there)."""
     from .faults import parse_faults
     from .run import _finish
 
     faults = parse_faults(fault_specs, cfg.topology.workers)
-    W, R = cfg.topology.workers, cfg.train.rounds
+    W = cfg.topology.workers
+    R = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)  # where this launch ends
     eval_start = _eval_loss(task)  # once, over the whole eval set, before any process starts
+    before_s = sum(p["round_s"] for p in run.rounds())  # a resumed run's wall: its rounds so far, and this launch
     cuts = sorted((f.round, f.worker, f.seconds) for f in faults if f.kind == "partition")
     host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run)
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
@@ -544,7 +551,8 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
 
     def start(j: int) -> None:
         (run.root / f"error-{j}.txt").unlink(missing_ok=True)  # an earlier incarnation's
-        procs[j] = host.start(j, dict(worker=j, faults=left[j], first=first, quiet=quiet, eval_start=eval_start))
+        procs[j] = host.start(j, dict(worker=j, faults=left[j], first=first, quiet=quiet, eval_start=eval_start,
+                                      stop_after=stop_after))
         event("started", j)
 
     try:
@@ -610,7 +618,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
         for p in procs.values():
             p.kill()
         host.close()
-    summary = summarize(cfg, run.rounds(), eval_start, time.perf_counter() - t0)
+    summary = summarize(cfg, run.rounds(), eval_start, time.perf_counter() - t0 + before_s)
     if cfg.ledger.backend == "sqlite":
         from .ledger import SqliteLedger
 
@@ -785,7 +793,7 @@ def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_h
     _stacks_on_signal(run_dir, args["worker"])
     try:
         train_worker_elastic(cfg, args["worker"], task, run_dir, lighthouse, store_port, args["faults"],
-                             args["first"], args["quiet"], args["eval_start"], store_host)
+                             args["first"], args["quiet"], args["eval_start"], store_host, args.get("stop_after"))
     except Exception:  # a planned death exits without one; this is a failure the launcher should name
         import traceback
 

@@ -362,23 +362,28 @@ class PgComm:
         if self._watch is None:
             work.wait()
             return
-        done = threading.Event()
+        done, box = threading.Event(), {}
         try:
             work.get_future().add_done_callback(lambda _: done.set())
-            poll = WATCH_S
-        except RuntimeError:  # gloo's send/recv have no future: poll the work itself
-            poll = 0.005
-        waited = 0.0
-        while not (done.wait(poll) or work.is_completed()):
-            waited += poll
-            if waited < WATCH_S:
-                continue
-            waited = 0.0
+        except RuntimeError:  # gloo's send/recv have no future (nor an is_completed that turns true)
+            def wait_for_it() -> None:
+                try:
+                    work.wait()
+                except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
+                    box["error"] = e
+                box["waited"] = True
+                done.set()
+
+            threading.Thread(target=wait_for_it, daemon=True).start()
+        while not done.wait(WATCH_S):
             why = self._watch()
             if why is not None:
                 self.give_up(why)
                 raise MembershipError(why)
-        work.wait()  # gloo's own error, if the collective failed
+        if "error" in box:
+            raise box["error"]
+        if "waited" not in box:
+            work.wait()  # gloo's own error, if the collective failed
 
     def give_up(self, why: str) -> None:
         self.given_up = why

@@ -123,11 +123,9 @@ def launch(
 ) -> dict:
     """Run workers (each `stages` processes) as local processes; returns the summary."""
     if cfg.run.membership == "elastic":
-        if stop_after is not None:
-            raise RunDirError("--stop-after is not supported with run.membership = 'elastic'")
         from .elastic import launch_elastic
 
-        return launch_elastic(cfg, task, run, faults or [], quiet)
+        return launch_elastic(cfg, task, run, faults or [], quiet, stop_after)
     if faults:
         raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
     world = cfg.topology.workers * cfg.topology.stages
