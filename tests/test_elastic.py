@@ -471,7 +471,8 @@ def test_a_worker_frozen_in_the_exchange_costs_the_round_a_heartbeat_timeout_the
 
 
 @pytest.mark.parametrize("delay", [0, 1])
-def test_an_elastic_run_stopped_after_n_rounds_resumes_to_the_uninterrupted_run(tmp_path, delay):
+def test_an_elastic_run_stopped_after_n_rounds_resumes_to_the_uninterrupted_run(tmp_path, delay, capsys):
+    from veriloco.cli import _print_summary
     from veriloco.run import resume
 
     momentum = ("--outer.momentum=0.5",) if delay else ()
@@ -479,6 +480,8 @@ def test_an_elastic_run_stopped_after_n_rounds_resumes_to_the_uninterrupted_run(
     train(cfg, str(tmp_path / "a"), quiet=True)
     _, stopped = train(cfg, str(tmp_path / "b"), quiet=True, stop_after=2)
     assert not stopped["complete"] and len(rounds_of(tmp_path / "b")) == 2
+    _print_summary(tmp_path / "b", stopped)  # what `veriloco train --stop-after 2` prints at the end
+    assert f"continue with `veriloco train --resume {tmp_path / 'b'}`" in capsys.readouterr().out
     _, summary = resume(str(tmp_path / "b"), quiet=True)
     a, b = rounds_of(tmp_path / "a"), rounds_of(tmp_path / "b")
     assert summary["complete"] and len(b) == 4

@@ -47,6 +47,8 @@ def _print_summary(run_dir: Path, summary: dict) -> None:
         f"sent {s['bytes_sent_per_worker'] / 1e6:.1f} MB/worker\n"
         f"run: {run_dir}  (summary.json, rounds.jsonl, metrics.jsonl)"
     )
+    if s.get("complete") is False:
+        typer.echo(f"stopped before the last round: continue with `veriloco train --resume {run_dir}`")
     try:
         from .report import write_report
 
