@@ -104,3 +104,24 @@ def test_evm_inputs_that_name_no_run_exit_2(chain_run):
     bad(f"evm:0x{'12' * 20}@{url}", run_id_of(run), "no contract")
     bad(f"evm:not-an-address@{url}", run_id_of(run), "not an EVM address")
     bad(f"evm:{contract}@http://127.0.0.1:9", run_id_of(run), "cannot reach")
+
+
+def test_elastic_run_recorded_on_chain_by_whichever_worker_commits_audits_ok(chain_run, tmp_path):
+    """Elastic membership with the chain as ledger: each round's first finisher appends (all of
+    them hold the recorder's key); a worker killed and restarted mid-run reopens the ledger."""
+    _, contract, url = chain_run
+    key = tmp_path / "recorder.key"
+    key.write_text((chain_run[0].parent / "recorder.key").read_text())
+    key.chmod(0o600)
+    cfg = tiny("--topology.workers=3", "--train.rounds=4", "--run.membership=elastic", "--run.timeout_s=30",
+               "--run.heartbeat_timeout_s=1.5", "--ledger.backend=evm", f"--ledger.rpc_url={url}",
+               f"--ledger.contract=\"{contract}\"", f"--ledger.key_file={key}")
+    from veriloco.run import train
+
+    run, summary = train(cfg, str(tmp_path / "run"), quiet=True, faults=["die:2@1.1", "restart:2+1"])
+    assert summary["complete"]
+    report = audit_run(run.root)
+    assert report.ok, report.first_failure
+    assert report.checked["ledger_entries"] == 4 and report.ledger_root == summary["ledger_root"]
+    published = audit_published(f"evm:{contract}@{url}", str(run.root / "store"), run_id_of(run.root))
+    assert published.ok, published.first_failure

@@ -514,7 +514,6 @@ def validate(cfg: Config) -> None:
     need(r.heartbeat_timeout_s > 0, f"run.heartbeat_timeout_s must be > 0, got {r.heartbeat_timeout_s}")
     if r.membership == "elastic":
         need(cfg.topology.stages == 1, "run.membership = 'elastic' needs topology.stages = 1 (pipelined workers are not elastic yet)")
-        need(cfg.ledger.backend != "evm", "run.membership = 'elastic' records with whichever worker commits first: use ledger.backend 'sqlite' or 'none'")
     else:
         need(r.round_deadline == 0 and r.min_workers == 0,
              "run.round_deadline and run.min_workers need run.membership = 'elastic'")

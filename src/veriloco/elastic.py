@@ -61,6 +61,7 @@ from .round import (
     append_entry,
     carried,
     finish_round,
+    open_ledger,
     progress_line,
     run_inner_and_send,
     setup_worker,
@@ -529,6 +530,9 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     R = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)  # where this launch ends
     eval_start = _eval_loss(task)  # once, over the whole eval set, before any process starts
     before_s = sum(p["round_s"] for p in run.rounds())  # a resumed run's wall: its rounds so far, and this launch
+    # an EVM ledger: register the run on chain once, before the workers (every one holds the
+    # recorder's key and opens the ledger) race to do it with the same account's nonce
+    ledger = open_ledger(cfg, run) if cfg.ledger.backend == "evm" else None
     cuts = sorted((f.round, f.worker, f.seconds) for f in faults if f.kind == "partition")
     host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run)
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
@@ -619,12 +623,10 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
             p.kill()
         host.close()
     summary = summarize(cfg, run.rounds(), eval_start, time.perf_counter() - t0 + before_s)
-    if cfg.ledger.backend == "sqlite":
-        from .ledger import SqliteLedger
-
-        with SqliteLedger(run.root / "ledger.sqlite") as ledger:
-            summary["ledger_root"] = ledger.root()
-            summary["ledger_head"] = ledger.head_hash()
+    if cfg.ledger.backend != "none":
+        with ledger or open_ledger(cfg, run) as opened:
+            summary["ledger_root"] = opened.root()
+            summary["ledger_head"] = opened.head_hash()
     _finish(run, cfg, summary)
     return summary
 
