@@ -8,6 +8,7 @@ worker replayed (p = 1), 2 segments per round, each replay to a drawn segment
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -253,3 +254,41 @@ def test_distance_mode_replays_pipelined_workers(tmp_path):
     assert lazy["distance"] > 10 * lazy["tolerance"]
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
+
+
+def test_pipelined_workers_send_each_stage_slice_of_a_drawn_state_and_a_lazy_one_is_caught(tmp_path):
+    """`replay_extent = "state"` with S = 2: each stage of the audited worker sends its slice of the
+    segment's start state to the auditor's same stage; the auditor's stages check the slices
+    together against the worker-wide trace entry, and replay the segment through their pipeline.
+    The offline audit replays from the stored slices, emulating the pipeline in one process."""
+    from veriloco.store import LocalStore
+    from veriloco.verify.replay import state_ref
+
+    cfg = tiny(*BASE[:-1], "--verify.replay_extent=state", "--verify.trace_every=1", "--verify.ban=false",
+               "--adversary.1=lazy:skip=0.5,scale=none")
+    run, _ = train(cfg, str(tmp_path / "s"), quiet=True)
+    recs = rounds_of(run.root)
+    for rec in recs:
+        first, second = (part["evidence"] for part in rec["stages"])
+        assert first == second  # both stages took the same states and reached the same verdicts
+        for j in (0, 2):
+            assert rec["verdicts"][j] == "accept"
+        seg = first["1"].get("replayed", first["1"])["segment"]
+        # lazy does 3 of 6 steps honestly: entries 0-3 are real, so segments 0-2 replay clean
+        assert (rec["verdicts"][1] == "replay_mismatch") == (seg >= 3), (rec["round"], seg, rec["verdicts"][1])
+    assert sum(sum(rec["state_bytes_sent"]) for rec in recs) > 0
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] == 9
+    # a slice per stage in the store; one that is not the one the round replayed from fails the audit
+    run_id = json.loads((run.root / "manifest.json").read_text())["run_id"]
+    drawn = [(rec["round"], rec["stages"][0]["evidence"]["0"]["replayed"]["segment"]) for rec in recs]
+    r, seg = max(drawn, key=lambda x: x[1])
+    assert seg > 0, drawn  # (segment 0 starts from public params: no state is sent)
+    store = LocalStore(run.root / "store")
+    assert all(store.get_ref(state_ref(run_id, r, 0, seg, s)) for s in (0, 1))
+    refs = run.root / "store" / "refs" / "replay-states" / run_id
+    other = next(x for x in sorted(refs.iterdir()) if x.name.endswith("-s1") and x.name != f"{r}-0-{seg}-s1")
+    store.put_ref(state_ref(run_id, r, 0, seg, 1), other.read_bytes())
+    report = audit_run(run.root, replay=100)
+    assert not report.ok and "worker 0's replay fails" in report.first_failure

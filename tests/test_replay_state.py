@@ -103,7 +103,6 @@ def test_which_audits_fetch_a_state_and_which_reports_blame_the_auditor():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (("--topology.stages=2",), "stages = 1"),
     (("--verify.replay_match=distance",), "replay_match = 'exact'"),
     (("--verify.replay_extent=half",), "'round', 'segment' or 'state'"),
 ])

@@ -103,6 +103,7 @@ from .verify.replay import (
     PlanInputs,
     Replayer,
     from_state,
+    hashes_match,
     judge_reported,
     plain_replayer,
     replay_failed,
@@ -110,7 +111,6 @@ from .verify.replay import (
     slice_result,
     state_from_bytes,
     state_layout,
-    state_matches,
     state_nbytes,
     state_ref,
     worker_score,
@@ -472,15 +472,16 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
 
     # 4. every round, redone, stage by stage
     admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
-    slices = []
+    slices, stage_models = [], []
     for s in range(stages):
         model = G0 if stages == 1 else build_stage_model(cfg.model, cfg.run.seed, s, stages)
+        stage_models.append(model)
         params = dict(model.named_parameters())
         slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},
                              EquivocationDetector(admitted)))
     counts.update(signatures=0, bundles=0, checkpoints=0, replays=0)
     schedule = _step_schedule(cfg, records)
-    stored_states = _stored_states(store, manifest["run_id"], G0)  # replay_extent "state": what auditors replayed from
+    stored_states = _stored_states(store, manifest["run_id"], stage_models)  # replay_extent "state": what auditors replayed from
     base_cfg = cfg
     for r, (rec, entry) in enumerate(zip(records, entries, strict=True)):
         cfg = round_cfg(base_cfg, schedule.at(r))  # this round's H (adaptive H: [train] inner_steps_max)
@@ -821,18 +822,24 @@ def _emulated_replayer(cfg, total: int) -> Replayer:
     return replayer
 
 
-def _stored_states(store, run_id: str, model: torch.nn.Module):
+def _stored_states(store, run_id: str, models: list[torch.nn.Module]):
     """state_of(r, worker, segment): the start state an auditor checked against worker's trace
-    and stored (`[verify] replay_extent = "state"`; round.StateMoves), or None when there is none
-    in the store (then the replay fails at the segment's start, as it did for a withheld state)."""
-    layout = state_layout(model)
+    and stored (`[verify] replay_extent = "state"`; round.StateMoves), as one slice per stage
+    (`models`: each stage's module, in stage order; one: the whole model), or None when a slice
+    is not in the store (then the replay fails at the segment's start, as it did for a withheld
+    state)."""
+    layouts = [state_layout(m) for m in models]
 
-    def state_of(r: int, worker: int, segment: int) -> dict[str, torch.Tensor] | None:
-        try:
-            digest = store.get_ref(state_ref(run_id, r, worker, segment)).decode("ascii", "replace").strip()
-            return state_from_bytes(store.get(check_digest(digest), max_bytes=state_nbytes(layout)), layout)
-        except StoreError:
-            return None
+    def state_of(r: int, worker: int, segment: int) -> list[dict[str, torch.Tensor]] | None:
+        out = []
+        for s, layout in enumerate(layouts):
+            ref = state_ref(run_id, r, worker, segment, s if len(layouts) > 1 else None)
+            try:
+                digest = store.get_ref(ref).decode("ascii", "replace").strip()
+                out.append(state_from_bytes(store.get(check_digest(digest), max_bytes=state_nbytes(layout)), layout))
+            except StoreError:
+                return None
+        return out
 
     return state_of
 
@@ -890,8 +897,10 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
                 own = sl.history.get(a.worker, []) if cfg.outer.delay else []
                 start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
             signed = [c.check.commitments[a.worker].commitment for c in checks]
-            state = state_of(r, a.worker, a.segment) if from_state(cfg.verify, a) and state_of else None
-            if from_state(cfg.verify, a) and not state_matches(state, list(signed[0].trace), a.segment):
+            stored = state_of(r, a.worker, a.segment) if from_state(cfg.verify, a) and state_of else None
+            state = {k: v for x in stored for k, v in x.items()} if stored else None  # the stages' slices, merged
+            if from_state(cfg.verify, a) and not (
+                    stored and hashes_match([tensors_hash(x) for x in stored], list(signed[0].trace), a.segment)):
                 score = float(a.segment)  # no stored state that hashes to the segment's start
             else:
                 replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,

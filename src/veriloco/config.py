@@ -244,8 +244,9 @@ class VerifyConfig:
         "'state': only the drawn segment, from its start state, which the audited worker sends the "
         "auditor (params + AdamW moments, 3x the model's bytes, recorded as state_bytes_sent; its hash "
         "must be the trace's entry, or the worker is convicted): k/H of a round's compute per "
-        "replay, and a worker skipping a share s of its steps is caught in about s of them; "
-        "needs topology.stages = 1. Suspects are always replayed whole",
+        "replay, and a worker skipping a share s of its steps is caught in about s of them "
+        "(with topology.stages > 1 each stage's slice goes to the auditor's same stage). Suspects "
+        "are always replayed whole",
     )
     keep_states: str = _f(
         "memory",
@@ -471,7 +472,6 @@ def validate(cfg: Config) -> None:
     if v.replay_probability > 0 and v.replay_extent == "state":
         need(v.replay_match == "exact", "verify.replay_extent = 'state' needs verify.replay_match = 'exact' "
              "(a segment's start state is checked by its hash in the trace)")
-        need(cfg.topology.stages == 1, "verify.replay_extent = 'state' needs topology.stages = 1")
     # >= 1 would accept any delta scaled up enough: ||r - c|| / ||c|| -> 1 as ||c|| grows
     need(0 < v.replay_tolerance < 1, f"verify.replay_tolerance must be in (0, 1), got {v.replay_tolerance}")
     if v.replay_probability > 0:

@@ -285,6 +285,14 @@ class EmulatedPipeline:
     def worker_state_hash(self) -> str:
         return combine_stage_hashes([loop.state_hash() for loop in self.loops])
 
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The whole worker's inner state (every stage's slice, merged) into each stage's AdamW:
+        `InnerLoop.load_state_tensors` per slice, each with the keys of its own params."""
+        for loop, m in zip(self.loops, self.models, strict=True):
+            names = {n for n, _ in m.named_parameters()}
+            loop.load_state_tensors({k: v for k, v in tensors.items()
+                                     if k == "inner/step_count" or k[len("inner/"):].rsplit("/", 1)[0] in names})
+
     def eval_loss(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """`pipeline_eval_loss` of the stages' params, with the same arithmetic: per batch, the
         mean of the micro-batch losses, weighted by the batch's target tokens."""

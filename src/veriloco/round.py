@@ -118,6 +118,7 @@ from .verify.replay import (
     Replayer,
     attributable,
     from_state,
+    hashes_match,
     judge_reported,
     plain_replayer,
     replay_evidence,
@@ -127,7 +128,6 @@ from .verify.replay import (
     slice_result,
     state_from_bytes,
     state_layout,
-    state_matches,
     state_nbytes,
     state_ref,
     state_to_bytes,
@@ -897,14 +897,21 @@ class StateMoves:
             return torch.zeros(self.size, dtype=torch.uint8)
 
     def _take(self, a: Audit, buf: torch.Tensor, check: RoundCheck) -> None:
-        """Keep `buf` as a's state if it hashes to the trace entry of its segment's start."""
+        """Keep `buf` as a's state if it hashes to the trace entry of its segment's start. With S > 1
+        stages `buf` is this stage's slice, and the entry hashes every stage's: the receiving
+        worker's stages pool their slices' hashes (all of them take a's state here together)."""
+        w = self.w
         state = state_from_bytes(buf, self.layout)
-        if not state_matches(state, list(check.commitments[a.worker].commitment.trace), a.segment):
+        hashes = [tensors_hash(state)]
+        if w.topo.stages > 1:
+            hashes = [x["hash"] for x in _gather_json({"hash": hashes[0]}, w.worker_group)]
+        if not hashes_match(hashes, list(check.commitments[a.worker].commitment.trace), a.segment):
             self.received.pop(a.worker, None)
             return
         self.received[a.worker] = state
-        digest = self.w.store.put(buf.numpy().tobytes())
-        self.w.store.put_ref(state_ref(self.w.identity.run_id, self.r, a.worker, a.segment), digest.encode())
+        digest = w.store.put(buf.numpy().tobytes())
+        stage = w.stage if w.topo.stages > 1 else None
+        w.store.put_ref(state_ref(w.identity.run_id, self.r, a.worker, a.segment, stage), digest.encode())
 
     def _pace(self, t0: float, sent: int, received: int) -> None:
         link = self.w.encoder.link

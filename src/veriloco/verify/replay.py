@@ -52,6 +52,7 @@ from ..config import TrainConfig, VerifyConfig
 from ..hashing import tensors_hash
 from ..inner import InnerLoop, Landing, shift_params
 from ..packet import decode_packet, encode_packet
+from ..pipeline import combine_stage_hashes
 from . import FALSE_REPORT, REPLAY_MISMATCH
 from .check import RoundCheck
 
@@ -252,13 +253,24 @@ def state_from_bytes(buf: torch.Tensor | bytes, layout: StateLayout) -> dict[str
 
 def state_matches(state: dict[str, torch.Tensor] | None, trace: list[str], segment: int) -> bool:
     """Whether `state` is what trace entry `segment` (the segment's start) hashes."""
-    return state is not None and 0 <= segment < len(trace) and tensors_hash(state) == trace[segment]
+    return state is not None and hashes_match([tensors_hash(state)], trace, segment)
 
 
-def state_ref(run_id: str, r: int, worker: int, segment: int) -> str:
+def hashes_match(stage_hashes: list[str], trace: list[str], segment: int) -> bool:
+    """Whether the state hashes of a worker's stages, in stage order, are trace entry `segment`:
+    one stage's hash is the entry itself; the hashes of S > 1 stages are combined as a pipelined
+    worker's trace combines them (pipeline.combine_stage_hashes), so a stage's slice is checked
+    only together with the others'."""
+    if not 0 <= segment < len(trace):
+        return False
+    return (stage_hashes[0] if len(stage_hashes) == 1 else combine_stage_hashes(stage_hashes)) == trace[segment]
+
+
+def state_ref(run_id: str, r: int, worker: int, segment: int, stage: int | None = None) -> str:
     """The store ref naming the blob of the state worker `worker` sent for segment `segment` of
-    round r (written by whoever checked it against the trace; the offline audit reads it)."""
-    return f"replay-states/{run_id}/{r}-{worker}-{segment}"
+    round r (written by whoever checked it against the trace; the offline audit reads it); with
+    `[topology] stages` > 1, of one stage's slice of it."""
+    return f"replay-states/{run_id}/{r}-{worker}-{segment}" + (f"-s{stage}" if stage is not None else "")
 
 
 def segments_to_sample(verify: VerifyConfig, train: TrainConfig) -> int:
