@@ -91,6 +91,26 @@ def test_cli_exit_2_one_line(args, needle, tmp_path):
     assert not (tmp_path / "r" / "rounds.jsonl").exists()  # nothing half-written
 
 
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--stop-after", "1"], "--stop-after needs train.mode = 'diloco'"),
+        (["--fault", "die:1@1"], "--fault needs train.mode = 'diloco'"),
+        (["--run.membership=elastic"], "run.membership = 'elastic' needs train.mode = 'diloco'"),
+        (["--resume", "/tmp"], "--resume takes no config or overrides"),  # (was two lines and exit 1)
+    ],
+)
+def test_train_refuses_what_it_would_ignore_in_one_line(extra, needle, tmp_path):
+    from typer.testing import CliRunner
+
+    from veriloco.cli import app
+
+    res = CliRunner().invoke(app, ["train", str(TINY), "--train.mode=ddp", "--out", str(tmp_path / "r"), *extra])
+    assert res.exit_code == 2, res.output
+    assert len(res.stderr.splitlines()) == 1 and needle in res.stderr, res.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_describe_lists_every_key():
     text = describe()
     for key in ("inner_steps", "[outer]", "nesterov", "max_packet_bytes", "eval_fraction"):

@@ -92,11 +92,16 @@ def train(
             if cfg.train.mode == "ddp":
                 from .baseline import train_ddp
 
+                if stop_after is not None or fault:  # the baseline runs start to end over a fixed world
+                    raise ConfigError(f"{'--stop-after' if stop_after is not None else '--fault'} needs train.mode = 'diloco'")
+
                 run_dir, summary = train_ddp(cfg, out, quiet)
             else:
                 run_dir, summary = train_run(cfg, out, quiet, stop_after, fault or None)
     except USER_ERRORS as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except typer.Exit:  # fail() above already said what is wrong
+        raise
     except Exception as e:  # a worker failed: torch.multiprocessing re-raises its traceback here
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         fail(f"training failed: {lines[-1] if lines else type(e).__name__}", code=1)

@@ -513,6 +513,8 @@ def validate(cfg: Config) -> None:
     need(r.round_deadline >= 0, f"run.round_deadline must be >= 0, got {r.round_deadline}")
     need(r.heartbeat_timeout_s > 0, f"run.heartbeat_timeout_s must be > 0, got {r.heartbeat_timeout_s}")
     if r.membership == "elastic":
+        need(cfg.train.mode == "diloco", "run.membership = 'elastic' needs train.mode = 'diloco' "
+             "(the DDP baseline all-reduces every step over a fixed world)")
         need(cfg.topology.stages == 1, "run.membership = 'elastic' needs topology.stages = 1 (pipelined workers are not elastic yet)")
     else:
         need(r.round_deadline == 0 and r.min_workers == 0,
