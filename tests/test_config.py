@@ -111,6 +111,18 @@ def test_train_refuses_what_it_would_ignore_in_one_line(extra, needle, tmp_path)
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_stop_after_below_one_round_exits_2_before_anything_is_written(n, tmp_path):
+    from typer.testing import CliRunner
+
+    from veriloco.cli import app
+
+    # (it was "training failed: IndexError" with exit 1, after the run directory was made)
+    res = CliRunner().invoke(app, ["train", str(TINY), "--out", str(tmp_path / "r"), "--stop-after", n])
+    assert res.exit_code == 2 and "--stop-after must be a number of rounds >= 1" in res.stderr, res.output
+    assert len(res.stderr.splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
 def test_describe_lists_every_key():
     text = describe()
     for key in ("inner_steps", "[outer]", "nesterov", "max_packet_bytes", "eval_fraction"):

@@ -142,6 +142,7 @@ def train(
 ) -> tuple[RunDir, dict]:
     """Train the built-in GPT task with `cfg`; returns the run directory and the summary.
     `faults`: declarative fault specs (faults.py), elastic membership only."""
+    check_stop_after(stop_after)
     if faults:  # a bad spec fails before anything is written
         from .faults import parse_faults
 
@@ -167,6 +168,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
 
 def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> tuple[RunDir, dict]:
     """Continue a run from its last complete round (a torn last line is dropped)."""
+    check_stop_after(stop_after)
     run = RunDir(run_dir)
     manifest = run.read_manifest()
     cfg = config_from_dict(manifest["config"])
@@ -188,6 +190,12 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after)
+
+
+def check_stop_after(stop_after: int | None) -> None:
+    """ConfigError unless `stop_after` (rounds to run before stopping) is None or >= 1."""
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ConfigError(f"--stop-after must be a number of rounds >= 1, got {stop_after}")
 
 
 def check_carried(rec: dict, workers: int, where: str) -> None:
