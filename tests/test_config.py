@@ -123,6 +123,18 @@ def test_stop_after_below_one_round_exits_2_before_anything_is_written(n, tmp_pa
     assert len(res.stderr.splitlines()) == 1 and not (tmp_path / "r").exists()
 
 
+def test_a_key_dir_without_a_key_for_every_worker_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from veriloco.cli import app
+
+    assert CliRunner().invoke(app, ["keygen", "--out", str(tmp_path / "keys"), "--workers", "2"]).exit_code == 0
+    res = CliRunner().invoke(app, ["train", str(TINY), "--out", str(tmp_path / "r"), "--topology.workers=3",
+                                   f"--verify.key_dir={tmp_path / 'keys'}"])
+    assert res.exit_code == 2 and "worker-2.key does not exist" in res.stderr, res.output  # (was exit 1)
+    assert len(res.stderr.splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
 def test_describe_lists_every_key():
     text = describe()
     for key in ("inner_steps", "[outer]", "nesterov", "max_packet_bytes", "eval_fraction"):

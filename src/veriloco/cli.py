@@ -26,10 +26,11 @@ from .data import DataError
 from .faults import FaultError
 from .records import RunDirError
 from .store import StoreError
+from .verify.identity import IdentityError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Verifiable low-communication decentralized training.")
 
-USER_ERRORS = (ConfigError, DataError, RunDirError, StoreError, FileNotFoundError, FaultError)
+USER_ERRORS = (ConfigError, DataError, RunDirError, StoreError, FileNotFoundError, FaultError, IdentityError)
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -197,7 +198,7 @@ def keygen(
     workers: int = typer.Option(..., "--workers", help="how many workers"),
 ) -> None:
     """Ed25519 keys for each worker: worker-<w>.key (private, 0600) and worker-<w>.pub."""
-    from .verify.identity import IdentityError, generate_key, public_key_hex, save_private_key
+    from .verify.identity import generate_key, public_key_hex, save_private_key
 
     if workers < 1:
         fail(f"--workers must be >= 1, got {workers}")
