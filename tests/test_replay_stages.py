@@ -256,7 +256,7 @@ def test_distance_mode_replays_pipelined_workers(tmp_path):
     assert report.ok, report.first_failure
 
 
-def test_pipelined_workers_send_each_stage_slice_of_a_drawn_state_and_a_lazy_one_is_caught(tmp_path):
+def test_pipelined_workers_send_each_stage_slice_of_a_drawn_state_and_a_lazy_one_is_caught(tmp_path, monkeypatch):
     """`replay_extent = "state"` with S = 2: each stage of the audited worker sends its slice of the
     segment's start state to the auditor's same stage; the auditor's stages check the slices
     together against the worker-wide trace entry, and replay the segment through their pipeline.
@@ -264,18 +264,23 @@ def test_pipelined_workers_send_each_stage_slice_of_a_drawn_state_and_a_lazy_one
     from veriloco.store import LocalStore
     from veriloco.verify.replay import state_ref
 
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)  # spawned workers import the red-team module
+    sys.path.insert(0, tests_dir)
     cfg = tiny(*BASE[:-1], "--verify.replay_extent=state", "--verify.trace_every=1", "--verify.ban=false",
-               "--adversary.1=lazy:skip=0.5,scale=none")
+               "--adversary.1=lazy:skip=0.5,scale=none", "--adversary.2=red_team:Withholds", "--run.seed=1")
+    # (seed 1 draws both outcomes for both attackers: lazy at segments 2 and 5, the withholder at 5, 1, 0)
     run, _ = train(cfg, str(tmp_path / "s"), quiet=True)
     recs = rounds_of(run.root)
     for rec in recs:
         first, second = (part["evidence"] for part in rec["stages"])
         assert first == second  # both stages took the same states and reached the same verdicts
-        for j in (0, 2):
-            assert rec["verdicts"][j] == "accept"
-        seg = first["1"].get("replayed", first["1"])["segment"]
+        assert rec["verdicts"][0] == "accept"
+        seg = {j: first[str(j)].get("replayed", first[str(j)])["segment"] for j in (1, 2)}
         # lazy does 3 of 6 steps honestly: entries 0-3 are real, so segments 0-2 replay clean
-        assert (rec["verdicts"][1] == "replay_mismatch") == (seg >= 3), (rec["round"], seg, rec["verdicts"][1])
+        assert (rec["verdicts"][1] == "replay_mismatch") == (seg[1] >= 3), (rec["round"], seg, rec["verdicts"])
+        # a withheld state (both slices zeros) convicts, except for the first segment (public start)
+        assert (rec["verdicts"][2] == "replay_mismatch") == (seg[2] > 0), (rec["round"], seg, rec["verdicts"])
     assert sum(sum(rec["state_bytes_sent"]) for rec in recs) > 0
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
