@@ -1,6 +1,6 @@
 """A worker frozen inside a round's exchange: what it costs the others, for freezes of several lengths.
 
-    python bench/elastic_freeze.py [--freezes 2,4,8] [--trials 3] [--delays 0,1] [--out results.json]
+    python bench/elastic_freeze.py [--freezes 2,4,8] [--trials 3] [--delays 0,1] [--rounds 30] [--out results.json]
 
 3 workers, the tiny GPT, 30 rounds, a 0.4 s link latency (rounds long enough for the frozen
 worker to come back), `heartbeat_timeout_s = 1.5`, `timeout_s = 30`. Worker 1 is stopped
@@ -30,12 +30,13 @@ from veriloco.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUND = 2
-OVERRIDES = ["--topology.workers=3", "--train.rounds=30", "--link.latency=400ms", "--run.membership=elastic",
-             "--run.timeout_s=30", "--run.heartbeat_timeout_s=1.5"]
+OVERRIDES = ["--topology.workers=3", "--link.latency=400ms", "--run.membership=elastic", "--run.timeout_s=30",
+             "--run.heartbeat_timeout_s=1.5"]
 
 
-def trial(freeze_s: float, delay: int, out: Path) -> dict:
-    overrides = OVERRIDES + [f"--outer.delay={delay}"] + (["--outer.momentum=0.5"] if delay else [])
+def trial(freeze_s: float, delay: int, out: Path, rounds: int = 30) -> dict:
+    overrides = OVERRIDES + [f"--train.rounds={rounds}", f"--outer.delay={delay}"] + \
+        (["--outer.momentum=0.5"] if delay else [])
     cfg = load_config(ROOT / "configs" / "tiny.toml", overrides)
     t0 = time.perf_counter()
     run, summary = train(cfg, str(out), quiet=True, faults=[f"stop:1@{ROUND}+{freeze_s:g}"])
@@ -56,16 +57,24 @@ def main() -> None:
     ap.add_argument("--freezes", default="2,4,8", help="freeze lengths in seconds")
     ap.add_argument("--trials", type=int, default=3, help="trials per freeze length and delay")
     ap.add_argument("--delays", default="0,1")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds per run (the freeze is in round 2)")
     ap.add_argument("--out", default=None, help="JSON results (default: print only)")
     args = ap.parse_args()
-    freezes = [float(f) for f in args.freezes.split(",")]
-    delays = [int(d) for d in args.delays.split(",")]
+    try:
+        freezes = [float(f) for f in args.freezes.split(",")]
+        delays = [int(d) for d in args.delays.split(",")]
+    except ValueError:
+        ap.error("--freezes and --delays are comma-separated numbers")
+    if not all(0 < f <= 60 for f in freezes) or not set(delays) <= {0, 1}:
+        ap.error("--freezes must be seconds in (0, 60], --delays 0 and/or 1")
+    if args.trials < 1 or args.rounds < ROUND + 2:
+        ap.error(f"--trials must be >= 1 and --rounds >= {ROUND + 2}")
     trials: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="veriloco-elastic-freeze-") as tmp:
         for i in range(args.trials):
             for delay in delays:
                 for f in freezes:
-                    t = trial(f, delay, Path(tmp) / f"{f:g}-{delay}-{i}") | {"i": i}
+                    t = trial(f, delay, Path(tmp) / f"{f:g}-{delay}-{i}", args.rounds) | {"i": i}
                     trials.append(t)
                     print(f"freeze {f:g} s delay {delay} #{i}: round {ROUND} {t['frozen_round_s']:.2f} s "
                           f"members {t['frozen_round_members']}  back from round {t['back_from_round']}  "
@@ -88,7 +97,8 @@ def main() -> None:
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
     if args.out:
-        Path(args.out).write_text(json.dumps({"overrides": OVERRIDES, "round": ROUND, "rows": rows, "trials": trials},
+        Path(args.out).write_text(json.dumps({"overrides": OVERRIDES + [f"--train.rounds={args.rounds}"], "round": ROUND,
+                                              "rows": rows, "trials": trials},
                                              indent=1) + "\n")
 
 
