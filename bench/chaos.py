@@ -1,4 +1,4 @@
-"""Chaos benchmark: workers killed and restarted, a straggler, a partition; does the run lose anything?
+"""Chaos benchmark: workers killed and restarted, a straggler, a partition, a freeze; does the run lose anything?
 
     python bench/chaos.py [--quick] [--rounds 32] [--seed 0] [--out bench/results/chaos.json]
 
@@ -7,7 +7,8 @@ Two elastic runs of the same config side by side (4 workers, the tiny GPT, an em
   clean   no faults
   chaos   faults drawn from --seed: two workers die (kill -9) at random rounds and steps and are
           restarted 1 s later; one worker is 2 s late in one round (round deadline 1 s); one worker's
-          network link is cut for 4 s (network namespaces; skipped, and said so, without root)
+          network link is cut for 4 s (network namespaces; skipped, and said so, without root); one
+          worker freezes (SIGSTOP) for 3 s inside a round's exchange, after the round's group formed
 Reported: final eval loss of each and the gap (target: chaos within 2% of clean); rounds lost
 (rounds never committed: the run must commit every round) and worker-rounds missed (a worker
 absent or late in a round: the work the faults cost); the recovery time of every rejoin (from the
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def draw_faults(rounds: int, workers: int, steps: int, seed: int, partition: bool) -> list[str]:
-    """The chaos of one run, reproducible from `seed`: two deaths with restarts, a straggler, a cut."""
+    """The chaos of one run, reproducible from `seed`: two deaths with restarts, a straggler, a cut, a freeze."""
     rng = random.Random(seed)
     dying = rng.sample(range(workers), 2)
     faults = []
@@ -44,6 +45,8 @@ def draw_faults(rounds: int, workers: int, steps: int, seed: int, partition: boo
     faults.append(f"late:{late}@{rng.randrange(rounds // 2, rounds - 6)}+2")
     if partition:
         faults.append(f"partition:{rng.randrange(workers)}@{rng.randrange(rounds // 2, rounds - 8)}+4")
+    # drawn last, so that a seed draws the same faults as before it was added (sixteenth session)
+    faults.append(f"stop:{rng.randrange(workers)}@{rng.randrange(rounds // 4, rounds - 6)}+3")
     return faults
 
 
@@ -72,12 +75,13 @@ def one_run(name: str, overrides: list[str], faults: list[str], out: Path) -> di
     t0 = time.perf_counter()
     run, summary = train(cfg, str(out), quiet=True, faults=faults)
     recs = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
-    missed = sum(v in ("absent", "late") for r in recs for v in r["verdicts"])
+    missed = [[r["round"], j, v] for r in recs for j, v in enumerate(r["verdicts"]) if v in ("absent", "late")]
     report = audit_run(run.root)
     return {
         "name": name, "eval_loss": summary["eval_loss_end"], "rounds": cfg.train.rounds,
         "rounds_committed": len(recs), "rounds_lost": cfg.train.rounds - len(recs),
-        "worker_rounds_missed": missed, "worker_rounds": cfg.train.rounds * cfg.topology.workers,
+        "worker_rounds_missed": len(missed), "worker_rounds": cfg.train.rounds * cfg.topology.workers,
+        "missed": missed,  # [round, worker, "absent" | "late"]: which faults cost what
         "wall_s": round(time.perf_counter() - t0, 1), "audit_ok": report.ok,
         "audit_failure": report.first_failure, "run_dir": str(run.root),
     }
