@@ -135,11 +135,9 @@ def train_worker_elastic(
                 sent = run_inner_and_send(w, r)
             if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
                 time.sleep(injector.late_s(r))
-        if behind is not None:
-            pass
-        elif cfg.outer.delay == 0:
+        if behind is None and cfg.outer.delay == 0:
             behind = settle(ctx, _Flight(sent, sent.handle.bundle))
-        elif pending is not None:  # finish the previous round (overlap_steps: the last), whose exchange overlapped
+        elif behind is None and pending is not None:  # finish the previous round (overlap_steps: the last)
             behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
             pending = None
         if behind is not None:  # the others committed without this worker's packet: drop its work, heal

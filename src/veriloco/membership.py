@@ -362,19 +362,18 @@ class PgComm:
         if self._watch is None:
             work.wait()
             return
+        # work.wait() in a thread of its own, so this one can watch meanwhile (gloo's send/recv have
+        # no future, nor an is_completed() that turns true: a thread is the one way for every op)
         done, box = threading.Event(), {}
-        try:
-            work.get_future().add_done_callback(lambda _: done.set())
-        except RuntimeError:  # gloo's send/recv have no future (nor an is_completed that turns true)
-            def wait_for_it() -> None:
-                try:
-                    work.wait()
-                except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
-                    box["error"] = e
-                box["waited"] = True
-                done.set()
 
-            threading.Thread(target=wait_for_it, daemon=True).start()
+        def wait_for_it() -> None:
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - gloo's own error, raised below in the caller's thread
+                box["error"] = e
+            done.set()
+
+        threading.Thread(target=wait_for_it, daemon=True).start()
         while not done.wait(WATCH_S):
             why = self._watch()
             if why is not None:
@@ -382,8 +381,6 @@ class PgComm:
                 raise MembershipError(why)
         if "error" in box:
             raise box["error"]
-        if "waited" not in box:
-            work.wait()  # gloo's own error, if the collective failed
 
     def give_up(self, why: str) -> None:
         self.given_up = why
