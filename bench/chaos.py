@@ -1,4 +1,4 @@
-"""Chaos benchmark: workers killed and restarted, a straggler, a partition, a freeze; does the run lose anything?
+"""Chaos benchmark: workers killed and restarted, a straggler, partitions, a freeze; does the run lose anything?
 
     python bench/chaos.py [--quick] [--rounds 32] [--seed 0] [--out bench/results/chaos.json]
 
@@ -8,7 +8,8 @@ Two elastic runs of the same config side by side (4 workers, the tiny GPT, an em
   chaos   faults drawn from --seed: two workers die (kill -9) at random rounds and steps and are
           restarted 1 s later; one worker is 2 s late in one round (round deadline 1 s); one worker's
           network link is cut for 4 s (network namespaces; skipped, and said so, without root); one
-          worker freezes (SIGSTOP) for 3 s inside a round's exchange, after the round's group formed
+          worker freezes (SIGSTOP) for 3 s inside a round's exchange, after the round's group formed;
+          two workers lose each other (not the rest) for 4 s (network namespaces, as the cut)
 Reported: final eval loss of each and the gap (target: chaos within 2% of clean); rounds lost
 (rounds never committed: the run must commit every round) and worker-rounds missed (a worker
 absent or late in a round: the work the faults cost); the recovery time of every rejoin (from the
@@ -35,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def draw_faults(rounds: int, workers: int, steps: int, seed: int, partition: bool) -> list[str]:
-    """The chaos of one run, reproducible from `seed`: two deaths with restarts, a straggler, a cut, a freeze."""
+    """The chaos of one run, reproducible from `seed`: two deaths with restarts, a straggler, a cut, a
+    freeze, a severed pair."""
     rng = random.Random(seed)
     dying = rng.sample(range(workers), 2)
     faults = []
@@ -47,6 +49,9 @@ def draw_faults(rounds: int, workers: int, steps: int, seed: int, partition: boo
         faults.append(f"partition:{rng.randrange(workers)}@{rng.randrange(rounds // 2, rounds - 8)}+4")
     # drawn last, so that a seed draws the same faults as before it was added (sixteenth session)
     faults.append(f"stop:{rng.randrange(workers)}@{rng.randrange(rounds // 4, rounds - 6)}+3")
+    if partition:  # and after it (seventeenth session): two workers lose each other, not the rest
+        a, b = sorted(rng.sample(range(workers), 2))
+        faults.append(f"sever:{a}-{b}@{rng.randrange(rounds // 4, rounds - 8)}+4")
     return faults
 
 
@@ -63,8 +68,10 @@ def recoveries(run_dir: Path) -> list[dict]:
             continue
         j = e["worker"]
         died.discard(j)
-        first = next((x for x in events[i + 1:] if x["event"] == "committed" and j in x["members"]), None)
-        out.append({"worker": j, "how": "restart" if e["event"] == "started" else "reconnect",
+        both = {j, e.get("peer", j)}  # a sever: back once the two are in a round together
+        first = next((x for x in events[i + 1:] if x["event"] == "committed" and both <= set(x["members"])), None)
+        how = "restart" if e["event"] == "started" else "reconnect" if "peer" not in e else f"reconnect to {e['peer']}"
+        out.append({"worker": j, "how": how,
                     "at_round": e["round"], "rejoined_round": first["committed"] if first else None,
                     "recovery_s": round(first["t"] - e["t"], 2) if first else None})
     return out

@@ -68,7 +68,7 @@ def train(
     stop_after: int = typer.Option(None, "--stop-after", help="stop cleanly after this many rounds (resume later)"),
     fault: list[str] = typer.Option(None, "--fault", help="inject a fault (elastic membership): die:W@R[.S], "
                                     "stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, join:W@R, "
-                                    "partition:W@R+SECONDS; repeatable"),
+                                    "partition:W@R+SECONDS, sever:A-B@R+SECONDS; repeatable"),
 ) -> None:
     """Train: the default config, a config file, `--section.key=value` overrides (CLI > file > defaults)."""
     from .run import resume as resume_run

@@ -211,6 +211,7 @@ class _Flight:
                 _await_record(ctx.w, self.sent.round - 1)
                 view = ctx.members.quorum(self.sent.round)
                 if view.round == self.sent.round and len(view.active) >= ctx.min_active:
+                    view = _connected(ctx, view)
                     comm = ctx.members.group(view)
                     ctx.injector.in_exchange(self.sent.round)
                     handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.w.encoder.link,
@@ -276,6 +277,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
         if error is not None:
             raise error
         if handle is None:
+            view = _connected(ctx, view)
             comm = ctx.members.group(view)
             ctx.injector.in_exchange(r)
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=w.encoder.link, comm=comm).start(flight.bundle)
@@ -293,6 +295,17 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
     commit(w, rec, ctx.quiet)
     w.applied = r
     return True
+
+
+def _connected(ctx: _Ctx, view: QuorumView) -> QuorumView:
+    """The quorum's members that reach each other (Membership.connected): MembershipError (the
+    round is retried, or committed without this worker) if this worker is not among them, or if
+    fewer than min_workers are."""
+    reached = ctx.members.connected(view)
+    if len(reached.active) < ctx.min_active:
+        raise MembershipError(f"only workers {reached.active} of the quorum {view.active} reach each other, "
+                              f"fewer than min_workers = {ctx.min_active}")
+    return reached
 
 
 def _absence(members: Membership, view: QuorumView, j: int) -> str:
@@ -517,7 +530,8 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     """Start the coordinator (torchft Lighthouse + TCPStore), one process per worker, and
     supervise them: a worker that dies is left out by the others (and started again if a
     `restart` fault says so), `join` faults start a worker late, `partition` faults cut a
-    worker's network link (then everything runs in network namespaces). Every start, death and
+    worker's network link and `sever` faults the path between two workers (then everything runs
+    in network namespaces). Every start, death and
     cut goes to RUN/events.jsonl. Returns the summary once the run is complete, or once
     `stop_after` rounds are committed (`veriloco train --resume` goes on from there)."""
     from .faults import parse_faults
@@ -531,7 +545,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     # an EVM ledger: register the run on chain once, before the workers (every one holds the
     # recorder's key and opens the ledger) race to do it with the same account's nonce
     ledger = open_ledger(cfg, run) if cfg.ledger.backend == "evm" else None
-    cuts = sorted((f.round, f.worker, f.seconds) for f in faults if f.kind == "partition")
+    cuts = sorted((f.round, f.worker, f.seconds, f.peer) for f in faults if f.kind in ("partition", "sever"))
     host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run)
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
     restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
@@ -540,7 +554,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     procs: dict = {}
     seen = 0  # rounds recorded as of the last look at rounds.jsonl (read once per loop)
     pending: dict[int, float] = {}  # worker -> when to start it again
-    healing: dict[int, float] = {}  # worker -> when its cut link comes back
+    healing: dict[tuple, float] = {}  # (worker, peer or None) -> when its cut link comes back
     errors: dict[int, str] = {}  # worker -> the last line of the error it died of (not a planned death)
     t0 = time.perf_counter()
 
@@ -581,15 +595,15 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                     del joins[j]
                     start(j)
             while cuts and done >= cuts[0][0]:
-                _, j, seconds = cuts.pop(0)
-                host.cut(j, True)
-                healing[j] = time.perf_counter() + seconds
-                event("cut", j, seconds=seconds)
-            for j, t in list(healing.items()):
+                _, j, seconds, peer = cuts.pop(0)
+                host.cut(j, True, peer)
+                healing[j, peer] = time.perf_counter() + seconds
+                event("cut", j, seconds=seconds, **({"peer": peer} if peer is not None else {}))
+            for (j, peer), t in list(healing.items()):
                 if time.perf_counter() >= t:
-                    del healing[j]
-                    host.cut(j, False)
-                    event("reconnected", j)
+                    del healing[j, peer]
+                    host.cut(j, False, peer)
+                    event("reconnected", j, **({"peer": peer} if peer is not None else {}))
             for j, p in list(procs.items()):
                 code = p.poll()
                 if code is None:
@@ -712,11 +726,14 @@ class _LocalHost:
         p.start()
         return _Spawned(p)
 
-    def cut(self, j: int, down: bool) -> None:  # pragma: no cover - partition faults use _NetnsHost
+    def cut(self, j: int, down: bool, peer: int | None = None) -> None:  # pragma: no cover - partition faults use _NetnsHost
         raise RuntimeError("a local run has no network link to cut")
 
     def close(self) -> None:
         self.coord.shutdown()
+
+
+_NOBODY = "02:00:00:00:00:01"  # a locally administered MAC address no namespace has (sever faults)
 
 
 class _NetnsHost:
@@ -774,10 +791,21 @@ class _NetnsHost:
         main = "import sys; from veriloco.elastic import _main; _main(sys.argv[1])"
         return self.link.popen(j, [sys.executable, "-c", main, str(spec)], env=env)
 
-    def cut(self, j: int, down: bool) -> None:
+    def cut(self, j: int, down: bool, peer: int | None = None) -> None:
+        """Down worker j's bridge port; or, with a peer (a sever fault), only the path between the
+        two: each one's neighbour entry for the other names a MAC address nobody has, so what
+        they send each other is lost on the bridge, with no error to either sender."""
         from .netns import _cmd
 
-        _cmd(["ip", "-n", self.link.hub, "link", "set", f"p{j}", "down" if down else "up"])
+        if peer is None:
+            _cmd(["ip", "-n", self.link.hub, "link", "set", f"p{j}", "down" if down else "up"])
+            return
+        for a, b in ((j, peer), (peer, j)):
+            ns, addr = self.link.namespaces[a], self.link.addresses[b]
+            if down:
+                _cmd(["ip", "-n", ns, "neigh", "replace", addr, "dev", "eth0", "lladdr", _NOBODY, "nud", "permanent"])
+            else:
+                _cmd(["ip", "-n", ns, "neigh", "del", addr, "dev", "eth0"])
 
     def close(self) -> None:
         import contextlib

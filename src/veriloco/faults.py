@@ -17,6 +17,11 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
     partition:W@R+T   once round R is recorded, worker W's network link is cut for T seconds: the
                    run moves to network namespaces (one per worker, veth pairs to a bridge, the
                    coordinator in its own; netns.py; needs root) and the launcher downs W's veth
+    sever:A-B@R+T  once round R is recorded, workers A and B cannot reach each other for T seconds,
+                   while both still reach the coordinator and every other worker (a partial
+                   partition: network namespaces as above; the launcher points each one's
+                   neighbour entry for the other at a MAC address nobody has, so their packets
+                   to each other vanish without an error, as on a broken route)
 
 Faults are for tests and the chaos benchmark; they need `[run] membership = "elastic"` (with a
 fixed world a dead worker ends the run, which is what static mode promises). They are not part of
@@ -37,7 +42,8 @@ _SPEC = re.compile(
     r"|(?P<late>late):(?P<lw>\d+)@(?P<lr>\d+)\+(?P<lt>\d+(?:\.\d+)?)"
     r"|(?P<restart>restart):(?P<rw>\d+)\+(?P<rt>\d+(?:\.\d+)?)"
     r"|(?P<join>join):(?P<jw>\d+)@(?P<jr>\d+)"
-    r"|(?P<partition>partition):(?P<pw>\d+)@(?P<pr>\d+)\+(?P<pt>\d+(?:\.\d+)?))$"
+    r"|(?P<partition>partition):(?P<pw>\d+)@(?P<pr>\d+)\+(?P<pt>\d+(?:\.\d+)?)"
+    r"|(?P<sever>sever):(?P<xa>\d+)-(?P<xb>\d+)@(?P<xr>\d+)\+(?P<xt>\d+(?:\.\d+)?))$"
 )
 
 
@@ -47,11 +53,12 @@ class FaultError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "die" | "stop" | "late" | "restart" | "join" | "partition"
+    kind: str  # "die" | "stop" | "late" | "restart" | "join" | "partition" | "sever"
     worker: int
     round: int = 0
     step: int | None = None  # die: the inner step; None = during the exchange
-    seconds: float = 0.0  # late: how late; stop: how long frozen; restart: how long after the death; partition: how long cut
+    seconds: float = 0.0  # late: how late; stop: how long frozen; restart: how long after the death; partition, sever: how long cut
+    peer: int | None = None  # sever: the other worker
 
 
 def parse_fault(text: str, workers: int) -> Fault:
@@ -59,7 +66,7 @@ def parse_fault(text: str, workers: int) -> Fault:
     m = _SPEC.match(text.strip())
     if m is None:
         raise FaultError(f"fault {text!r} is not one of die:W@R[.S], stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, "
-                         "join:W@R, partition:W@R+SECONDS")
+                         "join:W@R, partition:W@R+SECONDS, sever:A-B@R+SECONDS")
     g = m.groupdict()
     if g["die"]:
         f = Fault("die", int(g["dw"]), int(g["dr"]), int(g["ds"]) if g["ds"] is not None else None)
@@ -71,10 +78,15 @@ def parse_fault(text: str, workers: int) -> Fault:
         f = Fault("restart", int(g["rw"]), seconds=float(g["rt"]))
     elif g["join"]:
         f = Fault("join", int(g["jw"]), int(g["jr"]))
-    else:
+    elif g["partition"]:
         f = Fault("partition", int(g["pw"]), int(g["pr"]), seconds=float(g["pt"]))
-    if not 0 <= f.worker < workers:
-        raise FaultError(f"fault {text!r} names worker {f.worker}, but the run has workers 0..{workers - 1}")
+    else:
+        f = Fault("sever", int(g["xa"]), int(g["xr"]), seconds=float(g["xt"]), peer=int(g["xb"]))
+    for j in (f.worker, f.peer):
+        if j is not None and not 0 <= j < workers:
+            raise FaultError(f"fault {text!r} names worker {j}, but the run has workers 0..{workers - 1}")
+    if f.peer == f.worker:
+        raise FaultError(f"fault {text!r} severs worker {f.worker} from itself")
     return f
 
 

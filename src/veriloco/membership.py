@@ -44,6 +44,7 @@ as its heartbeat is stale.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -133,8 +134,93 @@ class Membership:
         self.client = LighthouseClient(addr=lighthouse_addr, connect_timeout=timedelta(seconds=timeout_s))
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
         self._stop = threading.Event()
+        self._listen()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
         self._beat.start()
+
+    def _listen(self) -> None:
+        """Answer the others' reachability probes (`unreachable`): a TCP listener that accepts and
+        closes, on the address this worker reaches the coordinator from (so the path the peers
+        probe is the one its gloo groups use), published as reach/WORKER."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((self._host, self._port))  # no packet is sent: only the route's source address
+            me = s.getsockname()[0]
+        self._listener = socket.create_server((me, 0), backlog=64)
+
+        def serve() -> None:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = self._listener.accept()
+                    conn.close()
+                except OSError:  # closed by close()
+                    return
+
+        threading.Thread(target=serve, daemon=True).start()
+        self.store.set(f"reach/{self.worker}", f"{me}:{self._listener.getsockname()[1]}")
+
+    def _unlisten(self) -> None:
+        """Stop answering probes. shutdown() first: close() alone does not wake the accept() blocked
+        in the listener's thread, and until it returns the kernel goes on accepting."""
+        import contextlib
+
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
+    def unreachable(self, workers: list[int]) -> list[int]:
+        """Which of `workers` this one cannot open a TCP connection to within heartbeat_timeout_s
+        (all probed at once). A peer that died has a stale heartbeat anyway; this finds the ones
+        that are alive to the coordinator but not to this worker (a partial partition)."""
+        lost: list[int] = []
+        where = {j: self._stamp_text(f"reach/{j}") for j in workers}  # read here: the probes only connect
+
+        def probe(j: int) -> None:
+            try:
+                host, port = where[j].rsplit(":", 1)
+                socket.create_connection((host, int(port)), timeout=self.heartbeat_timeout_s).close()
+            except (OSError, ValueError, AttributeError):
+                lost.append(j)
+
+        threads = [threading.Thread(target=probe, args=(j,), daemon=True) for j in workers]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return sorted(lost)
+
+    def connected(self, view: QuorumView) -> QuorumView:
+        """`view` narrowed to members that all reach each other, before its group forms. Each
+        member probes the others (`unreachable`) and posts what it could not reach; once every
+        member posted, all of them drop the same members (`reachable_part`) and go on without
+        them. Without this, two members that reach the coordinator but not each other held every
+        round's group (whose members' heartbeats are all fresh) until gloo's timeout, and every
+        retry with the same quorum again: nothing was committed while the cut lasted. Raises
+        MembershipError in a member that is dropped (the round is committed without it, and it
+        heals), or when a member goes silent before posting."""
+        key = f"reach/{view.key}"
+        lost = self.unreachable([j for j in view.active if j != self.worker])
+        self.store.set(f"{key}/{self.worker}", " ".join(map(str, lost)) or "-")
+        rows = [f"{key}/{j}" for j in view.active]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(rows):
+            why = self._silent(view)
+            if why is not None or time.monotonic() > deadline:
+                self._leave(view)
+                raise MembershipError(f"{why or 'a member did not post its probes'} before the round's group formed")
+            time.sleep(0.02)
+        reports = {}
+        for j in view.active:
+            text = self.store.get(f"{key}/{j}").decode()
+            try:
+                reports[j] = set() if text == "-" else {int(x) for x in text.split()}
+            except ValueError:
+                raise MembershipError(f"worker {j} posted unreadable probes {text[:40]!r}") from None
+        keep = reachable_part(view.active, reports)
+        if keep == view.active:
+            return view
+        if self.worker not in keep:
+            cut = sorted(reports[self.worker] | {j for j, r in reports.items() if self.worker in r})
+            raise MembershipError(f"worker(s) {cut} of round {view.round}'s quorum cannot reach this one: "
+                                  f"the round goes on among {keep}")
+        return QuorumView(f"{view.key}/reach-{'.'.join(map(str, keep))}", view.rounds, view.round, keep)
 
     def _heartbeat(self) -> None:
         from torchft.coordination import LighthouseClient
@@ -162,8 +248,10 @@ class Membership:
     def resume(self) -> None:
         if self._paused.is_set():
             self._paused.clear()
-            try:
+            try:  # at once, not at the heartbeat thread's next beat: a quorum may form right away,
+                # and its members would find this worker's heartbeat stale (Membership._silent)
                 self.client.heartbeat(self.rid, timedelta(seconds=2))
+                self.store.set(f"alive/{self.worker}", repr(time.time()))
             except Exception:
                 pass
 
@@ -252,6 +340,13 @@ class Membership:
         except (RuntimeError, ValueError, IndexError):
             return None, float("-inf")
 
+    def _stamp_text(self, key: str) -> str | None:
+        """The value of `key`, or None if there is none (without blocking)."""
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except (RuntimeError, UnicodeDecodeError):
+            return None
+
     def seen(self, key: str, round: int | None = None) -> float:
         """The time in `key`, if it names `round` (when given); -inf if there is none."""
         r, t = self._stamp(key)
@@ -282,14 +377,29 @@ class Membership:
             thread.join(0.1)
             why = self._silent(view)
             if why is not None and thread.is_alive():
+                self._leave(view)  # the others still forming it stop waiting too
                 raise MembershipError(f"{why} before the round's group formed")
         if "error" in made:
             raise made["error"]
 
-        def leave() -> None:
-            self.store.set(f"left/{view.key}", f"{self.worker} {time.time()!r}")
+        probe_at = [time.monotonic() + self.heartbeat_timeout_s]
 
-        return PgComm(made["pg"], rank, size, watch=lambda: self._silent(view), leave=leave)
+        def watch() -> str | None:
+            """_silent(view), and, every heartbeat_timeout_s that a collective waits, a probe of
+            the other members: a path cut after the group formed holds gloo's sockets open."""
+            why = self._silent(view)
+            if why is None and time.monotonic() >= probe_at[0]:
+                lost = self.unreachable([j for j in view.active if j != self.worker])
+                probe_at[0] = time.monotonic() + self.heartbeat_timeout_s
+                if lost:
+                    why = f"worker {lost[0]} of the quorum cannot be reached"
+            return why
+
+        return PgComm(made["pg"], rank, size, watch=watch, leave=lambda: self._leave(view))
+
+    def _leave(self, view: QuorumView) -> None:
+        """Mark the group of `view` given up, for its other members' watches (_silent)."""
+        self.store.set(f"left/{view.key}", f"{self.worker} {time.time()!r}")
 
     def _silent(self, view: QuorumView) -> str | None:
         """Why the group of `view` cannot go on, or None: a member's heartbeat is stale (killed,
@@ -304,11 +414,28 @@ class Membership:
     def close(self) -> None:
         """Stop heartbeating, and say so at once: no quorum waits for a worker that has finished."""
         self._stop.set()
+        self._unlisten()
         self._beat.join(timeout=5)
         try:
             self.store.set(f"alive/{self.worker}", "0")
         except Exception:  # the coordinator already gone
             pass
+
+
+def reachable_part(active: list[int], reports: dict[int, set[int]]) -> list[int]:
+    """The members of `active` that go on when some cannot reach each other: while a reported pair
+    (either side's report counts) is left in, drop the member in the most such pairs; on a tie the
+    one that reported more of them itself, then the higher worker id. Deterministic, so every
+    member drops the same ones from the same reports. A member that falsely reports every other
+    as unreachable drops only itself; one that falsely reports one peer loses the tie to it."""
+    bad = {(min(a, b), max(a, b)) for a, lost in reports.items() for b in lost if b in active and b != a}
+    keep = list(active)
+    while True:
+        pairs = [p for p in bad if p[0] in keep and p[1] in keep]
+        if not pairs:
+            return keep
+        keep.remove(max(keep, key=lambda j: (sum(j in p for p in pairs),
+                                             sum(k in keep for k in reports.get(j, ())), j)))
 
 
 class GroupComm:
