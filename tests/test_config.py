@@ -185,3 +185,20 @@ def test_state_replays_under_a_codec_warn_about_their_traffic():
     assert "1.1 model-sizes per worker-round" in line and "'adaptive'" in line
     assert config_warnings(tiny(*state)) == []  # fp32 packets: the states add to them, they do not dwarf them
 
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--run.max_restarts=2"], "run.max_restarts needs run.membership = 'elastic'"),
+        (["--run.membership=elastic", "--run.max_restarts=-1"], "run.max_restarts must be >= 0, got -1"),
+    ],
+)
+def test_max_restarts_is_refused_where_it_would_mean_nothing(extra, needle, tmp_path):
+    from typer.testing import CliRunner
+
+    from veriloco.cli import app
+
+    res = CliRunner().invoke(app, ["train", str(TINY), "--out", str(tmp_path / "r"), *extra])
+    assert res.exit_code == 2 and len(res.stderr.splitlines()) == 1 and needle in res.stderr, res.output
+    assert not (tmp_path / "r").exists()

@@ -316,6 +316,24 @@ def test_a_stalled_run_reports_what_each_worker_was_waiting_on(tmp_path, capsys)
     assert "worker 0's threads at the stall" in capsys.readouterr().err
 
 
+def test_max_restarts_starts_a_dead_worker_again_as_often_as_it_allows(tmp_path):
+    """No restart fault: the launcher's own policy. Worker 2 dies (kill -9) in round 1 and is
+    started again; it dies again in round 6 and, its one restart spent, stays out."""
+    run_dir = tmp_path / "run"
+    cfg = tiny("--topology.workers=3", "--train.rounds=12", "--link.latency=400ms", "--run.max_restarts=1", *ELASTIC)
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["die:2@1.2", "die:2@6.1"])
+    assert summary["complete"]
+    events = events_of(run_dir)
+    mine = [(e["event"], e.get("restarts_left")) for e in events if e["worker"] == 2]
+    assert mine == [("started", None), ("died", None), ("restarting", 0), ("started", None), ("died", None)], mine
+    recs = rounds_of(run_dir)
+    back = [r["round"] for r in recs[2:] if r["verdicts"][2] == "accept"]
+    assert back and max(back) <= 6, [r["verdicts"][2] for r in recs]  # in again between its deaths
+    assert all(r["verdicts"][2] == "absent" for r in recs[7:])
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure
+
+
 def test_workers_that_crash_are_named_with_their_error(tmp_path):
     # not a planned fault: a bug in every worker. The launcher stops at once and says what each died of.
     crash = "red_team:Crashes:at=1"  # after round 0, which both start and commit together

@@ -295,6 +295,10 @@ class RunConfig:
         "than that is recorded as late and left out (0: run.timeout_s)",
     )
     heartbeat_timeout_s: float = _f(2.0, "elastic: a worker silent this long is dead and left out of the next quorum")
+    max_restarts: int = _f(
+        0, "elastic: the launcher starts a worker whose process ended in failure (a crash, kill -9, the OOM killer) "
+        "again, heartbeat_timeout_s later, up to this many times per worker; it heals and rejoins",
+    )
 
 
 @dataclass
@@ -512,6 +516,7 @@ def validate(cfg: Config) -> None:
          f"run.min_workers must be in [0, topology.workers = {cfg.topology.workers}], got {r.min_workers}")
     need(r.round_deadline >= 0, f"run.round_deadline must be >= 0, got {r.round_deadline}")
     need(r.heartbeat_timeout_s > 0, f"run.heartbeat_timeout_s must be > 0, got {r.heartbeat_timeout_s}")
+    need(r.max_restarts >= 0, f"run.max_restarts must be >= 0, got {r.max_restarts}")
     if r.membership == "elastic":
         need(cfg.train.mode == "diloco", "run.membership = 'elastic' needs train.mode = 'diloco' "
              "(the DDP baseline all-reduces every step over a fixed world)")
@@ -519,6 +524,8 @@ def validate(cfg: Config) -> None:
     else:
         need(r.round_deadline == 0 and r.min_workers == 0,
              "run.round_deadline and run.min_workers need run.membership = 'elastic'")
+        need(r.max_restarts == 0, "run.max_restarts needs run.membership = 'elastic' (a static run stops when a "
+             "worker dies; continue it with veriloco train --resume)")
 
 
 def _check_adaptive_h(cfg: Config) -> None:

@@ -529,7 +529,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                    stop_after: int | None = None) -> dict:
     """Start the coordinator (torchft Lighthouse + TCPStore), one process per worker, and
     supervise them: a worker that dies is left out by the others (and started again if a
-    `restart` fault says so), `join` faults start a worker late, `partition` faults cut a
+    `restart` fault says so, or `[run] max_restarts` allows), `join` faults start a worker late, `partition` faults cut a
     worker's network link and `sever` faults the path between two workers (then everything runs
     in network namespaces). Every start, death and
     cut goes to RUN/events.jsonl. Returns the summary once the run is complete, or once
@@ -549,6 +549,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run)
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
     restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
+    budget = dict.fromkeys(range(W), cfg.run.max_restarts)  # [run] max_restarts: restarts left per worker
     left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "stop", "late")] for j in range(W)}
     first = [j for j in range(W) if j not in joins]
     procs: dict = {}
@@ -619,6 +620,10 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                         left[j].remove(fired)  # it fired: the restarted worker must not die there again
                     if j in restarts and done < R:
                         pending[j] = time.perf_counter() + restarts[j]
+                    elif budget[j] > 0 and done < R:  # the restart policy: after the others left it out
+                        budget[j] -= 1
+                        pending[j] = time.perf_counter() + cfg.run.heartbeat_timeout_s
+                        event("restarting", j, restarts_left=budget[j])
             for j, t in list(pending.items()):
                 if time.perf_counter() >= t:
                     del pending[j]

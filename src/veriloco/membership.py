@@ -200,12 +200,16 @@ class Membership:
         self.store.set(f"{key}/{self.worker}", " ".join(map(str, lost)) or "-")
         rows = [f"{key}/{j}" for j in view.active]
         deadline = time.monotonic() + self.timeout_s
-        while not self.store.check(rows):
+        while True:
+            try:  # returns as soon as every row is there; between waits, watch the members
+                self.store.wait(rows, timedelta(seconds=WATCH_S))
+                break
+            except RuntimeError:  # (torch's DistStoreError) not yet
+                pass
             why = self._silent(view)
             if why is not None or time.monotonic() > deadline:
                 self._leave(view)
                 raise MembershipError(f"{why or 'a member did not post its probes'} before the round's group formed")
-            time.sleep(0.02)
         reports = {}
         for j in view.active:
             text = self.store.get(f"{key}/{j}").decode()
