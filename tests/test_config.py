@@ -202,3 +202,31 @@ def test_max_restarts_is_refused_where_it_would_mean_nothing(extra, needle, tmp_
     res = CliRunner().invoke(app, ["train", str(TINY), "--out", str(tmp_path / "r"), *extra])
     assert res.exit_code == 2 and len(res.stderr.splitlines()) == 1 and needle in res.stderr, res.output
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["prove", "RUN", "-1"], "No such option: -1 (see `veriloco prove --help`)"),  # (was click's usage box)
+        (["prove", "RUN"], "Missing argument 'round'"),
+        (["prove", "RUN", "x"], "Invalid value for 'round'"),
+        (["nosuch"], "No such command 'nosuch'"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(argv, needle, monkeypatch, capsys):
+    from veriloco.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["veriloco", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_the_script_exits_0_after_a_command_that_succeeds(monkeypatch, capsys):
+    from veriloco.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["veriloco", "config"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 0 and "[run]" in capsys.readouterr().out

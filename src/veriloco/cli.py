@@ -221,7 +221,25 @@ def config_reference() -> None:
 
 
 def main() -> None:
-    app(prog_name="veriloco")
+    """The `veriloco` script. Usage errors (an unknown option, a missing or malformed argument)
+    print one line and exit 2, as every other bad input does, instead of click's usage box."""
+    try:
+        code = app(prog_name="veriloco", standalone_mode=False)
+    except Exception as e:
+        # matched by what it has, not its class: typer vendors its own copy of click
+        kind = type(e).__name__
+        if kind == "NoArgsIsHelpError":  # `veriloco` alone: the help, as typer prints it
+            app(prog_name="veriloco")
+        if kind == "Abort":  # Ctrl-C
+            typer.echo("veriloco: aborted", err=True)
+            sys.exit(130)
+        if getattr(e, "exit_code", None) != 2 or not callable(getattr(e, "format_message", None)):
+            raise
+        ctx = getattr(e, "ctx", None)
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        typer.echo(f"veriloco: error: {e.format_message()}{where}", err=True)
+        sys.exit(2)
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":
