@@ -334,6 +334,53 @@ def test_max_restarts_starts_a_dead_worker_again_as_often_as_it_allows(tmp_path)
     assert report.ok, report.first_failure
 
 
+def test_workers_started_by_join_on_another_machine_take_part_as_local_ones(tmp_path):
+    """The launcher starts workers 0 and 1 (`--workers 0,1`); `veriloco join` starts worker 2 from
+    RUN/coordinator.json, as on a second machine sharing the run directory (here: the same one)."""
+    import time
+
+    run_dir = tmp_path / "run"
+    cli = [sys.executable, "-m", "veriloco.cli"]
+    launcher = subprocess.Popen([*cli, "train", str(ROOT / "configs" / "tiny.toml"), "--topology.workers=3",
+                                 "--train.rounds=4", *ELASTIC, "--workers", "0,1", "--out", str(run_dir), "--quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (run_dir / "manifest.json").exists() and launcher.poll() is None:
+            time.sleep(0.1)
+        joined = subprocess.run([*cli, "join", str(run_dir), "--workers", "2", "--quiet"], capture_output=True,
+                                text=True, timeout=300)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert joined.returncode == 0 and "workers 2 done" in joined.stdout, joined.stderr
+    assert launcher.returncode == 0, err
+    recs = rounds_of(run_dir)
+    assert [r["verdicts"] for r in recs] == [["accept"] * 3] * 4  # worker 2 in every round, from round 0
+    assert not (run_dir / "coordinator.json").exists()  # the launcher removes it when it ends
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure
+
+
+def test_join_refuses_what_it_cannot_use_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from veriloco.cli import app
+
+    train(tiny("--train.rounds=1"), str(tmp_path / "static"), quiet=True)
+    for args, needle in [
+        (["join", str(tmp_path / "static"), "--workers", "1"], "is not an elastic run"),
+        (["join", str(tmp_path / "static"), "--workers", "1,x"], "--workers takes distinct worker ids"),
+        (["join", str(tmp_path / "nothing"), "--workers", "1"], "not a run directory"),
+        (["train", str(ROOT / "configs" / "tiny.toml"), "--workers", "0", "--out", str(tmp_path / "r")],
+         "--host and --workers need run.membership = 'elastic'"),
+        (["train", str(ROOT / "configs" / "tiny.toml"), "--run.membership=elastic", "--workers", "0,7",
+          "--out", str(tmp_path / "r")], "--workers must name workers of 0..1"),
+    ]:
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and len(res.stderr.splitlines()) == 1 and needle in res.stderr, (args, res.output)
+    assert not (tmp_path / "r").exists()
+
+
 def test_workers_that_crash_are_named_with_their_error(tmp_path):
     # not a planned fault: a bug in every worker. The launcher stops at once and says what each died of.
     crash = "red_team:Crashes:at=1"  # after round 0, which both start and commit together

@@ -2,6 +2,8 @@
 
     veriloco train [CONFIG.toml] [--section.key=value ...] [--out DIR]
     veriloco train --resume DIR
+    veriloco train ... --run.membership=elastic --host ADDR --workers 0,1   # and on other machines:
+    veriloco join RUN --workers 2,3   # more workers of that elastic run (the run directory is shared)
     veriloco audit RUN             # re-verify a finished run from its directory alone
     veriloco audit --ledger RUN/ledger.sqlite --store s3://bucket/store   # ... or from where it was published
     veriloco audit --ledger evm:CONTRACT@RPC_URL --run-id ID --store URL   # ... with an EVM ledger
@@ -69,6 +71,10 @@ def train(
     fault: list[str] = typer.Option(None, "--fault", help="inject a fault (elastic membership): die:W@R[.S], "
                                     "stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, join:W@R, "
                                     "partition:W@R+SECONDS, sever:A-B@R+SECONDS; repeatable"),
+    host: str = typer.Option(None, "--host", help="elastic: the address this machine's coordinator listens on "
+                             "and other machines reach it at (default 127.0.0.1: this machine only)"),
+    workers: str = typer.Option(None, "--workers", help="elastic: the workers to start here, e.g. 0,1 (default: "
+                                "all); start the others with `veriloco join RUN --workers ...` elsewhere"),
 ) -> None:
     """Train: the default config, a config file, `--section.key=value` overrides (CLI > file > defaults)."""
     from .run import resume as resume_run
@@ -81,11 +87,16 @@ def train(
     bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
     if bad:
         fail(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
+    placement = None
+    if host is not None or workers is not None:
+        from .elastic import Placement
+
+        placement = Placement(host or "127.0.0.1", None if workers is None else tuple(_worker_list(workers)))
     try:
         if resume:
             if config or overrides:
                 fail("--resume takes no config or overrides: the run's manifest holds its config")
-            run_dir, summary = resume_run(resume, quiet, stop_after)
+            run_dir, summary = resume_run(resume, quiet, stop_after, placement)
         else:
             cfg = load_config(config, overrides)
             for line in config_warnings(cfg):
@@ -93,12 +104,13 @@ def train(
             if cfg.train.mode == "ddp":
                 from .baseline import train_ddp
 
-                if stop_after is not None or fault:  # the baseline runs start to end over a fixed world
-                    raise ConfigError(f"{'--stop-after' if stop_after is not None else '--fault'} needs train.mode = 'diloco'")
+                if stop_after is not None or fault or placement:  # the baseline runs start to end over a fixed world
+                    flag = "--stop-after" if stop_after is not None else "--fault" if fault else "--host/--workers"
+                    raise ConfigError(f"{flag} needs train.mode = 'diloco'")
 
                 run_dir, summary = train_ddp(cfg, out, quiet)
             else:
-                run_dir, summary = train_run(cfg, out, quiet, stop_after, fault or None)
+                run_dir, summary = train_run(cfg, out, quiet, stop_after, fault or None, placement)
     except USER_ERRORS as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except typer.Exit:  # fail() above already said what is wrong
@@ -107,6 +119,38 @@ def train(
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         fail(f"training failed: {lines[-1] if lines else type(e).__name__}", code=1)
     _print_summary(run_dir.root, summary)
+
+
+def _worker_list(text: str) -> list[int]:
+    """"0,1,3" -> [0, 1, 3]; fail() in one line otherwise."""
+    try:
+        workers = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        workers = []
+    if not workers or any(j < 0 for j in workers) or len(set(workers)) != len(workers):
+        fail(f"--workers takes distinct worker ids separated by commas, e.g. 0,1; got {text!r}")
+    return workers
+
+
+@app.command()
+def join(
+    run: str = typer.Argument(..., help="the run directory, shared with the launcher's machine"),
+    workers: str = typer.Option(..., "--workers", help="the workers to start on this machine, e.g. 2,3"),
+    quiet: bool = typer.Option(False, "--quiet", help="no per-round progress lines"),
+) -> None:
+    """Elastic: start some of a run's workers on this machine; its launcher (`veriloco train ...
+    --host ADDR --workers ...`) runs on another that shares the run directory."""
+    from .elastic import join_elastic
+
+    try:
+        codes = join_elastic(run, _worker_list(workers), quiet)
+    except USER_ERRORS as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    failed = {j: c for j, c in codes.items() if c != 0}
+    if failed:
+        fail(f"workers ended in failure: {', '.join(f'{j} (exit {c})' for j, c in sorted(failed.items()))}; "
+             f"see {run}/error-J.txt", code=1)
+    typer.echo(f"workers {', '.join(map(str, sorted(codes)))} done")
 
 
 @app.command()

@@ -36,6 +36,7 @@ namespaces when a partition fault asks for it), applies the faults, and writes R
 from __future__ import annotations
 
 import fcntl
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from pathlib import Path
 from safetensors.torch import load as st_load
 
 from .compress import ErrorFeedback
-from .config import Config
+from .config import Config, ConfigError
 from .exchange import Exchange, ExchangeError
 from .faults import Fault, Injector, first_death
 from .hashing import tensors_hash
@@ -525,20 +526,40 @@ def summarize(cfg: Config, records: list[dict], eval_start: float, wall: float) 
 # --- the launcher: a coordinator, one process per worker, and the faults that happen to them ---
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where an elastic run's processes are. `host`: the address the coordinator listens on and the
+    workers reach it at (127.0.0.1: this machine only); `local`: the workers this launcher starts
+    (None: all of them). The others are started by `veriloco join RUN --workers ...` on machines
+    that share the run directory (`join_elastic`), from RUN/coordinator.json."""
+
+    host: str = "127.0.0.1"
+    local: tuple[int, ...] | None = None
+
+
+COORDINATOR_FILE = "coordinator.json"  # in the run directory while its launcher runs
+
+
 def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: bool = False,
-                   stop_after: int | None = None) -> dict:
+                   stop_after: int | None = None, placement: Placement | None = None) -> dict:
     """Start the coordinator (torchft Lighthouse + TCPStore), one process per worker, and
     supervise them: a worker that dies is left out by the others (and started again if a
     `restart` fault says so, or `[run] max_restarts` allows), `join` faults start a worker late, `partition` faults cut a
     worker's network link and `sever` faults the path between two workers (then everything runs
     in network namespaces). Every start, death and
-    cut goes to RUN/events.jsonl. Returns the summary once the run is complete, or once
+    cut goes to RUN/events.jsonl. With a `placement`, only its local workers start here: the rest
+    are started by `veriloco join` elsewhere (no faults then). Returns the summary once the run is complete, or once
     `stop_after` rounds are committed (`veriloco train --resume` goes on from there)."""
     from .faults import parse_faults
     from .run import _finish
 
     faults = parse_faults(fault_specs, cfg.topology.workers)
     W = cfg.topology.workers
+    placement = placement or Placement()
+    local = list(range(W)) if placement.local is None else sorted(set(placement.local))
+    remote = [j for j in range(W) if j not in local]
+    if remote and faults:
+        raise ConfigError("--fault needs every worker started by this launcher (no --workers)")
     R = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)  # where this launch ends
     eval_start = _eval_loss(task)  # once, over the whole eval set, before any process starts
     before_s = sum(p["round_s"] for p in run.rounds())  # a resumed run's wall: its rounds so far, and this launch
@@ -546,7 +567,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     # recorder's key and opens the ledger) race to do it with the same account's nonce
     ledger = open_ledger(cfg, run) if cfg.ledger.backend == "evm" else None
     cuts = sorted((f.round, f.worker, f.seconds, f.peer) for f in faults if f.kind in ("partition", "sever"))
-    host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run)
+    host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run, placement.host)
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
     restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
     budget = dict.fromkeys(range(W), cfg.run.max_restarts)  # [run] max_restarts: restarts left per worker
@@ -572,9 +593,14 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                                       stop_after=stop_after))
         event("started", j)
 
+    coordinator = run.root / COORDINATOR_FILE  # what `veriloco join` on another machine starts its workers from
+    _write_atomic(coordinator, {"lighthouse": host.lighthouse, "store_host": host.store_host,
+                                "store_port": host.store_port, "eval_start": eval_start, "first": first,
+                                "stop_after": stop_after, "launcher_pid": os.getpid()})
     try:
         for j in first:
-            start(j)
+            if j in local:
+                start(j)
         complete_at, progress_at = None, time.perf_counter()
         stall_s = max(3 * cfg.run.timeout_s, 60.0)
         while True:
@@ -632,12 +658,13 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                 complete_at = complete_at or time.perf_counter()
                 if not procs or time.perf_counter() - complete_at > 5.0:  # a worker still healing: done
                     break
-            elif not procs and not pending and not joins:
+            elif not procs and not pending and not joins and not remote:
                 raise RuntimeError(f"elastic run stopped at round {done} of {R}: every worker is gone" + died_of())
             time.sleep(0.05)
     finally:
         for p in procs.values():
             p.kill()
+        coordinator.unlink(missing_ok=True)
         host.close()
     summary = summarize(cfg, run.rounds(), eval_start, time.perf_counter() - t0 + before_s)
     if cfg.ledger.backend != "none":
@@ -715,21 +742,19 @@ class _Spawned:
 class _LocalHost:
     """Workers as local processes (spawned), the coordinator in the launcher's process."""
 
-    def __init__(self, cfg: Config, task: Task, run) -> None:
+    def __init__(self, cfg: Config, task: Task, run, host: str = "127.0.0.1") -> None:
         from .membership import Coordinator
         from .procs import context
 
         self.cfg, self.task, self.run_dir = cfg, task, str(run.root)
         W = cfg.topology.workers
         self.coord = Coordinator(cfg.run.min_workers or W // 2 + 1, cfg.run.round_deadline or cfg.run.timeout_s,
-                                 cfg.run.heartbeat_timeout_s)
+                                 cfg.run.heartbeat_timeout_s, host)
+        self.lighthouse, self.store_host, self.store_port = self.coord.lighthouse_addr, host, self.coord.store_port
         self.ctx = context()
 
     def start(self, j: int, args: dict) -> _Spawned:
-        p = self.ctx.Process(target=_worker_main, args=(
-            self.cfg, self.task, self.run_dir, self.coord.lighthouse_addr, "127.0.0.1", self.coord.store_port, args))
-        p.start()
-        return _Spawned(p)
+        return _spawn(self.ctx, self.cfg, self.task, self.run_dir, self.lighthouse, self.store_host, self.store_port, args)
 
     def cut(self, j: int, down: bool, peer: int | None = None) -> None:  # pragma: no cover - partition faults use _NetnsHost
         raise RuntimeError("a local run has no network link to cut")
@@ -779,7 +804,7 @@ class _NetnsHost:
             self.close()
             raise RuntimeError("the coordinator in its namespace did not start")
         info = json.loads(line)
-        self.lighthouse, self.store_port = info["lighthouse"], int(info["store_port"])
+        self.lighthouse, self.store_host, self.store_port = info["lighthouse"], self.coord_host, int(info["store_port"])
 
     def start(self, j: int, args: dict):
         import json
@@ -819,6 +844,90 @@ class _NetnsHost:
             self.coord.stdin.close()
             self.coord.wait(timeout=5)
         self._cm.__exit__(None, None, None)
+
+
+def _spawn(ctx, cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,
+           args: dict) -> _Spawned:
+    p = ctx.Process(target=_worker_main, args=(cfg, task, run_dir, lighthouse, store_host, store_port, args))
+    p.start()
+    return _Spawned(p)
+
+
+def _write_atomic(path: Path, obj: dict) -> None:
+    import json
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
+def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[int, int]:
+    """`veriloco join RUN --workers ...`: start these workers of an elastic run whose launcher
+    (`veriloco train ... --workers`) runs on another machine that shares the run directory, from
+    RUN/coordinator.json (waited for up to run.timeout_s). Supervises them as the launcher would:
+    one that dies is started again up to `[run] max_restarts` times while the run is not complete.
+    Only the built-in GPT task (the workers rebuild it from the manifest and the store). Returns
+    each worker's last exit code."""
+    import json
+
+    from .config import ConfigError, config_from_dict
+    from .procs import context
+    from .records import RunDir, RunDirError
+    from .task import CorpusTask
+
+    run = RunDir(run_dir)
+    manifest = run.read_manifest()
+    cfg = config_from_dict(manifest["config"])
+    W = cfg.topology.workers
+    if cfg.run.membership != "elastic":
+        raise ConfigError(f"{run.root} is not an elastic run (run.membership = {cfg.run.membership!r})")
+    if not workers or any(not 0 <= j < W for j in workers) or len(set(workers)) != len(workers):
+        raise ConfigError(f"--workers must name distinct workers of 0..{W - 1}, got {workers}")
+    path, deadline = run.root / COORDINATOR_FILE, time.monotonic() + cfg.run.timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RunDirError(f"{path} did not appear within {cfg.run.timeout_s:g} s: is the launcher running "
+                              "(veriloco train ... --workers) and the run directory shared?")
+        time.sleep(0.2)
+    try:
+        info = json.loads(path.read_text())
+        lighthouse, store_host, store_port = str(info["lighthouse"]), str(info["store_host"]), int(info["store_port"])
+        first, eval_start, stop_after = [int(j) for j in info["first"]], info["eval_start"], info["stop_after"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise RunDirError(f"{path} is not a coordinator file: {e}") from None
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"]).as_task()
+    ctx, procs, codes = context(), {}, {}
+    budget = dict.fromkeys(workers, cfg.run.max_restarts)
+    end = cfg.train.rounds if stop_after is None else min(int(stop_after), cfg.train.rounds)
+
+    def start(j: int) -> None:
+        procs[j] = _spawn(ctx, cfg, task, str(run.root), lighthouse, store_host, store_port,
+                          dict(worker=j, faults=[], first=first, quiet=quiet, eval_start=eval_start, stop_after=stop_after))
+
+    for j in workers:
+        start(j)
+    pending: dict[int, float] = {}
+    try:
+        while procs or pending:
+            for j, p in list(procs.items()):
+                code = p.poll()
+                if code is None:
+                    continue
+                del procs[j]
+                codes[j] = code
+                if code != 0 and budget[j] > 0 and len(run.rounds()) < end:
+                    budget[j] -= 1
+                    pending[j] = time.perf_counter() + cfg.run.heartbeat_timeout_s
+                    _say(quiet, f"worker {j} exited with {code}; starting it again ({budget[j]} restarts left)")
+            for j, t in list(pending.items()):
+                if time.perf_counter() >= t:
+                    del pending[j]
+                    start(j)
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            p.kill()
+    return codes
 
 
 def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,

@@ -119,15 +119,20 @@ def publish_run(run: RunDir, run_id: str) -> None:
 
 def launch(
     cfg: Config, task: Task, run: RunDir, start_round: int = 0, quiet: bool = False,
-    stop_after: int | None = None, faults: list[str] | None = None,
+    stop_after: int | None = None, faults: list[str] | None = None, placement=None,
 ) -> dict:
-    """Run workers (each `stages` processes) as local processes; returns the summary."""
+    """Run workers (each `stages` processes) as local processes; returns the summary.
+    `placement` (elastic only, elastic.Placement): the coordinator's address and which workers
+    start here (the others join from other machines)."""
     if cfg.run.membership == "elastic":
         from .elastic import launch_elastic
 
-        return launch_elastic(cfg, task, run, faults or [], quiet, stop_after)
+        return launch_elastic(cfg, task, run, faults or [], quiet, stop_after, placement)
     if faults:
         raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
+    if placement is not None:
+        raise ConfigError("--host and --workers need run.membership = 'elastic' (a static run spans machines "
+                          "with torchrun)")
     world = cfg.topology.workers * cfg.topology.stages
     port = free_port()
     start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
@@ -138,11 +143,12 @@ def launch(
 
 def train(
     cfg: Config, out: str | None = None, quiet: bool = False, stop_after: int | None = None,
-    faults: list[str] | None = None,
+    faults: list[str] | None = None, placement=None,
 ) -> tuple[RunDir, dict]:
     """Train the built-in GPT task with `cfg`; returns the run directory and the summary.
-    `faults`: declarative fault specs (faults.py), elastic membership only."""
+    `faults`: declarative fault specs (faults.py), elastic membership only; `placement`: see launch."""
     check_stop_after(stop_after)
+    check_placement(cfg, placement)
     if faults:  # a bad spec fails before anything is written
         from .faults import parse_faults
 
@@ -150,7 +156,7 @@ def train(
             raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
         parse_faults(faults, cfg.topology.workers)
     run, task = prepare_run(cfg, out)
-    return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults)
+    return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults, placement)
 
 
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
@@ -166,12 +172,13 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
     return launch(cfg, task, run, 0, quiet)
 
 
-def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> tuple[RunDir, dict]:
+def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, placement=None) -> tuple[RunDir, dict]:
     """Continue a run from its last complete round (a torn last line is dropped)."""
     check_stop_after(stop_after)
     run = RunDir(run_dir)
     manifest = run.read_manifest()
     cfg = config_from_dict(manifest["config"])
+    check_placement(cfg, placement)
     records = run.rounds()
     done = len(records)
     if done >= cfg.train.rounds:
@@ -189,7 +196,19 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None) -> 
             raise RunDirError(str(e)) from None
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
-    return run, launch(cfg, task.as_task(), run, done, quiet, stop_after)
+    return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
+
+
+def check_placement(cfg: Config, placement) -> None:
+    """ConfigError for a placement (elastic.Placement) the run cannot use, before anything is written."""
+    if placement is None:
+        return
+    if cfg.run.membership != "elastic":
+        raise ConfigError("--host and --workers need run.membership = 'elastic' (a static run spans machines "
+                          "with torchrun)")
+    W = cfg.topology.workers
+    if placement.local is not None and any(not 0 <= j < W for j in placement.local):
+        raise ConfigError(f"--workers must name workers of 0..{W - 1}, got {list(placement.local)}")
 
 
 def check_stop_after(stop_after: int | None) -> None:
