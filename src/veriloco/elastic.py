@@ -544,12 +544,13 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                    stop_after: int | None = None, placement: Placement | None = None) -> dict:
     """Start the coordinator (torchft Lighthouse + TCPStore), one process per worker, and
     supervise them: a worker that dies is left out by the others (and started again if a
-    `restart` fault says so, or `[run] max_restarts` allows), `join` faults start a worker late, `partition` faults cut a
-    worker's network link and `sever` faults the path between two workers (then everything runs
-    in network namespaces). Every start, death and
-    cut goes to RUN/events.jsonl. With a `placement`, only its local workers start here: the rest
-    are started by `veriloco join` elsewhere (no faults then). Returns the summary once the run is complete, or once
-    `stop_after` rounds are committed (`veriloco train --resume` goes on from there)."""
+    `restart` fault says so, or `[run] max_restarts` allows), `join` faults start a worker late,
+    `partition` faults cut a worker's network link and `sever` faults the path between two
+    workers (then everything runs in network namespaces). Every start, death and cut goes to
+    RUN/events.jsonl. With a `placement`, only its local workers start here: the rest are
+    started by `veriloco join` elsewhere, from RUN/coordinator.json (no faults then). Returns the
+    summary once the run is complete, or once `stop_after` rounds are committed (`veriloco train
+    --resume` goes on from there)."""
     from .faults import parse_faults
     from .run import _finish
 
@@ -594,10 +595,10 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
         event("started", j)
 
     coordinator = run.root / COORDINATOR_FILE  # what `veriloco join` on another machine starts its workers from
-    _write_atomic(coordinator, {"lighthouse": host.lighthouse, "store_host": host.store_host,
-                                "store_port": host.store_port, "eval_start": eval_start, "first": first,
-                                "stop_after": stop_after, "launcher_pid": os.getpid()})
     try:
+        _write_atomic(coordinator, {"lighthouse": host.lighthouse, "store_host": host.store_host,
+                                    "store_port": host.store_port, "eval_start": eval_start, "first": first,
+                                    "stop_after": stop_after, "launcher_pid": os.getpid()})
         for j in first:
             if j in local:
                 start(j)
