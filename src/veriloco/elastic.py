@@ -30,7 +30,10 @@ it heals toward a round the others are not forming yet, so that nobody waits for
 it names the round it heads for (Membership.heading), whose quorums wait for it.
 
 The launcher (`launch_elastic`) starts the coordinator and one process per worker (in network
-namespaces when a partition fault asks for it), applies the faults, and writes RUN/events.jsonl.
+namespaces when a partition fault asks for it), applies the faults, restarts dead workers as
+`[run] max_restarts` allows, and writes RUN/events.jsonl. Across machines it starts some of the
+workers, and `join_elastic` (`veriloco join`) the others, from RUN/coordinator.json in the
+shared run directory.
 """
 
 from __future__ import annotations
