@@ -298,7 +298,32 @@ def test_hostile_records_of_every_type_never_crash_the_report(real_run: Path, tm
         (run / "summary.json").write_text(json.dumps({k: junk() for k in (
             "tokens", "wall_s", "eval_loss_end", "complete", "baseline", "ledger_head", "ledger_root")}))
         (run / "audit.json").write_text(json.dumps({"ok": junk(), "first_failure": junk()}))
+        (run / "events.jsonl").write_text("".join(json.dumps({k: junk() for k in rng.sample(
+            ["event", "worker", "peer", "t", "round", "seconds", "exitcode", "error", "restarts_left"], 5)}) + "\n"
+            for _ in range(rng.randrange(4))))
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no NaN or overflow reaching matplotlib either
             text = render_report(run)
         assert "<b>x</b>" not in text
+
+
+def test_an_elastic_run_lists_what_happened_to_its_workers(real_run: Path, tmp_path: Path) -> None:
+    """RUN/events.jsonl (the elastic launcher's): deaths, restarts and cuts in the Membership section."""
+    run = copy_run(real_run, tmp_path / "run")
+    assert "id=membership" not in render_report(run)  # a static run has no events: no section
+    events = [
+        {"t": 0.0, "event": "started", "worker": 0, "round": 0}, {"t": 0.0, "event": "started", "worker": 1, "round": 0},
+        {"t": 2.5, "event": "died", "worker": 1, "round": 1, "exitcode": -9},
+        {"t": 2.6, "event": "restarting", "worker": 1, "round": 1, "restarts_left": 0},
+        {"t": 4.1, "event": "started", "worker": 1, "round": 2},
+        {"t": 5.0, "event": "committed", "worker": None, "round": 3, "committed": 2, "members": [0, 1]},
+        {"t": 6.0, "event": "cut", "worker": 0, "peer": 1, "round": 3, "seconds": 4},
+        {"t": 7.0, "event": "died", "worker": 0, "round": 3, "exitcode": 1, "error": "ValueError: <b>x</b>"},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in events))
+    text = render_report(run)
+    section = text[text.index("id=membership"):]
+    assert "2 deaths, 1 restarts, 1 cuts" in section
+    assert "worker 0 ↔ worker 1" in section and "for 4 s" in section and "0 restarts left" in section
+    assert "exit -9" in section and "ValueError: &lt;b&gt;x&lt;/b&gt;" in section and "<b>x</b>" not in text
+    assert section.count("<tr>") == 1 + len(events) - 1  # the header, every event but the commit

@@ -111,6 +111,7 @@ class RunView:
     baseline: list[dict[str, Any]] | None = None  # DDP baseline records, when found
     baseline_dir: Path | None = None
     notes: list[str] = field(default_factory=list)  # problems met while reading
+    events: list[dict[str, Any]] = field(default_factory=list)  # elastic runs: the launcher's RUN/events.jsonl
 
     @property
     def config(self) -> dict[str, Any]:
@@ -195,7 +196,50 @@ def load_run(run_dir: str | Path) -> RunView:
         summary=summary, audit=audit, rounds=rounds, metrics=metrics, notes=notes,
     )
     view.baseline_dir, view.baseline = _find_baseline(run.root, summary, notes)
+    view.events = _read_jsonl(run.root / "events.jsonl", notes)
     return view
+
+
+MAX_EVENTS = 200  # the membership table lists at most this many (the first ones)
+_EVENT_TEXT = {
+    "started": "started", "died": "died", "restarting": "to be started again", "cut": "cut off",
+    "reconnected": "reconnected",
+}
+
+
+def membership_section(v: RunView) -> str:
+    """Elastic runs: what happened to the workers (the launcher's events: starts, deaths, restarts,
+    cuts; the rounds' members are in the verdict grid). Empty for a run without events."""
+    shown = [x for x in v.events if x.get("event") != "committed"]
+    if not v.events:
+        return ""
+    tally = Counter(str(x.get("event")) for x in shown)
+    starts = Counter(_int(x.get("worker")) for x in shown if x.get("event") == "started")
+    restarts = sum(n - 1 for n in starts.values())  # every start of a worker after its first
+    rows = []
+    for x in shown[:MAX_EVENTS]:
+        kind = str(x.get("event"))
+        worker, peer = _int(x.get("worker")), _int(x.get("peer"))
+        who = "" if worker is None else f"worker {worker}" + ("" if peer is None else f" ↔ worker {peer}")
+        detail = []
+        if _num(x.get("seconds")) is not None:
+            detail.append(f"for {_num(x.get('seconds')):g} s")
+        if _int(x.get("exitcode")) is not None:
+            detail.append(f"exit {_int(x.get('exitcode'))}")
+        if x.get("error"):
+            detail.append(_clip(str(x.get("error")), 160))
+        if _int(x.get("restarts_left")) is not None:
+            detail.append(f"{_int(x.get('restarts_left'))} restarts left")
+        t, r = _num(x.get("t")), _int(x.get("round"))
+        rows.append(f"<tr><td>{'' if t is None else f'{t:.1f} s'}</td><td>{'' if r is None else r}</td>"
+                    f"<td>{e(_EVENT_TEXT.get(kind, _clip(kind, 40)))}</td><td>{e(who)}</td>"
+                    f"<td>{e('; '.join(detail))}</td></tr>")
+    more = f"<p class=muted>The first {MAX_EVENTS} of {len(shown)} events.</p>" if len(shown) > MAX_EVENTS else ""
+    summary = (f"<p>Elastic membership: {tally['died']} deaths, {restarts} restarts, "
+               f"{tally['cut']} cuts (a worker's link, or the path between two workers).</p>")
+    table = ("<div class=scroll><table id=events><tr><th>time</th><th>rounds committed</th><th>event</th>"
+             f"<th>worker</th><th>detail</th></tr>{''.join(rows)}</table></div>") if rows else ""
+    return summary + table + more
 
 
 def _find_baseline(
@@ -836,6 +880,7 @@ def render_report(run_dir: str | Path) -> str:
     loss_svg = plot_loss(v)
     bytes_svg, bytes_caption = plot_bytes(v)
     util_svg, util_caption = plot_utilisation(v)
+    membership = membership_section(v)
     notes = ""
     if v.notes:
         unique = list(dict.fromkeys(v.notes))  # once each, in order
@@ -870,7 +915,8 @@ def render_report(run_dir: str | Path) -> str:
 <h3>Ledger</h3>
 {ledger_section(v)}
 </section>
-<footer>written by veriloco {e(__version__)} from {e(v.root.name)}/ (manifest.json, rounds.jsonl, metrics.jsonl, summary.json)</footer>
+{f"<section id=membership><h2>Membership</h2>{membership}</section>" if membership else ""}
+<footer>written by veriloco {e(__version__)} from {e(v.root.name)}/ (manifest.json, rounds.jsonl, metrics.jsonl, summary.json{", events.jsonl" if v.events else ""})</footer>
 </main></body></html>
 """
 
