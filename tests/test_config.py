@@ -230,3 +230,21 @@ def test_the_script_exits_0_after_a_command_that_succeeds(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code == 0 and "[run]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--link.shaping=tc"], "link.shaping must be 'emulated' or 'kernel', got 'tc'"),
+        (["--link.shaping=kernel", "--link.bandwidth=10mbit"], "link.shaping = 'kernel' needs run.membership = 'elastic'"),
+        (["--link.shaping=kernel", "--run.membership=elastic"], "link.shaping = 'kernel' needs a link.bandwidth"),
+    ],
+)
+def test_kernel_shaping_is_refused_where_it_cannot_run(extra, needle, tmp_path):
+    from typer.testing import CliRunner
+
+    from veriloco.cli import app
+
+    res = CliRunner().invoke(app, ["train", str(TINY), "--out", str(tmp_path / "r"), *extra])
+    assert res.exit_code == 2 and len(res.stderr.splitlines()) == 1 and needle in res.stderr, res.output
+    assert not (tmp_path / "r").exists()

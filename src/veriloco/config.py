@@ -172,6 +172,12 @@ class LinkConfig:
 
     bandwidth: str = _f("", "e.g. '1gbit', '100mbit'; '' = unlimited (no emulation)")
     latency: str = _f("0ms", "one-way latency added to every exchange, e.g. '50ms'")
+    shaping: str = _f(
+        "emulated",
+        "'emulated': each exchange is paced in software to latency + bytes / bandwidth (link.py); 'kernel': "
+        "elastic runs, root only: every worker in its own network namespace, its veth shaped to bandwidth by "
+        "tc tbf (netns.py), so the bytes cross a real rate-limited link; only latency is added in software",
+    )
 
 
 @dataclass
@@ -578,6 +584,14 @@ def _check_link_and_codec(cfg: Config) -> None:
             parse(getattr(cfg.link, key))
         except ValueError as e:
             raise ConfigError(f"link.{key}: {e}") from None
+    if cfg.link.shaping not in ("emulated", "kernel"):
+        raise ConfigError(f"link.shaping must be 'emulated' or 'kernel', got {cfg.link.shaping!r}")
+    if cfg.link.shaping == "kernel":
+        if cfg.run.membership != "elastic":
+            raise ConfigError("link.shaping = 'kernel' needs run.membership = 'elastic' (its workers are programs "
+                              "in network namespaces)")
+        if parse_bandwidth(cfg.link.bandwidth) == float("inf"):
+            raise ConfigError("link.shaping = 'kernel' needs a link.bandwidth to shape to")
     specs = [cfg.compress.codec] if cfg.compress.codec != "adaptive" else [s for s in cfg.compress.ladder.split(";") if s]
     for spec in specs:
         try:

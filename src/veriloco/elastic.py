@@ -39,6 +39,7 @@ shared run directory.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ from .config import Config, ConfigError
 from .exchange import Exchange, ExchangeError
 from .faults import Fault, Injector, first_death
 from .hashing import tensors_hash
+from .link import Link
 from .membership import Membership, MembershipError, QuorumView
 from .outer import OuterOptimizer
 from .packet import PacketError, decode_bundle, decode_packet
@@ -116,7 +118,8 @@ def train_worker_elastic(
     w.task = _with_batch(w.task, batch)
     done = len(w.run.rounds())
     members.announce(first, wait=done == 0 and worker in first)
-    ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1)
+    ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1,
+               _paced(cfg, w.encoder.link))
     r = heal(w, done) if done else 0
     if done:
         members.heading(r)
@@ -196,6 +199,7 @@ class _Ctx:
     eval_start: float | None
     quiet: bool
     min_active: int
+    pace: Link | None  # what the exchange paces in software (_paced)
 
 
 class _Flight:
@@ -218,8 +222,7 @@ class _Flight:
                     view = _connected(ctx, view)
                     comm = ctx.members.group(view)
                     ctx.injector.in_exchange(self.sent.round)
-                    handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.w.encoder.link,
-                                      comm=comm).start(self.bundle)
+                    handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(self.bundle)
                     handle.wait()  # the bytes move now, under the next round's inner steps
                 self.first = (view, comm, handle, None)
             except Exception as e:  # settle() decides: retry, or behind
@@ -284,7 +287,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
             view = _connected(ctx, view)
             comm = ctx.members.group(view)
             ctx.injector.in_exchange(r)
-            handle = Exchange(None, w.cfg.run.max_packet_bytes, link=w.encoder.link, comm=comm).start(flight.bundle)
+            handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(flight.bundle)
         sent.handle = handle
         absent = {j: _absence(ctx.members, view, j) for j in range(w.workers) if j not in view.active}
         rec = finish_round(w, sent, overlapped_s, Participants(view.active, comm, comm, absent))
@@ -310,6 +313,15 @@ def _connected(ctx: _Ctx, view: QuorumView) -> QuorumView:
         raise MembershipError(f"only workers {reached.active} of the quorum {view.active} reach each other, "
                               f"fewer than min_workers = {ctx.min_active}")
     return reached
+
+
+def _paced(cfg: Config, link: Link | None) -> Link | None:
+    """The link the exchange paces in software: all of it when emulated; with `[link] shaping =
+    "kernel"` only the latency (tc tbf shapes the bandwidth and cannot delay). The encoder keeps
+    the whole link either way: the adaptive codec's budget and adaptive H need its bandwidth."""
+    if cfg.link.shaping != "kernel" or link is None:
+        return link
+    return Link(math.inf, link.latency_s) if link.latency_s > 0 else None
 
 
 def _absence(members: Membership, view: QuorumView, j: int) -> str:
@@ -571,7 +583,10 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     # recorder's key and opens the ledger) race to do it with the same account's nonce
     ledger = open_ledger(cfg, run) if cfg.ledger.backend == "evm" else None
     cuts = sorted((f.round, f.worker, f.seconds, f.peer) for f in faults if f.kind in ("partition", "sever"))
-    host = _NetnsHost(cfg, task, run) if cuts else _LocalHost(cfg, task, run, placement.host)
+    kernel = cfg.link.shaping == "kernel"
+    if kernel and remote:
+        raise ConfigError("link.shaping = 'kernel' needs every worker started by this launcher (no --workers)")
+    host = _NetnsHost(cfg, task, run) if cuts or kernel else _LocalHost(cfg, task, run, placement.host)
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
     restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
     budget = dict.fromkeys(range(W), cfg.run.max_restarts)  # [run] max_restarts: restarts left per worker
@@ -772,28 +787,32 @@ _NOBODY = "02:00:00:00:00:01"  # a locally administered MAC address no namespace
 
 class _NetnsHost:
     """Workers in network namespaces 0..W-1 and the coordinator in namespace W, joined by veth
-    pairs to one bridge (netns.shaped_link, unshaped); a partition downs a worker's bridge port.
+    pairs to one bridge (netns.shaped_link: unshaped, or shaped to the link's bandwidth with
+    `[link] shaping = "kernel"`); a partition downs a worker's bridge port.
     Worker processes are programs of their own (`_main(ARGS.json)`): they rebuild the task from
     the run's manifest and store, so only the built-in GPT task runs here."""
 
     def __init__(self, cfg: Config, task: Task, run) -> None:
         import json
-        import math
-        import os
         import subprocess
         import sys
 
         from . import netns
         from .config import ConfigError
+        from .link import parse_bandwidth
         from .task import CorpusTask
 
+        what = "link.shaping = 'kernel'" if cfg.link.shaping == "kernel" else "partition faults"
         ok, why = netns.available()
         if not ok:
-            raise ConfigError(f"partition faults need network namespaces: {why}")
+            raise ConfigError(f"{what} need network namespaces: {why}")
         if not isinstance(getattr(task.make_model, "__self__", None), CorpusTask):
-            raise ConfigError("partition faults run workers as separate programs: only the built-in GPT task can")
+            raise ConfigError(f"{what} run workers as separate programs: only the built-in GPT task can")
         self.cfg, self.run, W = cfg, run, cfg.topology.workers
-        self._cm = netns.shaped_link(math.inf, n=W + 1)
+        # [link] shaping = "kernel": every port shaped to the link's bandwidth (tc tbf), the
+        # coordinator's too (its traffic is heartbeats and small keys); else unshaped
+        bandwidth = parse_bandwidth(cfg.link.bandwidth) if cfg.link.shaping == "kernel" else math.inf
+        self._cm = netns.shaped_link(bandwidth, n=W + 1)
         self.link = self._cm.__enter__()
         self.coord_host = self.link.addresses[W]
         serve = "import sys; from veriloco.membership import serve; serve(sys.argv[1:])"

@@ -15,7 +15,8 @@ Model (one exchange = one burst of traffic in each direction):
   links between data centres, are full duplex), so upload and download overlap and the slower
   direction decides; summing them would model a half-duplex radio link instead.
 - Latency is paid once per exchange, not per message: the exchange's messages are pipelined
-  (one broadcast per source, all in flight together), so their one-way delays overlap.
+  (every packet sent straight to every peer, all in flight together: exchange.py), so their
+  one-way delays overlap.
 - Only payload bytes are counted; real links also carry headers (about 4.5% for TCP/IPv4 at
   MTU 1500), which `veriloco.netns.compare_emulated_vs_kernel` measures against a kernel-shaped
   link.

@@ -536,6 +536,14 @@ class PgComm:
         opts.rootRank = root
         return self.pg.broadcast([t], opts)
 
+    def isend(self, t: torch.Tensor, dst: int):
+        """Starts a send and returns its work: wait for it with `wait`."""
+        return self.pg.send([t], dst, 0)
+
+    def irecv(self, t: torch.Tensor, src: int):
+        """Starts a receive and returns its work: wait for it with `wait`."""
+        return self.pg.recv([t], src, 0)
+
     def send(self, t: torch.Tensor, dst: int) -> None:
         self.wait(self.pg.send([t], dst, 0))
 
