@@ -142,10 +142,11 @@ class Membership:
         """Answer the others' reachability probes (`unreachable`): a TCP listener that accepts and
         closes, on the address this worker reaches the coordinator from (so the path the peers
         probe is the one its gloo groups use), published as reach/WORKER."""
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        family = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_DGRAM)[0][0]  # IPv4 or IPv6
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((self._host, self._port))  # no packet is sent: only the route's source address
             me = s.getsockname()[0]
-        self._listener = socket.create_server((me, 0), backlog=64)
+        self._listener = socket.create_server((me, 0), family=family, backlog=64)
 
         def serve() -> None:
             while not self._stop.is_set():
