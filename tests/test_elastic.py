@@ -362,15 +362,26 @@ def test_workers_started_by_join_on_another_machine_take_part_as_local_ones(tmp_
 
 
 def test_join_refuses_what_it_cannot_use_in_one_line(tmp_path):
+    import socket
+
     from typer.testing import CliRunner
 
     from veriloco.cli import app
+    from veriloco.run import prepare_run
 
-    train(tiny("--train.rounds=1"), str(tmp_path / "static"), quiet=True)
+    prepare_run(tiny(), str(tmp_path / "static"))  # a static run's directory: its manifest, no training
+    run, _ = prepare_run(tiny("--run.membership=elastic"), str(tmp_path / "elastic"))
+    with socket.socket() as s:  # a port nobody listens on: the launcher that wrote the file is gone
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (run.root / "coordinator.json").write_text(json.dumps({
+        "lighthouse": f"http://127.0.0.1:{port}", "store_host": "127.0.0.1", "store_port": port, "eval_start": 5.0,
+        "first": [0, 1], "stop_after": None, "launcher_pid": 1}))
     for args, needle in [
         (["join", str(tmp_path / "static"), "--workers", "1"], "is not an elastic run"),
         (["join", str(tmp_path / "static"), "--workers", "1,x"], "--workers takes distinct worker ids"),
         (["join", str(tmp_path / "nothing"), "--workers", "1"], "not a run directory"),
+        (["join", str(tmp_path / "elastic"), "--workers", "1"], "does not answer"),  # a stale coordinator.json
         (["train", str(ROOT / "configs" / "tiny.toml"), "--workers", "0", "--out", str(tmp_path / "r")],
          "--host and --workers need run.membership = 'elastic'"),
         (["train", str(ROOT / "configs" / "tiny.toml"), "--run.membership=elastic", "--workers", "0,7",

@@ -918,6 +918,13 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
         first, eval_start, stop_after = [int(j) for j in info["first"]], info["eval_start"], info["stop_after"]
     except (ValueError, KeyError, TypeError) as e:
         raise RunDirError(f"{path} is not a coordinator file: {e}") from None
+    import socket
+
+    try:  # before any worker starts: a launcher killed without cleaning up leaves the file behind
+        socket.create_connection((store_host, store_port), timeout=min(cfg.run.timeout_s, 10.0)).close()
+    except OSError as e:
+        raise RunDirError(f"the coordinator named in {path} ({store_host}:{store_port}) does not answer ({e}): "
+                          "its launcher is gone (the file is stale), or that address is not reachable from here") from None
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"]).as_task()
     ctx, procs, codes = context(), {}, {}
     budget = dict.fromkeys(workers, cfg.run.max_restarts)
