@@ -38,7 +38,7 @@ process instead (`trace_cost`: an inner step, a trace entry, a kept one;
 on this shared machine (the `round` row's trace is the baseline's, and it still differs); the state bytes each worker sent per round beside its packets'; the
 eval loss (replays do not change training: all three the same). The chance to catch within
 `--within` rounds is computed from p and c; `bench/replay_extent.py` and `bench/verify.py`
-measure c and the catches on the tiny model. `--quick`: 1 round at H = 10, for the test.
+measure c and the catches on the tiny model. `--quick`: 1 round at H = 10 of a one-layer model, for the test.
 `--trace-cost-only`: only `trace_cost` (with `PYTHONPATH` at an older checkout's `src`, that
 code's price: `bench/results/trace_cost-before-hash-fix.json`). `--keep-states-only`: only the
 state row, with its states kept in memory and then on disk (`[verify] keep_states`): peak
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip", type=float, default=0.25, help="the share of its steps the lazy worker skips")
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--within", type=int, default=30)
-    ap.add_argument("--quick", action="store_true", help="1 round at H = 10 (a check that it runs)")
+    ap.add_argument("--quick", action="store_true", help="1 round at H = 10 of a one-layer model (a check that it runs)")
     ap.add_argument("--trace-cost-only", action="store_true",
                     help="only time the finer trace by its parts (trace_cost), e.g. against older code on PYTHONPATH")
     ap.add_argument("--keep-states-only", action="store_true",
@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
     H, k = args.inner_steps, args.trace_every
     p_round, p_state = probability_for(args.target, args.within), probability_for(args.target, args.within, c)
     base = [f"--train.rounds={args.rounds}", f"--train.inner_steps={H}", "--train.eval_every=1000"]
+    if args.quick:  # a check that it runs: a one-layer model (the trace's price is still timed on the real one)
+        base += ["--model.n_layer=1", "--model.d_model=32", "--model.n_head=2", "--model.ctx=32",
+                 "--train.batch_size=4", "--train.eval_batches=2"]
     rows_spec = [("no replays", 0.0, ["--verify.replay_probability=0", f"--verify.trace_every={H}"]),
                  ("round", p_round, [f"--verify.replay_probability={p_round}", f"--verify.trace_every={H}",
                                      "--verify.replay_extent=round"]),
