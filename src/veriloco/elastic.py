@@ -39,6 +39,7 @@ shared run directory.
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import threading
@@ -72,6 +73,7 @@ from .round import (
     run_inner_and_send,
     setup_worker,
 )
+from .store import atomic_write
 from .task import Task
 from .verify import ABSENT, LATE
 
@@ -614,9 +616,9 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
 
     coordinator = run.root / COORDINATOR_FILE  # what `veriloco join` on another machine starts its workers from
     try:
-        _write_atomic(coordinator, {"lighthouse": host.lighthouse, "store_host": host.store_host,
-                                    "store_port": host.store_port, "eval_start": eval_start, "first": first,
-                                    "stop_after": stop_after, "launcher_pid": os.getpid()})
+        atomic_write(coordinator, json.dumps({"lighthouse": host.lighthouse, "store_host": host.store_host,
+                                              "store_port": host.store_port, "eval_start": eval_start, "first": first,
+                                              "stop_after": stop_after, "launcher_pid": os.getpid()}).encode())
         for j in first:
             if j in local:
                 start(j)
@@ -665,9 +667,8 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                         left[j].remove(fired)  # it fired: the restarted worker must not die there again
                     if j in restarts and done < R:
                         pending[j] = time.perf_counter() + restarts[j]
-                    elif budget[j] > 0 and done < R:  # the restart policy: after the others left it out
-                        budget[j] -= 1
-                        pending[j] = time.perf_counter() + cfg.run.heartbeat_timeout_s
+                    elif done < R and (at := _restart_at(budget, j, cfg)) is not None:
+                        pending[j] = at
                         event("restarting", j, restarts_left=budget[j])
             for j, t in list(pending.items()):
                 if time.perf_counter() >= t:
@@ -793,7 +794,6 @@ class _NetnsHost:
     the run's manifest and store, so only the built-in GPT task runs here."""
 
     def __init__(self, cfg: Config, task: Task, run) -> None:
-        import json
         import subprocess
         import sys
 
@@ -830,7 +830,6 @@ class _NetnsHost:
         self.lighthouse, self.store_host, self.store_port = info["lighthouse"], self.coord_host, int(info["store_port"])
 
     def start(self, j: int, args: dict):
-        import json
         import os
         import sys
 
@@ -876,12 +875,13 @@ def _spawn(ctx, cfg: Config, task: Task, run_dir: str, lighthouse: str, store_ho
     return _Spawned(p)
 
 
-def _write_atomic(path: Path, obj: dict) -> None:
-    import json
-
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(path)
+def _restart_at(budget: dict[int, int], j: int, cfg: Config) -> float | None:
+    """`[run] max_restarts`: when to start worker j again (perf_counter seconds; once the others
+    have left it out), spending one of its restarts; None when they are spent."""
+    if budget[j] <= 0:
+        return None
+    budget[j] -= 1
+    return time.perf_counter() + cfg.run.heartbeat_timeout_s
 
 
 def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[int, int]:
@@ -891,7 +891,6 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
     one that dies is started again up to `[run] max_restarts` times while the run is not complete.
     Only the built-in GPT task (the workers rebuild it from the manifest and the store). Returns
     each worker's last exit code."""
-    import json
 
     from .config import ConfigError, config_from_dict
     from .procs import context
@@ -945,9 +944,8 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
                     continue
                 del procs[j]
                 codes[j] = code
-                if code != 0 and budget[j] > 0 and len(run.rounds()) < end:
-                    budget[j] -= 1
-                    pending[j] = time.perf_counter() + cfg.run.heartbeat_timeout_s
+                if code != 0 and len(run.rounds()) < end and (at := _restart_at(budget, j, cfg)) is not None:
+                    pending[j] = at
                     _say(quiet, f"worker {j} exited with {code}; starting it again ({budget[j]} restarts left)")
             for j, t in list(pending.items()):
                 if time.perf_counter() >= t:
@@ -985,7 +983,6 @@ def _error_of(root: Path, j: int) -> str | None:
 
 def _main(spec_path: str) -> None:
     """One worker of a partition run, a program of its own in its namespace (see _NetnsHost)."""
-    import json
     import os
     import sys
 

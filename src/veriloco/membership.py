@@ -212,8 +212,8 @@ class Membership:
                 self._leave(view)
                 raise MembershipError(f"{why or 'a member did not post its probes'} before the round's group formed")
         reports = {}
-        for j in view.active:
-            text = self.store.get(f"{key}/{j}").decode()
+        for j, raw in zip(view.active, self.store.multi_get(rows), strict=True):
+            text = raw.decode(errors="replace")
             try:
                 reports[j] = set() if text == "-" else {int(x) for x in text.split()}
             except ValueError:
@@ -337,16 +337,15 @@ class Membership:
     def _stamp(self, key: str) -> tuple[int | None, float]:
         """(ROUND, T) of a key holding "T" (alive/, late/) or "ROUND T" (asked/, heading/), read
         once; (None, -inf) if there is none."""
-        try:  # check() does not block; get() of a missing key would wait for it
-            if not self.store.check([key]):
-                return None, float("-inf")
-            *head, t = self.store.get(key).decode().split()
+        try:
+            *head, t = (self._stamp_text(key) or "").split()
             return (int(head[0]) if head else None), float(t)
-        except (RuntimeError, ValueError, IndexError):
+        except (ValueError, IndexError):
             return None, float("-inf")
 
     def _stamp_text(self, key: str) -> str | None:
-        """The value of `key`, or None if there is none (without blocking)."""
+        """The value of `key`, or None if there is none (check() does not block; get() of a
+        missing key would wait for it)."""
         try:
             return self.store.get(key).decode() if self.store.check([key]) else None
         except (RuntimeError, UnicodeDecodeError):
@@ -546,10 +545,10 @@ class PgComm:
         return self.pg.recv([t], src, 0)
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        self.wait(self.pg.send([t], dst, 0))
+        self.wait(self.isend(t, dst))
 
     def recv(self, t: torch.Tensor, src: int) -> None:
-        self.wait(self.pg.recv([t], src, 0))
+        self.wait(self.irecv(t, src))
 
     def broadcast_from(self, t: torch.Tensor, src: int) -> None:
         self.wait(self.broadcast(t, src))

@@ -210,9 +210,9 @@ _EVENT_TEXT = {
 def membership_section(v: RunView) -> str:
     """Elastic runs: what happened to the workers (the launcher's events: starts, deaths, restarts,
     cuts; the rounds' members are in the verdict grid). Empty for a run without events."""
-    shown = [x for x in v.events if x.get("event") != "committed"]
     if not v.events:
         return ""
+    shown = [x for x in v.events if x.get("event") != "committed"]
     tally = Counter(str(x.get("event")) for x in shown)
     starts = Counter(_int(x.get("worker")) for x in shown if x.get("event") == "started")
     restarts = sum(n - 1 for n in starts.values())  # every start of a worker after its first

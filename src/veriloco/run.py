@@ -130,9 +130,7 @@ def launch(
         return launch_elastic(cfg, task, run, faults or [], quiet, stop_after, placement)
     if faults:
         raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
-    if placement is not None:
-        raise ConfigError("--host and --workers need run.membership = 'elastic' (a static run spans machines "
-                          "with torchrun)")
+    check_placement(cfg, placement)
     world = cfg.topology.workers * cfg.topology.stages
     port = free_port()
     start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
