@@ -363,11 +363,25 @@ class Membership:
         retries, several times that (seen in tests/test_elastic.py's death test: a member died
         after it had joined the quorum). So it is formed in a thread, and given up on with a
         MembershipError (the round is retried with a new quorum) as soon as a member's heartbeat
-        is stale: a death costs heartbeat_timeout_s. The abandoned thread ends when gloo gives up."""
+        is stale (a death costs heartbeat_timeout_s) or, probed, it cannot be reached (a cut that
+        came after `connected`; the retry drops it). The abandoned thread ends when gloo gives up."""
         # its own store connection: the rendezvous blocks in it, while the liveness reads below go on
         own = dist.TCPStore(self._host, self._port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
         prefix = dist.PrefixStore(f"pg/{view.key}", own)
         rank, size, made = view.index(self.worker), len(view.active), {}
+        probe_at = [time.monotonic() + self.heartbeat_timeout_s]
+
+        def watch() -> str | None:
+            """_silent(view), and, every heartbeat_timeout_s that the group's forming or one of its
+            collectives waits, a probe of the other members: a path cut after `connected` probed
+            holds gloo's connect, or its open sockets, until gloo's own timeout."""
+            why = self._silent(view)
+            if why is None and time.monotonic() >= probe_at[0]:
+                lost = self.unreachable([j for j in view.active if j != self.worker])
+                probe_at[0] = time.monotonic() + self.heartbeat_timeout_s
+                if lost:
+                    why = f"worker {lost[0]} of the quorum cannot be reached"
+            return why
 
         def form() -> None:
             try:
@@ -379,26 +393,13 @@ class Membership:
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            why = self._silent(view)
+            why = watch()
             if why is not None and thread.is_alive():
                 self._leave(view)  # the others still forming it stop waiting too
                 raise MembershipError(f"{why} before the round's group formed")
         if "error" in made:
             raise made["error"]
-
-        probe_at = [time.monotonic() + self.heartbeat_timeout_s]
-
-        def watch() -> str | None:
-            """_silent(view), and, every heartbeat_timeout_s that a collective waits, a probe of
-            the other members: a path cut after the group formed holds gloo's sockets open."""
-            why = self._silent(view)
-            if why is None and time.monotonic() >= probe_at[0]:
-                lost = self.unreachable([j for j in view.active if j != self.worker])
-                probe_at[0] = time.monotonic() + self.heartbeat_timeout_s
-                if lost:
-                    why = f"worker {lost[0]} of the quorum cannot be reached"
-            return why
-
+        probe_at[0] = time.monotonic() + self.heartbeat_timeout_s  # the collectives' waits count from here
         return PgComm(made["pg"], rank, size, watch=watch, leave=lambda: self._leave(view))
 
     def _leave(self, view: QuorumView) -> None:
