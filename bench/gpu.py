@@ -47,6 +47,16 @@ Without CUDA and without --smoke it exits 2 ("no CUDA device: run with --smoke o
    fp32 run on the GPU; int8/int4 encode copy into a CPU buffer (so they run on the CPU) and
    their decode mixes CPU and GPU tensors and fails; topk and lowrank encode fail (CPU helper
    tensors: bit shifts, the random warm start). The device path's errors are the finding.
+3. Engine (`--engine`): the round engine itself with `[run] device = "cuda"` (written in the
+   eighteenth session, never run on a GPU then): `veriloco.run.train` of configs/default.toml's model,
+   4 workers as 4 processes on the one GPU, `--engine-rounds` rounds of H = 30, once in fp32
+   and once with `[train] precision = "bf16"`, replays on (`inner_state = "reset"`,
+   `replay_probability = 1`, `replay_match = "distance"`, the GPU setting) and then
+   `veriloco.audit.audit_run` (on the CPU). A row per run: the verdicts, eval loss, tokens/s and
+   whether the audit passed, or the first line of the error. It needs the package's runtime
+   dependencies (safetensors, cryptography, typer, ...), which the GPU machine may lack: carry
+   wheels and install them with `pip install --no-index`. With --smoke the same runs use the
+   tiny config on the CPU.
 """
 
 from __future__ import annotations
@@ -421,6 +431,36 @@ def random_delta(shapes: dict[str, tuple[int, ...]], device: torch.device, seed:
 # output
 
 
+def bench_engine(precision: str, args: argparse.Namespace, where: Path) -> dict[str, Any]:
+    """One engine run on the device (part 3 of the module docstring), then its offline audit."""
+    row: dict[str, Any] = {"precision": precision}
+    try:
+        import tempfile
+
+        from veriloco.audit import audit_run
+        from veriloco.config import load_config
+        from veriloco.run import train
+
+        config = ROOT / "configs" / ("tiny.toml" if args.smoke else "default.toml")
+        rounds = args.engine_rounds or (1 if args.smoke else 3)
+        overrides = [f"--run.device={'cpu' if args.smoke else 'cuda'}", f"--train.precision={precision}",
+                     f"--train.rounds={rounds}", "--train.inner_state=reset", "--verify.replay_probability=1.0",
+                     "--verify.replay_match=distance", "--compress.error_feedback=false", "--ledger.backend=sqlite"]
+        cfg = load_config(config, overrides)
+        row.update(config=config.name, overrides=overrides, workers=cfg.topology.workers)
+        with tempfile.TemporaryDirectory(dir=where if where.exists() else None) as tmp:
+            run, summary = train(cfg, str(Path(tmp) / "run"), quiet=True)
+            records = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
+            report = audit_run(run.root)
+        row.update(eval_loss_start=summary["eval_loss_start"], eval_loss_end=summary["eval_loss_end"],
+                   tokens_per_s=summary["tokens_per_s"], wall_s=summary["wall_s"],
+                   verdicts=sorted({v for rec in records for v in rec["verdicts"]}),
+                   audit_ok=report.ok, audit_failure=report.first_failure)
+    except Exception as e:  # noqa: BLE001 - the row carries what failed: the finding on a new device
+        row["error"] = first_line(e)
+    return row
+
+
 def write(out: Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -487,6 +527,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--delta-repeats", type=int, default=None,
                     help="timed codec repeats on the model delta (default 2; smoke 1)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip what is left after this many seconds")
+    ap.add_argument("--engine", action="store_true", help="also train with the round engine on the device (part 3)")
+    ap.add_argument("--engine-rounds", type=int, default=None, help="rounds per engine run (default 3; smoke 1)")
     args = ap.parse_args(argv)
     defaults = (4, 1, 3, 256, 2, 1) if args.smoke else (16, 3, 20, 8192, 5, 2)
     names = ("batch", "warmup", "steps", "matrix", "repeats", "delta_repeats")
@@ -585,6 +627,20 @@ def main(argv: list[str] | None = None) -> int:
         del delta
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    # 3. the round engine on the device
+    if args.engine:
+        result["engine"] = []
+        for precision in ("fp32", "bf16"):
+            if not budget.allows(f"engine {precision}"):
+                continue
+            row = bench_engine(precision, args, out.parent)
+            result["engine"].append(row)
+            write(out, result)
+            msg = row.get("error") or (f"eval {row['eval_loss_start']:.4f} -> {row['eval_loss_end']:.4f}, "
+                                       f"{row['tokens_per_s']:,.0f} tokens/s, verdicts {row['verdicts']}, "
+                                       f"audit {'ok' if row['audit_ok'] else row['audit_failure']}")
+            print(f"  engine {precision}: {msg}", flush=True)
 
     result["skipped"] = budget.skipped
     result["elapsed_s"] = round(budget.elapsed(), 1)

@@ -92,3 +92,19 @@ def test_full_run_needs_cuda(tmp_path: Path) -> None:
     assert p.returncode == 2
     assert p.stderr.strip() == "no CUDA device: run with --smoke on CPU"
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_smoke_engine_trains_both_precisions_and_audits(tmp_path: Path) -> None:
+    """Part 3 (`--engine`) on the CPU: the round engine at fp32 and bf16, replays on, then the audit."""
+    out = tmp_path / "gpu.json"
+    p = run(["--smoke", "--engine", "--variants", "inner", "--codecs", "fp32", "--paths", "host",
+             "--no-model-delta", "--out", str(out)])
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["precision"]: r for r in json.loads(out.read_text())["engine"]}
+    assert set(rows) == {"fp32", "bf16"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["verdicts"] == ["accept"] and r["audit_ok"], r
+        assert r["eval_loss_end"] < r["eval_loss_start"]
+        assert "--run.device=cpu" in r["overrides"]
+    assert rows["fp32"]["eval_loss_end"] != rows["bf16"]["eval_loss_end"]  # the precision took effect

@@ -24,6 +24,9 @@ BASE = ("--topology.workers=3", "--topology.stages=2", "--topology.microbatches=
         "--verify.replay_probability=1.0", "--verify.replay_extent=segment")
 
 
+LAZY_ROUNDS = 5
+
+
 def verdicts_of(run_dir: Path, worker: int) -> list[str]:
     return [r["verdicts"][worker] for r in rounds_of(run_dir)]
 
@@ -31,8 +34,11 @@ def verdicts_of(run_dir: Path, worker: int) -> list[str]:
 @pytest.fixture(scope="module")
 def lazy_run(tmp_path_factory) -> Path:
     """Worker 1 skips half its inner steps; delay 1 with the eager correction (the start point of
-    a replay then holds the worker's own previous delta, slice by slice)."""
-    run, _ = train(tiny(*BASE, "--adversary.1=lazy:skip=0.5", "--outer.delay=1", "--outer.momentum=0.5"),
+    a replay then holds the worker's own previous delta, slice by slice). LAZY_ROUNDS rounds: it is
+    caught when segment 1 is drawn, which the run id decides (with 3 rounds a new config field once
+    drew segment 0 in every round)."""
+    run, _ = train(tiny(*BASE, f"--train.rounds={LAZY_ROUNDS}", "--adversary.1=lazy:skip=0.5", "--outer.delay=1",
+                        "--outer.momentum=0.5"),
                    str(tmp_path_factory.mktemp("replay_stages") / "lazy"), quiet=True)
     return run.root
 
@@ -40,7 +46,7 @@ def lazy_run(tmp_path_factory) -> Path:
 def test_the_pipeline_replays_honest_workers_clean_and_convicts_a_lazy_one(lazy_run):
     recs = rounds_of(lazy_run)
     for j in (0, 2):
-        assert verdicts_of(lazy_run, j) == ["accept"] * 3
+        assert verdicts_of(lazy_run, j) == ["accept"] * LAZY_ROUNDS
     for rec in recs:  # both stages drew the same plan and reached the same verdicts
         first, second = (part["evidence"] for part in rec["stages"])
         assert first == second
@@ -53,7 +59,7 @@ def test_the_pipeline_replays_honest_workers_clean_and_convicts_a_lazy_one(lazy_
         assert rec["stages"][0]["evidence"]["1"]["replayed"]["segment"] == 0
     evidence = recs[caught]["stages"][0]["evidence"]["1"]
     assert evidence["segment"] == 1 and evidence["first_mismatch"] == 2
-    assert verdicts_of(lazy_run, 1)[caught + 1:] == ["banned"] * (2 - caught)
+    assert verdicts_of(lazy_run, 1)[caught + 1:] == ["banned"] * (LAZY_ROUNDS - 1 - caught)
 
 
 def test_the_offline_audit_replays_a_pipelined_run_in_one_process(lazy_run):
@@ -61,7 +67,7 @@ def test_the_offline_audit_replays_a_pipelined_run_in_one_process(lazy_run):
     assert report.ok, report.first_failure
     caught = verdicts_of(lazy_run, 1).index("replay_mismatch")
     # every worker in each round up to the conviction, then the two honest ones
-    assert report.checked["replays"] == 3 * (caught + 1) + 2 * (2 - caught)
+    assert report.checked["replays"] == 3 * (caught + 1) + 2 * (LAZY_ROUNDS - 1 - caught)
 
 
 def test_the_offline_audit_names_auditors_that_covered_for_a_lazy_pipelined_worker(tmp_path, monkeypatch):

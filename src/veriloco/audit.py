@@ -85,7 +85,7 @@ from .round import (
 from .signing import FILE as SIGNED_FILE
 from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
-from .task import CorpusTask, load_stored_corpus, model_init_hash
+from .task import CorpusTask, Task, load_stored_corpus, model_init_hash, on_device
 from .topology import build_stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
@@ -415,6 +415,13 @@ class _Slice:
         return self.momenta[back] if back >= 0 else None
 
 
+def _on_cpu(cfg, task: CorpusTask) -> Task:
+    """The run's task as the audit computes it: on this machine's CPU, at the run's precision (a
+    run trained on GPUs is re-checked on the CPU: exact replays and loss-gain reports then need not
+    reproduce, `[run] device`)."""
+    return on_device(task.as_task(), "cpu", cfg.train.precision)
+
+
 def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
     counts = report.checked
     loaded = src.load()
@@ -664,14 +671,14 @@ def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int
     if stage_settled is not None:
         gains_of = lambda decoded, seed: stage_settled  # noqa: E731
     elif loss_gain_checkers(v):
-        gains_of = _AuditLossGains(cfg, make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n, H),
+        gains_of = _AuditLossGains(cfg, make_loss_gain(_on_cpu(cfg, task), G0, sl.start_of(back), r, n, H),
                                    sorted(checked.present), sl.banned, part.get("loss_gain_reports"), where)
     else:
         gains_of = None
     check = screen_checked(
         checked.check, base_hash=checked.base, screen=v.screen, previous=sl.previous,
         earlier=sl.earlier if screens_earlier(cfg) else None,
-        loss_gain_of=make_loss_gain(task.as_task(), G0, sl.start_of(back), r, n, H)
+        loss_gain_of=make_loss_gain(_on_cpu(cfg, task), G0, sl.start_of(back), r, n, H)
         if v.loss_gain_batches and gains_of is None else None,
         loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v), loss_gain_floor=v.loss_gain_floor,
     )
@@ -700,7 +707,7 @@ def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Che
     """The loss gains a pipelined run's workers computed (round.StageLossGains), in this one
     process: the whole model through the emulated stages, for the senders every slice decoded,
     on the batches gain_steps draws from the stages' pooled screen seed."""
-    back, t = r - 1 - base_lag(cfg), task.as_task()
+    back, t = r - 1 - base_lag(cfg), _on_cpu(cfg, task)
     at = gain_steps(seed, cfg.train.inner_steps, cfg.verify.loss_gain_batches)
     G_r = {k: v for sl in slices for k, v in sl.start_of(back).items()}
     stages = [build_stage_model(cfg.model, cfg.run.seed, s, len(slices)) for s in range(len(slices))]
@@ -872,7 +879,7 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
             lied_on_gain = "loss_gain" in (checked.check.evidence.get(j) or {})  # convicted by the audit's own check_round
             if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
                 _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
-    t = task.as_task()
+    t = _on_cpu(cfg, task)
     replayer = plain_replayer(t.make_model, t.loss, cfg.train, total) if stages == 1 else _emulated_replayer(cfg, total)
     back = r - 1 - cfg.outer.delay
     land = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import time
 
 import torch
@@ -23,8 +24,8 @@ from .inner import InnerLoop
 from .procs import start_workers
 from .records import RunDir
 from .round import init_distributed, progress_line
-from .run import free_port, prepare_run
-from .task import CorpusTask, Task
+from .run import check_device, free_port, prepare_run
+from .task import CorpusTask, Task, on_device, process_device
 
 
 class _CommCounter:
@@ -60,12 +61,16 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
     try:
         torch.set_num_threads(cfg.train.threads)
         run = RunDir(run_dir)
+        device = process_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        task = on_device(task, device, cfg.train.precision)
         model = task.make_model()
         # buffers are not synced every step (the GPT has none); torch >= 2.13 names that
         # forward_sync_buffers and warns on the older broadcast_buffers
         no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
             else "broadcast_buffers"
-        ddp = DDP(model, **{no_sync: False})
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **{no_sync: False})
         counter = _CommCounter(world, link)
         ddp.register_comm_hook(counter, _counting_allreduce)
         inner = InnerLoop(ddp, cfg.train, cfg.train.rounds * cfg.train.inner_steps, task.loss)
@@ -126,6 +131,7 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
 
 def train_ddp(cfg: Config, out: str | None = None, quiet: bool = False, link=None) -> tuple[RunDir, dict]:
     """Run the DDP baseline with cfg's model, data and schedule; returns (run dir, summary)."""
+    check_device(cfg)
     run, task = prepare_run(cfg, out)
     return run, launch_ddp(cfg, task.as_task(), run, quiet, link)
 

@@ -70,6 +70,12 @@ class TrainConfig:
     eval_batches: int = _f(8, "held-out batches per eval (split across workers)")
     eval_every: int = _f(1, "eval the global params every this many rounds (and at the end)")
     threads: int = _f(1, "torch threads per process")
+    precision: str = _f(
+        "fp32",
+        "'fp32', or 'bf16': each inner step's forward and loss (and every eval, loss gain and replay of "
+        "them) under torch.autocast(bfloat16) on run.device; params, grads, AdamW state and deltas stay "
+        "fp32. topology.stages = 1 only",
+    )
     inner_state: str = _f(
         "keep",
         "'keep' the AdamW moments across rounds (DiLoCo) or 'reset' them every round, which makes a "
@@ -287,7 +293,19 @@ class RunConfig:
     """[run] seeds, backend, timeouts, output."""
 
     seed: int = _f(0, "run seed: model init and every batch derive from it")
-    backend: str = _f("auto", "'gloo', 'nccl', or 'auto' (nccl when CUDA is available)")
+    device: str = _f(
+        "cpu",
+        "'cpu', or 'cuda': each process trains on cuda:(its local index mod the GPUs it sees) - the model, "
+        "inner steps, evals, loss gains and replays; G, the outer step, codecs, packets and hashes stay on "
+        "the CPU. Exact replays (verify.replay_match) on GPUs need identical GPUs and torch's deterministic "
+        "algorithms (turned on then); else use 'distance'",
+    )
+    backend: str = _f(
+        "auto",
+        "'auto' or 'gloo': gloo (the exchange's packets and the checks' tensors are on the CPU); 'auto' "
+        "with run.device = 'cuda' also registers nccl for CUDA tensors (pipeline activations, DDP "
+        "gradients), as does 'nccl', which needs run.device = 'cuda'",
+    )
     timeout_s: float = _f(120.0, "collective timeout: a dead peer is an error after this long")
     max_packet_bytes: int = _f(1 << 30, "packets larger than this are rejected before decoding")
     membership: str = _f(
@@ -451,6 +469,12 @@ def validate(cfg: Config) -> None:
     need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
     _check_topology(cfg)
     need(cfg.run.backend in ("auto", "gloo", "nccl"), f"run.backend must be auto, gloo or nccl, got {cfg.run.backend!r}")
+    need(cfg.run.device in ("cpu", "cuda"), f"run.device must be 'cpu' or 'cuda', got {cfg.run.device!r}")
+    need(cfg.run.backend != "nccl" or cfg.run.device == "cuda",
+         "run.backend = 'nccl' needs run.device = 'cuda' (on the CPU every collective is gloo's)")
+    need(t.precision in ("fp32", "bf16"), f"train.precision must be 'fp32' or 'bf16', got {t.precision!r}")
+    need(t.precision == "fp32" or cfg.topology.stages == 1,
+         f"train.precision = {t.precision!r} needs topology.stages = 1 (pipeline stages run in fp32)")
     need(cfg.outer.delay in (0, 1), f"outer.delay must be 0 or 1, got {cfg.outer.delay}")
     need(cfg.outer.correction in ("eager", "local", "naive"),
          f"outer.correction must be 'eager', 'local' or 'naive', got {cfg.outer.correction!r}")

@@ -74,7 +74,7 @@ from .round import (
     setup_worker,
 )
 from .store import atomic_write
-from .task import Task
+from .task import Task, on_device
 from .verify import ABSENT, LATE
 
 
@@ -579,7 +579,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     if remote and faults:
         raise ConfigError("--fault needs every worker started by this launcher (no --workers)")
     R = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)  # where this launch ends
-    eval_start = _eval_loss(task)  # once, over the whole eval set, before any process starts
+    eval_start = _eval_loss(on_device(task, "cpu", cfg.train.precision))  # once, over the whole eval set, before any process starts
     before_s = sum(p["round_s"] for p in run.rounds())  # a resumed run's wall: its rounds so far, and this launch
     # an EVM ledger: register the run on chain once, before the workers (every one holds the
     # recorder's key and opens the ledger) race to do it with the same account's nonce
@@ -905,6 +905,9 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
         raise ConfigError(f"{run.root} is not an elastic run (run.membership = {cfg.run.membership!r})")
     if not workers or any(not 0 <= j < W for j in workers) or len(set(workers)) != len(workers):
         raise ConfigError(f"--workers must name distinct workers of 0..{W - 1}, got {workers}")
+    from .run import check_device
+
+    check_device(cfg)
     path, deadline = run.root / COORDINATOR_FILE, time.monotonic() + cfg.run.timeout_s
     while not path.exists():
         if time.monotonic() > deadline:

@@ -94,7 +94,7 @@ def shift_params(model: nn.Module, to: dict[str, torch.Tensor], frm: dict[str, t
     point it began from to the G that landed). One op order, so a replay moves the same bits."""
     with torch.no_grad():
         for k, p in model.named_parameters():
-            p.add_(to[k] - frm[k])
+            p.add_((to[k] - frm[k]).to(p.device))
 
 
 def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: Callable[[], str],
@@ -133,11 +133,14 @@ class InnerLoop:
         self.model, self.cfg, self.total_steps, self.loss_fn = model, cfg, total_steps, loss_fn
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
+        # one kernel path on the CPU, which keeps CPU runs bit-reproducible on every machine; on a GPU
+        # the multi-tensor kernels (a replay there takes the same path)
+        self._foreach = any(p.is_cuda for p in model.parameters())
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
-            foreach=False,  # one kernel path on every machine: keeps CPU runs bit-reproducible
+            foreach=self._foreach,
         )
         self.step_count = 0  # inner steps taken so far in the run (drives the LR schedule)
         self.round_start: int | None = None  # step_count when this round began, when H varies (lr_at)
@@ -154,7 +157,7 @@ class InnerLoop:
         loss = self.loss_fn(self.model, x, y)
         loss.backward()
         if self.cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=False)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=self._foreach)
         self.opt.step()
         self.step_count += 1
         return float(loss.detach())
@@ -197,7 +200,8 @@ class InnerLoop:
             pname, k = rest.rsplit("/", 1)
             if pname not in params:
                 raise ValueError(f"optimizer state names unknown parameter {pname!r}")
-            self.opt.state[params[pname]][k] = v.clone()
+            # moments on the param's device; AdamW keeps its scalar step count on the CPU
+            self.opt.state[params[pname]][k] = v.to(params[pname].device, copy=True) if v.dim() else v.clone()
 
     def state_hash(self) -> str:
         """Hash of params + optimizer state: one trace entry."""

@@ -17,7 +17,8 @@ class OuterOptimizer:
     """Holds the global params G and moves them by the aggregated delta."""
 
     def __init__(self, global_params: dict[str, torch.Tensor], cfg: OuterConfig) -> None:
-        self.params = {k: v.detach().clone().float() for k, v in global_params.items()}
+        # on the CPU, whatever device the model trains on (`[run] device`): codecs, packets and hashes are there
+        self.params = {k: v.detach().cpu().clone().float() for k, v in global_params.items()}
         self.cfg = cfg
         self._order = sorted(self.params)
         self._opt = torch.optim.SGD(

@@ -171,7 +171,8 @@ class PipelineInnerLoop(InnerLoop):
             g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
         mb_losses: list[torch.Tensor] = []
-        _pipe_step(self.sched, self.stage, self.stages, x, y, mb_losses, forward_only=False)
+        _pipe_step(self.sched, self.stage, self.stages, x.to(self.device), y.to(self.device), mb_losses,
+                   forward_only=False)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         sq = _squared_norm(grads, self.device)
         loss = _step_loss(mb_losses) if self.is_last else torch.zeros_like(sq)
@@ -329,7 +330,8 @@ class PipelineEval:
             for x, y in batches:
                 _check_split(y.shape[0], self.microbatches)
                 mb_losses: list[torch.Tensor] = []
-                _pipe_step(self.sched, self.stage, self.stages, x, y, mb_losses, forward_only=True)
+                _pipe_step(self.sched, self.stage, self.stages, x.to(self.device), y.to(self.device), mb_losses,
+                           forward_only=True)
                 if self.stage == self.stages - 1:
                     _tally(total, mb_losses, y)
                 else:

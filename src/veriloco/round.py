@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -94,7 +95,7 @@ from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, 
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
-from .task import CorpusTask, Task
+from .task import CorpusTask, Task, on_device, process_device
 from .topology import Topology, build_stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
@@ -181,6 +182,7 @@ class Worker:
     kept: dict = field(default_factory=dict)  # replay_extent "state": round -> its trace entries' states (KeptStates)
     kept_pool: list = field(default_factory=list)  # keep_states "memory": released states, whose memory is reused
     layout: list = field(default_factory=list)  # replay_extent "state": a sent state's layout (state_layout)
+    device: torch.device = torch.device("cpu")  # where the model trains (`[run] device`); G stays on the CPU
 
     @property
     def is_recorder(self) -> bool:
@@ -329,6 +331,13 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     topo = Topology(cfg.topology.workers, cfg.topology.stages, world)
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
     check_splittable(task, stages)
+    device = process_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if cfg.verify.replay_match == "exact":  # replays must reproduce the trace bit for bit
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for it
+            torch.use_deterministic_algorithms(True)
+    task = on_device(task, device, cfg.train.precision)
     run = RunDir(run_dir)
     store = LocalStore(run.store_dir)
     timeout = timedelta(seconds=cfg.run.timeout_s)
@@ -342,10 +351,10 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         model = task.make_model()
         inner = InnerLoop(model, cfg.train, total_steps, task.loss)
     else:
-        model = build_stage_model(cfg.model, cfg.run.seed, stage, stages)
+        model = build_stage_model(cfg.model, cfg.run.seed, stage, stages).to(device)
         inner = PipelineInnerLoop(
             model, cfg.train, total_steps, stage=stage, stages=stages, group=worker_group,
-            microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule,
+            microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule, device=device,
         )
     outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)  # this stage's slice of G
     link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
@@ -362,7 +371,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         raise RuntimeError(f"worker {worker}'s key is not the one the run manifest admits")
     ledger = open_ledger(cfg, run) if rank == 0 or elastic else None  # elastic: whoever commits first records
     w = Worker(cfg, rank, topo, worker_group, stage_group, task, run, store, model, inner, outer, exchange,
-               encoder, eval_set, identity, ledger)
+               encoder, eval_set, identity, ledger, device=device)
     if elastic:
         w.eval_all = task.eval_batches()
     if str(worker) in cfg.adversary:
@@ -484,7 +493,7 @@ def pipeline_eval(w: Worker, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
     shape = tuple(batches[0][0].shape) if batches else ()
     if shape not in w.pipe_evals:
         w.pipe_evals[shape] = PipelineEval(w.model, w.worker_group, stage=w.stage, stages=w.topo.stages,
-                                           microbatches=w.cfg.topology.microbatches)
+                                           microbatches=w.cfg.topology.microbatches, device=w.device)
     return w.pipe_evals[shape](batches)
 
 
@@ -611,7 +620,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     w.resumed_view = None
     view = View(w.workers, seen, w.own_packet, w.own_decoded[-1] if w.own_decoded else None)
     with torch.no_grad():
-        delta = adv.delta(r, {key: base[key] - p.detach() for key, p in w.model.named_parameters()}, view)
+        delta = adv.delta(r, {key: base[key] - p.detach().cpu() for key, p in w.model.named_parameters()}, view)
     # the budget hides the exchange under the next round's inner steps (measured: this round's), or
     # under the first overlap_steps of them, after which the update must land
     window_s = result.seconds * (cfg.outer.overlap_steps or steps) / max(steps, 1)
@@ -970,10 +979,11 @@ def replayer_of(w: Worker) -> Replayer:
         return plain_replayer(w.task.make_model, w.task.loss, cfg.train, total)
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[torch.nn.Module, PipelineInnerLoop]:
-        model = build_stage_model(cfg.model, cfg.run.seed, w.stage, w.topo.stages)
+        model = build_stage_model(cfg.model, cfg.run.seed, w.stage, w.topo.stages).to(w.device)
         load_params(model, start)
         loop = PipelineInnerLoop(model, cfg.train, total, stage=w.stage, stages=w.topo.stages, group=w.worker_group,
-                                 microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule)
+                                 microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule,
+                                 device=w.device)
         loop.step_count = steps_before
         return model, loop
 
@@ -1490,10 +1500,18 @@ def train_worker(
     }
 
 
+def process_backend(cfg: Config) -> str:
+    """The torch.distributed backend of a run's world (`[run] backend`): gloo, which carries every
+    tensor the rounds move (packets, checks, evals: all on the CPU), and with run.device = 'cuda'
+    nccl beside it for CUDA tensors (pipeline activations, DDP's gradients), unless 'gloo' alone
+    was asked for. The CPU needs gloo whatever was asked: nccl alone had every CPU collective fail."""
+    if cfg.run.device == "cuda" and cfg.run.backend in ("auto", "nccl"):
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
 def init_distributed(cfg: Config, rank: int, world: int, init_method: str) -> None:
-    backend = cfg.run.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = process_backend(cfg)
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world,
         timeout=timedelta(seconds=cfg.run.timeout_s),

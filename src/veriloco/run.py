@@ -147,6 +147,7 @@ def train(
     `faults`: declarative fault specs (faults.py), elastic membership only; `placement`: see launch."""
     check_stop_after(stop_after)
     check_placement(cfg, placement)
+    check_device(cfg)
     if faults:  # a bad spec fails before anything is written
         from .faults import parse_faults
 
@@ -162,6 +163,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
     from .round import check_splittable
 
     check_splittable(task, cfg.topology.stages)
+    check_device(cfg)
     run = RunDir(out)
     manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
                 "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
@@ -177,6 +179,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     manifest = run.read_manifest()
     cfg = config_from_dict(manifest["config"])
     check_placement(cfg, placement)
+    check_device(cfg)
     records = run.rounds()
     done = len(records)
     if done >= cfg.train.rounds:
@@ -195,6 +198,17 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     run.truncate_to(done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
+
+
+def check_device(cfg: Config) -> None:
+    """`[run] device = 'cuda'` on a machine whose torch sees no GPU: one line, before anything is
+    written or started (the workers would each fail alike)."""
+    from .task import process_device
+
+    try:
+        process_device(cfg, 0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_placement(cfg: Config, placement) -> None:

@@ -39,6 +39,53 @@ class Task:
     eval_batches: Callable[[], list[Batch]]
 
 
+class _ModelOn:
+    """make_model, then moved to `device` (picklable: a task goes to the worker processes)."""
+
+    def __init__(self, make_model: Callable[[], nn.Module], device: torch.device) -> None:
+        self.make_model, self.device = make_model, device
+
+    def __call__(self) -> nn.Module:
+        return self.make_model().to(self.device)
+
+
+class _LossOn:
+    """loss(model, x, y) with the batch moved to `device`, under bf16 autocast when asked."""
+
+    def __init__(self, loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device, precision: str) -> None:
+        self.loss, self.device, self.precision = loss, device, precision
+
+    def __call__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.precision == "bf16":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return self.loss(model, x, y)
+        return self.loss(model, x, y)
+
+
+def on_device(task: Task, device: torch.device | str, precision: str = "fp32") -> Task:
+    """`task` with its models built on `device` and its loss taking batches there (`[run] device`),
+    under bf16 autocast with precision 'bf16' (`[train] precision`). The batches themselves are
+    still made on the CPU (they are hashed and committed there). On the CPU in fp32: `task`."""
+    device = torch.device(device)
+    if device.type == "cpu" and precision == "fp32":
+        return task
+    return Task(_ModelOn(task.make_model, device), _LossOn(task.loss, device, precision), task.batch,
+                task.eval_batches)
+
+
+def process_device(cfg: Config, index: int) -> torch.device:
+    """The device of a process (`[run] device`): the CPU, or cuda:(`index` mod the GPUs this
+    process sees); `index` is its local rank on its machine. Raises ValueError without CUDA."""
+    if cfg.run.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("run.device = 'cuda' but torch.cuda.is_available() is False on this machine "
+                         f"(torch {torch.__version__})")
+    return torch.device("cuda", index % torch.cuda.device_count())
+
+
 def _gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return lm_loss(model(x), y)
 
@@ -90,4 +137,4 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash({k: v for k, v in model.state_dict().items()})
 
 
-__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash"]
+__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "on_device", "process_device"]

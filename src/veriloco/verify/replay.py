@@ -314,7 +314,7 @@ def _replayed_delta(replayer: Replayer, cfg: TrainConfig, start: dict[str, torch
     params, inner = replayer(start, steps_before)
     inner.run(batch_of_step, cfg.inner_steps)
     with torch.no_grad():
-        return {k: start[k] - p.detach() for k, p in params.named_parameters()}
+        return {k: start[k] - p.detach().cpu() for k, p in params.named_parameters()}
 
 
 def as_committed(delta: dict[str, torch.Tensor], codecs: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -407,7 +407,7 @@ def replay_run(
     if end != train.inner_steps:
         return Replayed(trace, None, first)
     with torch.no_grad():
-        return Replayed(trace, {name: base[name] - p.detach() for name, p in params.named_parameters()}, first)
+        return Replayed(trace, {name: base[name] - p.detach().cpu() for name, p in params.named_parameters()}, first)
 
 
 def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
