@@ -455,6 +455,7 @@ def bench_engine(precision: str, args: argparse.Namespace, where: Path) -> dict[
         row.update(eval_loss_start=summary["eval_loss_start"], eval_loss_end=summary["eval_loss_end"],
                    tokens_per_s=summary["tokens_per_s"], wall_s=summary["wall_s"],
                    verdicts=sorted({v for rec in records for v in rec["verdicts"]}),
+                   peak_gpu_mb=max((x for rec in records for x in rec.get("peak_gpu_mb", [])), default=None),
                    audit_ok=report.ok, audit_failure=report.first_failure)
     except Exception as e:  # noqa: BLE001 - the row carries what failed: the finding on a new device
         row["error"] = first_line(e)

@@ -260,6 +260,14 @@ def test_the_utilisation_caption_says_when_the_exchange_did_not_hide(real_run: P
     assert "H = 5 to 20 inner steps each" in render_report(run)
 
 
+def test_a_gpu_run_shows_its_peak_gpu_memory(real_run: Path, tmp_path: Path) -> None:
+    run = copy_run(real_run, tmp_path / "run")
+    records = read_records(run)
+    assert "peak GPU memory" not in render_report(run)  # a CPU run records none
+    write_records(run, [r | {"peak_gpu_mb": [812.0, n]} for r, n in zip(records, (900.4, 2100.0, 1500.0), strict=True)])
+    assert "peak GPU memory</div><div class=value>2.05 GB" in render_report(run)
+
+
 def test_hostile_records_of_every_type_never_crash_the_report(real_run: Path, tmp_path: Path) -> None:
     """Seeded random junk in every field the report reads: it renders, or fails only on the manifest."""
     import random

@@ -784,10 +784,12 @@ def header(v: RunView) -> str:
         ("final eval loss" if v.summary is not None else "latest eval loss", loss_text),
         ("sent per worker", _bytes(sent)),
     ]
-    rss = max((x for r in v.rounds for x in _nums(r.get("peak_rss_mb"))), default=None)  # each process's ru_maxrss
-    if rss:
-        size = f"{rss / 1024:.2f} GB" if rss >= 1024 else f"{rss:.0f} MB"
-        numbers.append(("peak memory", size + '<div class=sub>resident, the largest worker process</div>'))
+    for key, label, sub in (("peak_rss_mb", "peak memory", "resident, the largest worker process"),  # ru_maxrss
+                            ("peak_gpu_mb", "peak GPU memory", "allocated, the largest worker process")):
+        most = max((x for r in v.rounds for x in _nums(r.get(key))), default=None)
+        if most:
+            size = f"{most / 1024:.2f} GB" if most >= 1024 else f"{most:.0f} MB"
+            numbers.append((label, size + f"<div class=sub>{sub}</div>"))
     stats = "".join(f"<div class=stat><div class=label>{label}</div><div class=value>{value}</div></div>"
                     for label, value in numbers)
     ids = [

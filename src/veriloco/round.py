@@ -1185,7 +1185,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
          checks.wall + replays.wall, replays.wall, loss_gains.wall,
          res.cpu_seconds, checks.cpu + replays.cpu, replays.cpu, loss_gains.cpu,
          moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0,
-         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024],  # KiB on Linux
+         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
+         torch.cuda.max_memory_allocated(w.device) / 2**20 if w.device.type == "cuda" else 0.0],
         dtype=torch.float64,
     )
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
@@ -1225,6 +1226,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }
+    if w.device.type == "cuda":  # the most GPU memory each process's tensors have held, MiB (stages summed)
+        record["peak_gpu_mb"] = [round(float(x), 1) if h else 0.0 for x, h in zip(g[:, :, 19].sum(1), here, strict=True)]
     if states_sent(cfg):  # the start states replays fetched: verification's own traffic, and its time
         record |= {"state_bytes_sent": [int(x) if h else 0 for x, h in zip(g[:, :, 15].sum(1), here, strict=True)],
                    "state_bytes_received": [int(x) if h else 0 for x, h in zip(g[:, :, 16].sum(1), here, strict=True)],
