@@ -39,13 +39,16 @@ def test_bf16_is_refused_with_pipeline_stages():
         tiny("--train.precision=bf16", "--topology.stages=2")
 
 
-def test_the_cpu_collectives_always_have_gloo():
+def test_the_cpu_collectives_always_have_gloo(monkeypatch):
     """`backend = 'auto'` used to mean nccl alone whenever CUDA was present, while every tensor the
-    round moves is on the CPU: every collective would have failed on a GPU machine."""
+    round moves is on the CPU: every collective would have failed on a GPU machine. NCCL also
+    refuses two ranks on one GPU, so 'auto' takes it only with a GPU per local process."""
     assert process_backend(tiny()) == "gloo"
-    assert process_backend(tiny("--run.device=cuda")) == "cpu:gloo,cuda:nccl"
-    assert process_backend(tiny("--run.device=cuda", "--run.backend=nccl")) == "cpu:gloo,cuda:nccl"
-    assert process_backend(tiny("--run.device=cuda", "--run.backend=gloo")) == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert process_backend(tiny("--run.device=cuda"), 4) == "cpu:gloo,cuda:nccl"
+    assert process_backend(tiny("--run.device=cuda"), 8) == "gloo"  # 8 workers share 4 GPUs
+    assert process_backend(tiny("--run.device=cuda", "--run.backend=nccl"), 8) == "cpu:gloo,cuda:nccl"  # as asked
+    assert process_backend(tiny("--run.device=cuda", "--run.backend=gloo"), 1) == "gloo"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -302,9 +302,9 @@ class RunConfig:
     )
     backend: str = _f(
         "auto",
-        "'auto' or 'gloo': gloo (the exchange's packets and the checks' tensors are on the CPU); 'auto' "
-        "with run.device = 'cuda' also registers nccl for CUDA tensors (pipeline activations, DDP "
-        "gradients), as does 'nccl', which needs run.device = 'cuda'",
+        "gloo carries the CPU tensors (packets, checks, evals) in every case; with run.device = 'cuda', "
+        "'auto' adds nccl for CUDA tensors (pipeline activations, DDP gradients) when the machine has a GPU "
+        "per local process (NCCL refuses two ranks on one GPU), 'nccl' adds it always, 'gloo' never",
     )
     timeout_s: float = _f(120.0, "collective timeout: a dead peer is an error after this long")
     max_packet_bytes: int = _f(1 << 30, "packets larger than this are rejected before decoding")

@@ -1503,18 +1503,27 @@ def train_worker(
     }
 
 
-def process_backend(cfg: Config) -> str:
+def process_backend(cfg: Config, local_processes: int = 1) -> str:
     """The torch.distributed backend of a run's world (`[run] backend`): gloo, which carries every
-    tensor the rounds move (packets, checks, evals: all on the CPU), and with run.device = 'cuda'
-    nccl beside it for CUDA tensors (pipeline activations, DDP's gradients), unless 'gloo' alone
-    was asked for. The CPU needs gloo whatever was asked: nccl alone had every CPU collective fail."""
-    if cfg.run.device == "cuda" and cfg.run.backend in ("auto", "nccl"):
+    tensor the rounds move (packets, checks, evals: all on the CPU); with run.device = 'cuda' also
+    nccl for CUDA tensors (pipeline activations, DDP's gradients), when 'nccl' was asked for, or
+    with 'auto' when this machine has a GPU for each of its `local_processes` (NCCL refuses two
+    ranks of one group on one GPU: several workers sharing a GPU then move CUDA tensors over
+    gloo). The CPU needs gloo whatever was asked: nccl alone had every CPU collective fail."""
+    if cfg.run.device != "cuda" or cfg.run.backend == "gloo":
+        return "gloo"
+    if cfg.run.backend == "nccl" or torch.cuda.device_count() >= local_processes:
         return "cpu:gloo,cuda:nccl"
     return "gloo"
 
 
 def init_distributed(cfg: Config, rank: int, world: int, init_method: str) -> None:
-    backend = process_backend(cfg)
+    """Join the run's world: `world` processes on this machine (a local launch), or torchrun's
+    (LOCAL_RANK, LOCAL_WORLD_SIZE). A CUDA process takes its GPU first, so that nothing (a barrier
+    on nccl) runs on another process's GPU."""
+    if cfg.run.device == "cuda":
+        torch.cuda.set_device(process_device(cfg, int(os.environ.get("LOCAL_RANK", rank))))
+    backend = process_backend(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world,
         timeout=timedelta(seconds=cfg.run.timeout_s),
