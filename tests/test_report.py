@@ -266,6 +266,10 @@ def test_a_gpu_run_shows_its_peak_gpu_memory(real_run: Path, tmp_path: Path) -> 
     assert "peak GPU memory" not in render_report(run)  # a CPU run records none
     write_records(run, [r | {"peak_gpu_mb": [812.0, n]} for r, n in zip(records, (900.4, 2100.0, 1500.0), strict=True)])
     assert "peak GPU memory</div><div class=value>2.05 GB" in render_report(run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["run"]["device"], manifest["config"]["train"]["precision"] = "cuda", "bf16"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert "<code>diloco, cuda, bf16 / " in render_report(run)
 
 
 def test_hostile_records_of_every_type_never_crash_the_report(real_run: Path, tmp_path: Path) -> None:

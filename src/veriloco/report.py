@@ -731,6 +731,9 @@ def _mode_text(v: RunView, mode: Any, codec: Any) -> str:
         tau = _int(v.cfg("outer", "overlap_steps"))
         if tau:
             mode = f"{mode}, lands after {tau} inner step{'s' if tau > 1 else ''}"
+    where = [str(x) for x in (v.cfg("run", "device"), v.cfg("train", "precision")) if x not in (None, "cpu", "fp32")]
+    if where:  # [run] device, [train] precision, when not the CPU in fp32
+        mode = ", ".join([str(mode), *where])
     codec = "–" if codec is None else codec
     if v.cfg("compress", "error_feedback") is True:
         codec = f"{codec} + error feedback"
