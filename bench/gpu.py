@@ -52,7 +52,8 @@ Without CUDA and without --smoke it exits 2 ("no CUDA device: run with --smoke o
    4 workers as 4 processes on the one GPU, `--engine-rounds` rounds of H = 30, once in fp32
    and once with `[train] precision = "bf16"`, replays on (`inner_state = "reset"`,
    `replay_probability = 1`, `replay_match = "distance"`, the GPU setting) and then
-   `veriloco.audit.audit_run` (on the CPU). A row per run: the verdicts, eval loss, tokens/s and
+   `veriloco.audit.audit_run` on the GPU, re-running every replay (`veriloco audit --device cuda
+   --replay 100`). A row per run: the verdicts, eval loss, tokens/s and
    whether the audit passed, or the first line of the error. It needs the package's runtime
    dependencies (safetensors, cryptography, typer, ...), which the GPU machine may lack: carry
    wheels and install them with `pip install --no-index`. With --smoke the same runs use the
@@ -451,7 +452,7 @@ def bench_engine(precision: str, args: argparse.Namespace, where: Path) -> dict[
         with tempfile.TemporaryDirectory(dir=where if where.exists() else None) as tmp:
             run, summary = train(cfg, str(Path(tmp) / "run"), quiet=True)
             records = [json.loads(line) for line in run.rounds_path.read_text().splitlines()]
-            report = audit_run(run.root)
+            report = audit_run(run.root, replay=100, device="cpu" if args.smoke else "cuda")
         row.update(eval_loss_start=summary["eval_loss_start"], eval_loss_end=summary["eval_loss_end"],
                    tokens_per_s=summary["tokens_per_s"], wall_s=summary["wall_s"],
                    verdicts=sorted({v for rec in records for v in rec["verdicts"]}),

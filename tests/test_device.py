@@ -104,3 +104,18 @@ def test_a_bf16_ddp_baseline_trains(tmp_path):
     _, summary = train_ddp(tiny("--train.mode=ddp", "--train.rounds=2", "--train.precision=bf16"),
                            str(tmp_path / "ddp"), quiet=True)
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "--device must be cpu or cuda, got 'gpu'"),
+    pytest.param("cuda", "--device cuda but torch.cuda.is_available() is False",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+])
+def test_audit_device_is_checked_in_one_line(tmp_path, monkeypatch, capsys, device, message):
+    from veriloco.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["veriloco", "audit", str(tmp_path), "--device", device])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err

@@ -85,7 +85,7 @@ from .round import (
 from .signing import FILE as SIGNED_FILE
 from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
-from .task import CorpusTask, Task, load_stored_corpus, model_init_hash, on_device
+from .task import CorpusTask, Task, load_stored_corpus, model_init_hash, on_device, take_device
 from .topology import build_stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
@@ -359,27 +359,29 @@ def _parse_records(data: bytes) -> list[dict]:
 
 # ---- the audit ------------------------------------------------------------------------------------
 
-def audit_run(run_dir: str | Path, replay: int = 0) -> AuditReport:
+def audit_run(run_dir: str | Path, replay: int = 0, device: str = "cpu") -> AuditReport:
     """Audit the run in `run_dir`; RunDirError if it is not a run directory at all.
 
     `replay`: also re-run up to this many of the sampled replay audits (the rest of the sample
-    is checked for consistency: only sampled workers may carry a replay_mismatch verdict)."""
-    return audit_sources(DirSources(run_dir), replay)
+    is checked for consistency: only sampled workers may carry a replay_mismatch verdict).
+    `device`: where replays and loss gains are recomputed ('cpu' or 'cuda', `_AuditTask`)."""
+    return audit_sources(DirSources(run_dir), replay, device)
 
 
-def audit_published(ledger: str, store_url: str, run_id: str | None = None, replay: int = 0) -> AuditReport:
+def audit_published(ledger: str, store_url: str, run_id: str | None = None, replay: int = 0,
+                    device: str = "cpu") -> AuditReport:
     """Audit a run from a ledger (SQLite file or `evm:CONTRACT@RPC_URL`) and its store's URL;
     AuditInputError (one line) when they do not name a run."""
-    return audit_sources(StoreSources(ledger, store_url, run_id), replay)
+    return audit_sources(StoreSources(ledger, store_url, run_id), replay, device)
 
 
-def audit_sources(src: Sources, replay: int = 0) -> AuditReport:
+def audit_sources(src: Sources, replay: int = 0, device: str = "cpu") -> AuditReport:
     """Audit the run `src` reads; the report says what held and the first thing that did not."""
     t0 = time.perf_counter()
     report = AuditReport(ok=False, source=src.description)
     threads = torch.get_num_threads()
     try:
-        _audit(src, report, replay)
+        _audit(src, report, replay, device)
         report.ok = True
     except AuditFailure as e:
         report.first_failure = str(e)
@@ -415,14 +417,29 @@ class _Slice:
         return self.momenta[back] if back >= 0 else None
 
 
-def _on_cpu(cfg, task: CorpusTask) -> Task:
-    """The run's task as the audit computes it: on this machine's CPU, at the run's precision (a
-    run trained on GPUs is re-checked on the CPU: exact replays and loss-gain reports then need not
-    reproduce, `[run] device`)."""
-    return on_device(task.as_task(), "cpu", cfg.train.precision)
+class _AuditTask:
+    """The run's task, and where the audit computes it (`veriloco audit --device`): its replays and
+    loss gains run on `device` at the run's precision. A run trained on GPUs reproduces its exact
+    replays and its loss-gain reports only on the same kind of GPU; on the CPU they need not."""
+
+    def __init__(self, task: CorpusTask, device: str, precision: str) -> None:
+        self.task, self.device = task, torch.device(device)
+        self.computed = on_device(task.as_task(), self.device, precision)
+        self._model: torch.nn.Module | None = None
+
+    def as_task(self) -> Task:
+        return self.task.as_task()
+
+    def gain_model(self, G0: torch.nn.Module) -> torch.nn.Module:
+        """A model for the loss gains, on the device (G0 itself on the CPU: they load their params)."""
+        if self.device.type == "cpu":
+            return G0
+        if self._model is None:
+            self._model = self.computed.make_model()
+        return self._model
 
 
-def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
+def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str = "cpu") -> None:
     counts = report.checked
     loaded = src.load()
     manifest, records = loaded.manifest, loaded.records
@@ -451,8 +468,10 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0) -> None:
     if corpus.root != manifest["corpus_root"]:
         _fail(f"corpus: Merkle root {corpus.root} is not the manifest's {manifest['corpus_root']}")
     counts["corpus_chunks"] = len(corpus.chunks)
-    task = CorpusTask(cfg, "", manifest["corpus_manifest"])
-    task._corpus = corpus
+    corpus_task = CorpusTask(cfg, "", manifest["corpus_manifest"])
+    corpus_task._corpus = corpus
+    task = _AuditTask(corpus_task, device if stages == 1 else "cpu", cfg.train.precision)  # stages: the emulated pipeline, on the CPU
+    take_device(task.device, cfg.verify.replay_match == "exact")
 
     # 3. ledger and records
     ledger = src.open_ledger(manifest)
@@ -631,7 +650,7 @@ class _Checked(NamedTuple):
 
 
 def _check_slice(
-    cfg, task: CorpusTask, store: Any, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, recorded: list[dict],
+    cfg, task: _AuditTask, store: Any, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, recorded: list[dict],
     where: str, admitted: dict, run_id: str, counts: dict,
 ) -> _Checked:
     """Check round r's bundles for one slice (`part`: its record, the whole record when there is
@@ -662,7 +681,7 @@ def _check_slice(
     return _Checked(check, base, set(bundles))
 
 
-def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, where: str,
+def _screen_slice(cfg, task: _AuditTask, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, where: str,
                   checked: _Checked, stage_settled: Settled | None) -> _Checked:
     """The screen of one slice's checked bundles, as that slice's processes ran it; with stages,
     the loss gains are the worker-wide ones `_stage_settled` settled."""
@@ -671,21 +690,21 @@ def _screen_slice(cfg, task: CorpusTask, G0: torch.nn.Module, sl: _Slice, r: int
     if stage_settled is not None:
         gains_of = lambda decoded, seed: stage_settled  # noqa: E731
     elif loss_gain_checkers(v):
-        gains_of = _AuditLossGains(cfg, make_loss_gain(_on_cpu(cfg, task), G0, sl.start_of(back), r, n, H),
+        gains_of = _AuditLossGains(cfg, make_loss_gain(task.computed, task.gain_model(G0), sl.start_of(back), r, n, H),
                                    sorted(checked.present), sl.banned, part.get("loss_gain_reports"), where)
     else:
         gains_of = None
     check = screen_checked(
         checked.check, base_hash=checked.base, screen=v.screen, previous=sl.previous,
         earlier=sl.earlier if screens_earlier(cfg) else None,
-        loss_gain_of=make_loss_gain(_on_cpu(cfg, task), G0, sl.start_of(back), r, n, H)
+        loss_gain_of=make_loss_gain(task.computed, task.gain_model(G0), sl.start_of(back), r, n, H)
         if v.loss_gain_batches and gains_of is None else None,
         loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v), loss_gain_floor=v.loss_gain_floor,
     )
     return checked._replace(check=check)
 
 
-def _stage_settled(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], parts: list[dict],
+def _stage_settled(cfg, task: _AuditTask, slices: list[_Slice], checked: list[_Checked], parts: list[dict],
                    r: int) -> Settled:
     """The loss gains of a pipelined round as its workers settled them (round.StageLossGains): the
     audit's own numbers (_stage_gains), or with checkers the recorded reports settled as the
@@ -702,12 +721,12 @@ def _stage_settled(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_C
     return settle_(dict.fromkeys(gains), seed)
 
 
-def _stage_gains(cfg, task: CorpusTask, slices: list[_Slice], checked: list[_Checked], r: int,
+def _stage_gains(cfg, task: _AuditTask, slices: list[_Slice], checked: list[_Checked], r: int,
                  seed: str) -> dict[int, LossGain]:
     """The loss gains a pipelined run's workers computed (round.StageLossGains), in this one
     process: the whole model through the emulated stages, for the senders every slice decoded,
     on the batches gain_steps draws from the stages' pooled screen seed."""
-    back, t = r - 1 - base_lag(cfg), _on_cpu(cfg, task)
+    back, t = r - 1 - base_lag(cfg), task.computed
     at = gain_steps(seed, cfg.train.inner_steps, cfg.verify.loss_gain_batches)
     G_r = {k: v for sl in slices for k, v in sl.start_of(back).items()}
     stages = [build_stage_model(cfg.model, cfg.run.seed, s, len(slices)) for s in range(len(slices))]
@@ -851,7 +870,7 @@ def _stored_states(store, run_id: str, models: list[torch.nn.Module]):
     return state_of
 
 
-def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list[_Slice], recorded: list[list[dict]],
+def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list[_Slice], recorded: list[list[dict]],
              parts: list[dict], replays_left: int, counts: dict, wheres: list[str], clock: tuple[int, int],
              state_of=None) -> int:
     """Redo round r's replays (the random sample and the screen's suspects): re-run up to
@@ -879,7 +898,7 @@ def _replays(cfg, task: CorpusTask, r: int, checks: list[_Checked], slices: list
             lied_on_gain = "loss_gain" in (checked.check.evidence.get(j) or {})  # convicted by the audit's own check_round
             if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
                 _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
-    t = _on_cpu(cfg, task)
+    t = task.computed
     replayer = plain_replayer(t.make_model, t.loss, cfg.train, total) if stages == 1 else _emulated_replayer(cfg, total)
     back = r - 1 - cfg.outer.delay
     land = None

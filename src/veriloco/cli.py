@@ -160,6 +160,8 @@ def audit(
     store: str = typer.Option(None, "--store", help="with --ledger: the run's store, a path or fsspec URL (s3://, memory://...)"),
     run_id: str = typer.Option(None, "--run-id", help="with --ledger: which run (needed for an EVM contract)"),
     replay: int = typer.Option(0, "--replay", help="also re-run up to N of the sampled replay audits"),
+    device: str = typer.Option("cpu", "--device", help="recompute replays and loss gains on 'cpu' or 'cuda' "
+                               "(a GPU run's exact replays reproduce on the same kind of GPU)"),
 ) -> None:
     """Re-verify a run offline: manifest, corpus, ledger, signatures, verdicts, every outer step.
 
@@ -171,13 +173,18 @@ def audit(
 
     if replay < 0:
         fail(f"--replay must be >= 0, got {replay}")
+    if device not in ("cpu", "cuda"):
+        fail(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        fail(f"--device cuda but torch.cuda.is_available() is False on this machine (torch {torch.__version__})")
     if run is not None and (ledger or store or run_id):
         fail("give a run directory, or --ledger and --store, not both")
     if run is None and not (ledger and store):
         fail("give a run directory, or both --ledger LEDGER and --store URL")
     torch.set_num_threads(1)  # as each worker ran: replays are bit-exact, and small ops are faster
     try:
-        report = audit_run(run, replay) if run is not None else audit_published(ledger, store, run_id, replay)
+        report = audit_run(run, replay, device) if run is not None \
+            else audit_published(ledger, store, run_id, replay, device)
     except (*USER_ERRORS, AuditInputError, LedgerError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if run is not None:

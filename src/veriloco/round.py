@@ -95,7 +95,7 @@ from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, 
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
-from .task import CorpusTask, Task, on_device, process_device
+from .task import CorpusTask, Task, on_device, process_device, take_device
 from .topology import Topology, build_stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
@@ -332,11 +332,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
     check_splittable(task, stages)
     device = process_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if cfg.verify.replay_match == "exact":  # replays must reproduce the trace bit for bit
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for it
-            torch.use_deterministic_algorithms(True)
+    take_device(device, cfg.verify.replay_match == "exact")
     task = on_device(task, device, cfg.train.precision)
     run = RunDir(run_dir)
     store = LocalStore(run.store_dir)

@@ -8,6 +8,7 @@ processes this project spawns itself (never to or from a peer).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,18 @@ def process_device(cfg: Config, index: int) -> torch.device:
     return torch.device("cuda", index % torch.cuda.device_count())
 
 
+def take_device(device: torch.device, exact: bool) -> None:
+    """Make `device` this process's GPU (nothing on the CPU); with `exact` (verify.replay_match =
+    'exact': replays must reproduce traces bit for bit) turn on torch's deterministic algorithms,
+    with the cuBLAS workspace setting they need. A worker and an auditor of its run alike."""
+    if device.type != "cuda":
+        return
+    torch.cuda.set_device(device)
+    if exact:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
+        torch.use_deterministic_algorithms(True)
+
+
 def _gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return lm_loss(model(x), y)
 
@@ -137,4 +150,4 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash({k: v for k, v in model.state_dict().items()})
 
 
-__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "on_device", "process_device"]
+__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "take_device"]
