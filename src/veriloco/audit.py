@@ -379,7 +379,7 @@ def audit_sources(src: Sources, replay: int = 0, device: str = "cpu") -> AuditRe
     """Audit the run `src` reads; the report says what held and the first thing that did not."""
     t0 = time.perf_counter()
     report = AuditReport(ok=False, source=src.description)
-    threads = torch.get_num_threads()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         _audit(src, report, replay, device)
         report.ok = True
@@ -387,8 +387,9 @@ def audit_sources(src: Sources, replay: int = 0, device: str = "cpu") -> AuditRe
         report.first_failure = str(e)
     except (StoreError, LedgerError, RunDirError) as e:  # RunDirError here: a corrupt record
         report.first_failure = str(e).splitlines()[0]
-    finally:
+    finally:  # the run's thread count and, on a GPU, deterministic kernels: for the audit only
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
     report.seconds = time.perf_counter() - t0
     return report
 
