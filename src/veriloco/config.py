@@ -67,6 +67,12 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the gradient norm to this; 0 = no clipping")
+    grad_accum: int = _f(
+        1,
+        "gradient accumulation: each inner step's batch_size sequences run forward and backward in this many "
+        "equal parts (less activation memory, the same step up to float rounding; replays do the same). "
+        "topology.stages = 1 (stages split a step with topology.microbatches)",
+    )
     eval_batches: int = _f(8, "held-out batches per eval (split across workers)")
     eval_every: int = _f(1, "eval the global params every this many rounds (and at the end)")
     threads: int = _f(1, "torch threads per process")
@@ -460,6 +466,11 @@ def validate(cfg: Config) -> None:
     need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
     need(t.eval_every >= 1, f"train.eval_every must be >= 1, got {t.eval_every}")
     need(t.threads >= 1, f"train.threads must be >= 1, got {t.threads}")
+    need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
+    need(t.batch_size % t.grad_accum == 0,
+         f"train.batch_size ({t.batch_size}) must split into train.grad_accum ({t.grad_accum}) equal parts")
+    need(t.grad_accum == 1 or cfg.topology.stages == 1,
+         "train.grad_accum needs topology.stages = 1 (with stages, topology.microbatches splits a step)")
     need(0 <= t.round_warmup_steps <= t.inner_steps,
          f"train.round_warmup_steps must be in [0, train.inner_steps = {t.inner_steps}], got {t.round_warmup_steps}")
     need(0 < d.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {d.eval_fraction}")

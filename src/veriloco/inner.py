@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -150,12 +150,24 @@ class InnerLoop:
         self.keep: KeptStates | None = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One AdamW step on (x, y); returns the loss before the step."""
+        """One AdamW step on (x, y); returns the loss before the step. With `grad_accum` = k the
+        batch runs forward and backward in k equal parts, each loss divided by k, so the gradient
+        is the whole batch's mean up to float rounding (DDP all-reduces after the last part only)."""
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model, x, y)
-        loss.backward()
+        parts = self.cfg.grad_accum
+        if parts == 1:
+            loss = self.loss_fn(self.model, x, y)
+            loss.backward()
+        else:
+            pieces = zip(torch.tensor_split(x, parts), torch.tensor_split(y, parts), strict=True)
+            for i, (xm, ym) in enumerate(pieces):
+                quiet = self.model.no_sync() if i < parts - 1 and hasattr(self.model, "no_sync") else nullcontext()
+                with quiet:
+                    part = self.loss_fn(self.model, xm, ym) / parts
+                    part.backward()
+                loss = part.detach() if i == 0 else loss + part.detach()
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=self._foreach)
         self.opt.step()
