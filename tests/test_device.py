@@ -34,11 +34,6 @@ def test_device_settings_are_checked(override, message):
         tiny(override)
 
 
-def test_bf16_is_refused_with_pipeline_stages():
-    with pytest.raises(ConfigError, match="train.precision = 'bf16' needs topology.stages = 1"):
-        tiny("--train.precision=bf16", "--topology.stages=2")
-
-
 def test_the_cpu_collectives_always_have_gloo(monkeypatch):
     """`backend = 'auto'` used to mean nccl alone whenever CUDA was present, while every tensor the
     round moves is on the CPU: every collective would have failed on a GPU machine. NCCL also
@@ -119,3 +114,24 @@ def test_audit_device_is_checked_in_one_line(tmp_path, monkeypatch, capsys, devi
         main()
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err
+
+
+def test_bf16_pipeline_stages_train_replay_and_audit_in_bf16(tmp_path, monkeypatch):
+    """With stages each stage's forward runs under autocast (topology.stage_model): the workers,
+    their pipelined replays and the audit's emulated pipeline alike; an audit whose emulated
+    stages forget it fails."""
+    from veriloco.topology import build_stage_model
+
+    staged = ("--topology.stages=2", "--topology.microbatches=2")
+    run, summary = train(tiny(*REPLAYED, *staged, "--train.precision=bf16"), str(tmp_path / "bf16"), quiet=True)
+    fp32, _ = train(tiny(*REPLAYED, *staged), str(tmp_path / "fp32"), quiet=True)
+    recs = rounds_of(run.root)
+    assert all(v == "accept" for rec in recs for v in rec["verdicts"])
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    assert recs[-1]["params_hash"] != rounds_of(fp32.root)[-1]["params_hash"]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] == 4
+    monkeypatch.setattr(audit_mod, "stage_model",
+                        lambda cfg, s, stages, device="cpu": build_stage_model(cfg.model, cfg.run.seed, s, stages))
+    assert not audit_run(run.root, replay=100).ok

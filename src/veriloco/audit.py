@@ -86,7 +86,7 @@ from .signing import FILE as SIGNED_FILE
 from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import CorpusTask, Task, load_stored_corpus, model_init_hash, on_device, take_device
-from .topology import build_stage_model
+from .topology import build_stage_model, stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
 from .verify.commitment import EquivocationDetector
@@ -730,7 +730,7 @@ def _stage_gains(cfg, task: _AuditTask, slices: list[_Slice], checked: list[_Che
     back, t = r - 1 - base_lag(cfg), task.computed
     at = gain_steps(seed, cfg.train.inner_steps, cfg.verify.loss_gain_batches)
     G_r = {k: v for sl in slices for k, v in sl.start_of(back).items()}
-    stages = [build_stage_model(cfg.model, cfg.run.seed, s, len(slices)) for s in range(len(slices))]
+    stages = [stage_model(cfg, s, len(slices)) for s in range(len(slices))]
     emu = EmulatedPipeline(stages, cfg.train, 1, microbatches=cfg.topology.microbatches)
 
     def loss(params: dict[str, torch.Tensor], j: int) -> float:
@@ -837,7 +837,7 @@ def _emulated_replayer(cfg, total: int) -> Replayer:
     stages = cfg.topology.stages
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[EmulatedPipeline, EmulatedPipeline]:
-        models = [build_stage_model(cfg.model, cfg.run.seed, s, stages) for s in range(stages)]
+        models = [stage_model(cfg, s, stages) for s in range(stages)]
         with torch.no_grad():
             for m in models:
                 for k, p in m.named_parameters():

@@ -79,8 +79,8 @@ class TrainConfig:
     precision: str = _f(
         "fp32",
         "'fp32', or 'bf16': each inner step's forward and loss (and every eval, loss gain and replay of "
-        "them) under torch.autocast(bfloat16) on run.device; params, grads, AdamW state and deltas stay "
-        "fp32. topology.stages = 1 only",
+        "them) under torch.autocast(bfloat16) on run.device (with pipeline stages, each stage's forward); "
+        "params, grads, AdamW state and deltas stay fp32",
     )
     inner_state: str = _f(
         "keep",
@@ -484,8 +484,6 @@ def validate(cfg: Config) -> None:
     need(cfg.run.backend != "nccl" or cfg.run.device == "cuda",
          "run.backend = 'nccl' needs run.device = 'cuda' (on the CPU every collective is gloo's)")
     need(t.precision in ("fp32", "bf16"), f"train.precision must be 'fp32' or 'bf16', got {t.precision!r}")
-    need(t.precision == "fp32" or cfg.topology.stages == 1,
-         f"train.precision = {t.precision!r} needs topology.stages = 1 (pipeline stages run in fp32)")
     need(cfg.outer.delay in (0, 1), f"outer.delay must be 0 or 1, got {cfg.outer.delay}")
     need(cfg.outer.correction in ("eager", "local", "naive"),
          f"outer.correction must be 'eager', 'local' or 'naive', got {cfg.outer.correction!r}")

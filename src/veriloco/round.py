@@ -96,7 +96,7 @@ from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import CorpusTask, Task, on_device, process_device, take_device
-from .topology import Topology, build_stage_model
+from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
@@ -347,7 +347,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         model = task.make_model()
         inner = InnerLoop(model, cfg.train, total_steps, task.loss)
     else:
-        model = build_stage_model(cfg.model, cfg.run.seed, stage, stages).to(device)
+        model = stage_model(cfg, stage, stages, device)
         inner = PipelineInnerLoop(
             model, cfg.train, total_steps, stage=stage, stages=stages, group=worker_group,
             microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule, device=device,
@@ -975,7 +975,7 @@ def replayer_of(w: Worker) -> Replayer:
         return plain_replayer(w.task.make_model, w.task.loss, cfg.train, total)
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[torch.nn.Module, PipelineInnerLoop]:
-        model = build_stage_model(cfg.model, cfg.run.seed, w.stage, w.topo.stages).to(w.device)
+        model = stage_model(cfg, w.stage, w.topo.stages, w.device)
         load_params(model, start)
         loop = PipelineInnerLoop(model, cfg.train, total, stage=w.stage, stages=w.topo.stages, group=w.worker_group,
                                  microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule,

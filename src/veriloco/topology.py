@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
+from .config import Config, ModelConfig
 from .model import GPT, build_model
 
 
@@ -163,4 +164,23 @@ def build_stage_model(model_cfg: ModelConfig, seed: int, stage: int, stages: int
     return model
 
 
-__all__ = ["Topology", "build_stage_model", "layers_of_stage"]
+def stage_model(cfg: Config, stage: int, stages: int, device: torch.device | str = "cpu") -> GPT:
+    """`build_stage_model` of the run's model, on `device` (`[run] device`); with `[train]
+    precision = "bf16"` its forward runs under bf16 autocast and returns fp32 (what the next stage,
+    or the loss on the last, takes; one stage's autocast covers its own forward, and the backward
+    follows it). Every process that runs a stage builds it here: the workers, their replays, the
+    audit's emulated pipeline, so all of them compute alike."""
+    model = build_stage_model(cfg.model, cfg.run.seed, stage, stages).to(device)
+    if cfg.train.precision == "bf16":
+        forward, kind = model.forward, torch.device(device).type
+
+        def autocast_forward(*args, **kwargs):  # an instance attribute: the param names stay the model's
+            with torch.autocast(kind, dtype=torch.bfloat16):
+                out = forward(*args, **kwargs)
+            return out.float()
+
+        model.forward = autocast_forward
+    return model
+
+
+__all__ = ["Topology", "build_stage_model", "layers_of_stage", "stage_model"]
