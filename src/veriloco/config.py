@@ -35,6 +35,11 @@ class ModelConfig:
     d_model: int = _f(128, "embedding width")
     ctx: int = _f(128, "context length in tokens")
     vocab_size: int = _f(256, "vocabulary size; 256 = bytes; a token .bin file may need more")
+    checkpoint: bool = _f(
+        False,
+        "activation checkpointing: keep only each block's input for the backward and recompute the rest "
+        "(less activation memory for one more forward per block; the same numbers, replays included)",
+    )
 
 
 @dataclass

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -85,8 +86,9 @@ class GPT(nn.Module):
         if self.tok_emb is not None:
             pos = torch.arange(x.shape[1], device=x.device)
             x = self.tok_emb(x) + self.pos_emb(pos)
+        recompute = self.cfg.checkpoint and torch.is_grad_enabled()  # [model] checkpoint
         for block in self.blocks.values():
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         if self.lm_head is not None:
             x = self.lm_head(self.ln_f(x))
         return x
