@@ -6,6 +6,8 @@ A Task is four things: a model factory (same init every call), a loss, a pure ba
 (worker, round, step) -> (inputs, targets), and fixed held-out batches. Everything else —
 inner AdamW steps, packets, the exchange over torch.distributed, the outer Nesterov step,
 content-addressed checkpoints, rounds.jsonl — is the same as for the built-in GPT.
+On GPUs add "--run.device=cuda" (and "--train.precision=bf16") to the overrides: the models are
+built on the GPU and the batches copied there; the four functions stay as they are.
 """
 
 import sys
