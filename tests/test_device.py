@@ -76,11 +76,17 @@ def test_on_device_keeps_a_cpu_fp32_task_and_casts_the_forward_in_bf16(tmp_path)
     assert isinstance(bf16, Task) and isinstance(corpus_task, CorpusTask)
 
 
-def test_a_bf16_run_trains_replays_and_audits_in_bf16(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staged", [(), ("--topology.stages=2", "--topology.microbatches=2")],
+                         ids=["one stage", "two stages"])
+def test_a_bf16_run_trains_replays_and_audits_in_bf16(tmp_path, monkeypatch, staged):
     """Every replay (in the run, and the audit's) passes bit for bit only if it too ran in bf16:
-    the audit that forgets the precision fails (checked below by taking it away)."""
-    run, summary = train(tiny(*REPLAYED, "--train.precision=bf16"), str(tmp_path / "bf16"), quiet=True)
-    fp32, _ = train(tiny(*REPLAYED), str(tmp_path / "fp32"), quiet=True)
+    one stage's loss under autocast (task.on_device), or each pipeline stage's forward
+    (topology.stage_model: the workers, their replays and the audit's emulated pipeline alike).
+    The audit that forgets the precision fails (checked below by taking it away)."""
+    from veriloco.topology import build_stage_model
+
+    run, summary = train(tiny(*REPLAYED, *staged, "--train.precision=bf16"), str(tmp_path / "bf16"), quiet=True)
+    fp32, _ = train(tiny(*REPLAYED, *staged), str(tmp_path / "fp32"), quiet=True)
     recs = rounds_of(run.root)
     assert all(v == "accept" for rec in recs for v in rec["verdicts"])
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
@@ -88,9 +94,12 @@ def test_a_bf16_run_trains_replays_and_audits_in_bf16(tmp_path, monkeypatch):
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
     assert report.checked["replays"] == 4  # both workers, both rounds
-    monkeypatch.setattr(audit_mod, "on_device", lambda task, device, precision="fp32": task)
-    forgot = audit_run(run.root, replay=100)
-    assert not forgot.ok
+    if staged:
+        monkeypatch.setattr(audit_mod, "stage_model",
+                            lambda cfg, s, stages, device="cpu": build_stage_model(cfg.model, cfg.run.seed, s, stages))
+    else:
+        monkeypatch.setattr(audit_mod, "on_device", lambda task, device, precision="fp32": task)
+    assert not audit_run(run.root, replay=100).ok
 
 
 def test_a_bf16_ddp_baseline_trains(tmp_path):
@@ -114,24 +123,3 @@ def test_audit_device_is_checked_in_one_line(tmp_path, monkeypatch, capsys, devi
         main()
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err
-
-
-def test_bf16_pipeline_stages_train_replay_and_audit_in_bf16(tmp_path, monkeypatch):
-    """With stages each stage's forward runs under autocast (topology.stage_model): the workers,
-    their pipelined replays and the audit's emulated pipeline alike; an audit whose emulated
-    stages forget it fails."""
-    from veriloco.topology import build_stage_model
-
-    staged = ("--topology.stages=2", "--topology.microbatches=2")
-    run, summary = train(tiny(*REPLAYED, *staged, "--train.precision=bf16"), str(tmp_path / "bf16"), quiet=True)
-    fp32, _ = train(tiny(*REPLAYED, *staged), str(tmp_path / "fp32"), quiet=True)
-    recs = rounds_of(run.root)
-    assert all(v == "accept" for rec in recs for v in rec["verdicts"])
-    assert summary["eval_loss_end"] < summary["eval_loss_start"]
-    assert recs[-1]["params_hash"] != rounds_of(fp32.root)[-1]["params_hash"]
-    report = audit_run(run.root, replay=100)
-    assert report.ok, report.first_failure
-    assert report.checked["replays"] == 4
-    monkeypatch.setattr(audit_mod, "stage_model",
-                        lambda cfg, s, stages, device="cpu": build_stage_model(cfg.model, cfg.run.seed, s, stages))
-    assert not audit_run(run.root, replay=100).ok
