@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import time
 
 import torch
@@ -25,7 +24,7 @@ from .procs import start_workers
 from .records import RunDir
 from .round import init_distributed, progress_line
 from .run import check_device, free_port, prepare_run
-from .task import CorpusTask, Task, on_device, process_device
+from .task import CorpusTask, Task, on_device, process_device, take_device
 
 
 class _CommCounter:
@@ -61,9 +60,8 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
     try:
         torch.set_num_threads(cfg.train.threads)
         run = RunDir(run_dir)
-        device = process_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = process_device(cfg, rank)
+        take_device(device, exact=False)
         task = on_device(task, device, cfg.train.precision)
         model = task.make_model()
         # buffers are not synced every step (the GPT has none); torch >= 2.13 names that

@@ -175,8 +175,13 @@ def audit(
         fail(f"--replay must be >= 0, got {replay}")
     if device not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        fail(f"--device cuda but torch.cuda.is_available() is False on this machine (torch {torch.__version__})")
+    if device == "cuda":
+        from .task import require_gpu
+
+        try:
+            require_gpu("--device cuda")
+        except ValueError as e:
+            fail(str(e))
     if run is not None and (ledger or store or run_id):
         fail("give a run directory, or --ledger and --store, not both")
     if run is None and not (ledger and store):

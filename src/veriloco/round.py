@@ -331,7 +331,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     topo = Topology(cfg.topology.workers, cfg.topology.stages, world)
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
     check_splittable(task, stages)
-    device = process_device(cfg, int(os.environ.get("LOCAL_RANK", rank)))
+    device = process_device(cfg, rank)
     take_device(device, cfg.verify.replay_match == "exact")
     task = on_device(task, device, cfg.train.precision)
     run = RunDir(run_dir)
@@ -1517,8 +1517,7 @@ def init_distributed(cfg: Config, rank: int, world: int, init_method: str) -> No
     """Join the run's world: `world` processes on this machine (a local launch), or torchrun's
     (LOCAL_RANK, LOCAL_WORLD_SIZE). A CUDA process takes its GPU first, so that nothing (a barrier
     on nccl) runs on another process's GPU."""
-    if cfg.run.device == "cuda":
-        torch.cuda.set_device(process_device(cfg, int(os.environ.get("LOCAL_RANK", rank))))
+    take_device(process_device(cfg, rank), exact=False)
     backend = process_backend(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world,

@@ -76,15 +76,20 @@ def on_device(task: Task, device: torch.device | str, precision: str = "fp32") -
                 task.eval_batches)
 
 
-def process_device(cfg: Config, index: int) -> torch.device:
-    """The device of a process (`[run] device`): the CPU, or cuda:(`index` mod the GPUs this
-    process sees); `index` is its local rank on its machine. Raises ValueError without CUDA."""
+def require_gpu(asked: str) -> None:
+    """ValueError naming what `asked` for a GPU, when this machine's torch sees none."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"{asked} but torch.cuda.is_available() is False on this machine (torch {torch.__version__})")
+
+
+def process_device(cfg: Config, rank: int) -> torch.device:
+    """The device of a process (`[run] device`): the CPU, or cuda:(its local rank mod the GPUs
+    this process sees); the local rank is torchrun's LOCAL_RANK when set, else `rank` (a launch
+    on one machine; an elastic worker's id). Raises ValueError without CUDA."""
     if cfg.run.device == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("run.device = 'cuda' but torch.cuda.is_available() is False on this machine "
-                         f"(torch {torch.__version__})")
-    return torch.device("cuda", index % torch.cuda.device_count())
+    require_gpu("run.device = 'cuda'")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
 
 
 def take_device(device: torch.device, exact: bool) -> None:
@@ -150,4 +155,5 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash({k: v for k, v in model.state_dict().items()})
 
 
-__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "take_device"]
+__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",
+           "take_device"]
