@@ -59,6 +59,7 @@ from safetensors.torch import save as st_save
 
 from .config import config_from_dict
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
+from .hf import transformers_version
 from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
 from .link import Link
@@ -456,6 +457,10 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     except ValueError as e:
         _fail(f"manifest: config does not parse: {e}")
     stages = cfg.topology.stages
+    trained_with = manifest.get("transformers_version")
+    if cfg.model.arch != "gpt" and trained_with != transformers_version():
+        _fail(f"manifest: the run's {cfg.model.arch} model ran on transformers {trained_with}, this machine has "
+              f"{transformers_version()}: install that version to audit it (its forward is transformers' code)")
     G0 = build_model(cfg.model, cfg.run.seed)
     if model_init_hash(G0) != manifest.get("model_init_hash"):
         _fail("manifest: the model built from the config's seed does not have the manifest's init hash")

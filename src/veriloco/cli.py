@@ -9,6 +9,7 @@
     veriloco audit --ledger evm:CONTRACT@RPC_URL --run-id ID --store URL   # ... with an EVM ledger
     veriloco prove RUN ROUND       # inclusion proof of a round's ledger entry
     veriloco report RUN            # RUN/report.html: one self-contained page
+    veriloco export RUN --out DIR  # the global params as a model directory (transformers archs: from_pretrained)
     veriloco keygen --out DIR --workers N   # Ed25519 keys for [verify] key_dir
     veriloco config                # print the config reference (every section and key)
 
@@ -246,6 +247,23 @@ def report(run: str = typer.Argument(..., help="run directory")) -> None:
     if not (Path(run) / "manifest.json").is_file():
         fail(f"{run} is not a run directory: no manifest.json")
     typer.echo(str(write_report(run)))
+
+
+@app.command()
+def export(
+    run: str = typer.Argument(..., help="run directory"),
+    out: str = typer.Option(..., "--out", help="new directory for the model"),
+    round: int = typer.Option(None, "--round", help="the global params after this round (default: the last)"),
+) -> None:
+    """Write the run's global params as a model directory: for a transformers arch one that
+    AutoModelForCausalLM.from_pretrained loads; for the GPT, model.safetensors + model.json."""
+    from .export import ExportError, export_run
+
+    try:
+        path, r = export_run(run, out, round)
+    except (ExportError, *USER_ERRORS) as e:
+        fail(str(e).splitlines()[0])
+    typer.echo(f"wrote {path}: the global params after round {r} (check the run first: veriloco audit {run})")
 
 
 @app.command()

@@ -28,10 +28,18 @@ def _f(default: Any, doc: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    """[model] the small byte-level GPT (model.py)."""
+    """[model] the small byte-level GPT (model.py), or a Hugging Face architecture (hf.py)."""
 
+    arch: str = _f(
+        "gpt",
+        "'gpt' (the built-in GPT, model.py) or a transformers architecture built from these fields, "
+        "nothing downloaded: 'llama', 'mistral', 'qwen2', 'qwen3' (hf.py; pip install 'veriloco[hf]')",
+    )
     n_layer: int = _f(4, "number of transformer blocks")
     n_head: int = _f(4, "attention heads per block")
+    kv_heads: int = _f(0, "transformers archs: key/value heads (grouped-query attention); 0 = n_head")
+    ffn: int = _f(0, "transformers archs: MLP width (intermediate_size); 0 = 8/3 d_model rounded up to 32")
+    rope_theta: float = _f(10000.0, "transformers archs: rotary embedding base")
     d_model: int = _f(128, "embedding width")
     ctx: int = _f(128, "context length in tokens")
     vocab_size: int = _f(256, "vocabulary size; 256 = bytes; a token .bin file may need more")
@@ -462,6 +470,7 @@ def validate(cfg: Config) -> None:
     need(m.d_model % m.n_head == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head})")
     need(m.ctx >= 2, f"model.ctx must be >= 2, got {m.ctx}")
     need(m.vocab_size >= 2, f"model.vocab_size must be >= 2, got {m.vocab_size}")
+    _check_arch(m)
     need(t.mode in ("diloco", "ddp"), f"train.mode must be 'diloco' or 'ddp', got {t.mode!r}")
     need(t.rounds >= 1, f"train.rounds must be >= 1, got {t.rounds}")
     need(t.inner_steps >= 1, f"train.inner_steps must be >= 1, got {t.inner_steps}")
@@ -570,6 +579,27 @@ def validate(cfg: Config) -> None:
              "run.round_deadline and run.min_workers need run.membership = 'elastic'")
         need(r.max_restarts == 0, "run.max_restarts needs run.membership = 'elastic' (a static run stops when a "
              "worker dies; continue it with veriloco train --resume)")
+
+
+def _check_arch(m: ModelConfig) -> None:
+    """[model] arch and the fields only transformers archs read."""
+    from .hf import HF_ARCHS, TRANSFORMERS_NEEDED, transformers_version
+
+    need(m.arch in ("gpt",) + HF_ARCHS, f"model.arch must be gpt, {', '.join(HF_ARCHS)}, got {m.arch!r}")
+    need(m.kv_heads >= 0 and m.ffn >= 0, f"model.kv_heads and model.ffn must be >= 0, got {m.kv_heads} and {m.ffn}")
+    need(m.rope_theta > 0, f"model.rope_theta must be > 0, got {m.rope_theta}")
+    if m.arch == "gpt":
+        need(not (m.kv_heads or m.ffn or m.rope_theta != 10000.0),
+             "model.kv_heads, model.ffn and model.rope_theta are for transformers archs; model.arch is 'gpt'")
+        return
+    need((m.d_model // m.n_head) % 2 == 0,
+         f"model.arch = {m.arch!r}: the head width d_model / n_head ({m.d_model // m.n_head}) must be even (rotary embeddings)")
+    need(m.n_head % (m.kv_heads or m.n_head) == 0,
+         f"model.n_head ({m.n_head}) must be divisible by model.kv_heads ({m.kv_heads})")
+    version = transformers_version()
+    need(version is not None and version.split(".")[0] == "5",
+         f"model.arch = {m.arch!r} needs {TRANSFORMERS_NEEDED} (pip install 'veriloco[hf]'); "
+         + (f"found {version}" if version else "it is not installed"))
 
 
 def _check_adaptive_h(cfg: Config) -> None:

@@ -82,6 +82,15 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, 0.0, 0.02)
 
+    def keep_stage(self, layers: set[int], embed: bool, head: bool) -> None:
+        """Delete what a pipeline stage does not hold (the names of what stays do not change)."""
+        for name in [k for k in self.blocks if int(k) not in layers]:
+            del self.blocks[name]
+        if not embed:
+            self.tok_emb = self.pos_emb = None
+        if not head:
+            self.ln_f = self.lm_head = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
             pos = torch.arange(x.shape[1], device=x.device)
@@ -94,11 +103,17 @@ class GPT(nn.Module):
         return x
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """The full model, initialised from `seed` alone (every worker builds the same G_0)."""
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The full model of `[model] arch` (the GPT, or a transformers architecture: hf.py),
+    initialised from `seed` alone (every worker builds the same G_0). Either has
+    `keep_stage(layers, embed, head)`, which cuts it down to one pipeline stage."""
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
+        if cfg.arch != "gpt":
+            from .hf import build_hf
+
+            return build_hf(cfg)
         return GPT(cfg)
     finally:
         torch.random.set_rng_state(gen_state)

@@ -19,6 +19,7 @@ from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
 from .data import load_corpus
 from .hashing import canonical_json, json_hash
+from .hf import transformers_version
 from .model import build_model
 from .procs import start_workers
 from .records import RunDir, RunDirError
@@ -59,6 +60,8 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
         "code_version": __version__,
         "worker_keys": admitted_keys(cfg),
     }
+    if cfg.model.arch != "gpt":  # its forward is transformers' code: replays reproduce under the same version
+        manifest["transformers_version"] = transformers_version()
     run_id = json_hash(manifest)
     run = RunDir(out or Path("runs") / run_id[:16])
     if run.rounds_path.exists() and run.rounds():

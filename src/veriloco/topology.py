@@ -17,7 +17,7 @@ Two kinds of group:
 - the **stage group** of stage s: the `workers` ranks that hold slice s, in worker order, so a
   rank's index inside the group is its worker. The outer exchange of slice s runs here.
 
-A stage's module is the full GPT with the other stages' layers deleted (`build_stage_model`), so
+A stage's module is the full model with the other stages' layers deleted (`build_stage_model`), so
 its parameter names and initial values are exactly the full model's: deltas, packets and
 checkpoints of the slices line up with the unsplit model's names.
 """
@@ -28,9 +28,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .config import Config, ModelConfig
-from .model import GPT, build_model
+from .model import build_model
 
 
 class Topology:
@@ -146,25 +147,21 @@ def layers_of_stage(stage: int, n_layer: int, stages: int) -> list[int]:
     return list(range(start, start + base + (1 if stage < extra else 0)))
 
 
-def build_stage_model(model_cfg: ModelConfig, seed: int, stage: int, stages: int) -> GPT:
+def build_stage_model(model_cfg: ModelConfig, seed: int, stage: int, stages: int) -> nn.Module:
     """The module of one pipeline stage, initialised exactly as the full model.
 
-    Builds the full GPT from `seed` (`model.build_model`, the same G_0 every worker builds) and
-    deletes what this stage does not hold, so its parameters are the full model's under the same
-    names (`blocks.<global index>.*`, `tok_emb.*` on stage 0, `ln_f.*` / `lm_head.*` on the last).
+    Builds the full model from `seed` (`model.build_model`, the same G_0 every worker builds) and
+    deletes what this stage does not hold (`keep_stage`), so its parameters are the full model's
+    under the same names (GPT: `blocks.<global index>.*`, `tok_emb.*` on stage 0, `ln_f.*` /
+    `lm_head.*` on the last; transformers archs: `model.layers.<i>.*`, `model.embed_tokens.*`,
+    `model.norm.*` / `lm_head.*`).
     """
-    keep = set(layers_of_stage(stage, model_cfg.n_layer, stages))
     model = build_model(model_cfg, seed)
-    for name in [k for k in model.blocks if int(k) not in keep]:
-        del model.blocks[name]
-    if stage != 0:
-        model.tok_emb = model.pos_emb = None
-    if stage != stages - 1:
-        model.ln_f = model.lm_head = None
+    model.keep_stage(set(layers_of_stage(stage, model_cfg.n_layer, stages)), embed=stage == 0, head=stage == stages - 1)
     return model
 
 
-def stage_model(cfg: Config, stage: int, stages: int, device: torch.device | str = "cpu") -> GPT:
+def stage_model(cfg: Config, stage: int, stages: int, device: torch.device | str = "cpu") -> nn.Module:
     """`build_stage_model` of the run's model, on `device` (`[run] device`); with `[train]
     precision = "bf16"` its forward runs under bf16 autocast and returns fp32 (what the next stage,
     or the loss on the last, takes; one stage's autocast covers its own forward, and the backward

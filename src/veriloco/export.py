@@ -1,0 +1,102 @@
+"""`veriloco export RUN --out DIR`: a run's global params after a round, as a model directory.
+
+The params come from the round's checkpoint in the run's store (a pipelined run's stage
+checkpoints, merged), each checked against the params hash its round record names; the store
+checks every blob against its digest. What is written:
+
+- `[model] arch` a transformers architecture (hf.py): `config.json` and `model.safetensors`, which
+  `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as it is;
+- the built-in GPT: `model.safetensors` and `model.json` (the run's `[model]` section), which
+  `veriloco.model.GPT(ModelConfig(**json))` loads with `load_state_dict`.
+
+The records are the run's own: `veriloco audit RUN` checks them (signatures, verdicts, every outer
+step) before you trust what they name. DIR is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save_file
+
+from .config import Config, ConfigError, config_from_dict
+from .hashing import tensors_hash
+from .records import RunDir
+from .store import LocalStore, StoreError
+
+
+class ExportError(ValueError):
+    """The run cannot be exported as asked: one line naming why."""
+
+
+def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, dict[str, torch.Tensor], int]:
+    """The run's config, its global params after `round` (default: the last recorded), and that
+    round. Every checkpoint is checked against its record's params hash."""
+    run = RunDir(run_dir)
+    manifest = run.read_manifest()
+    try:
+        cfg = config_from_dict(manifest["config"])
+    except (KeyError, ConfigError) as e:
+        raise ExportError(f"{run.root}: the manifest's config does not load: {e}") from None
+    records = run.rounds()
+    if not records:
+        raise ExportError(f"{run.root} has no complete round to export")
+    rounds = {r["round"]: r for r in records}
+    r = max(rounds) if round is None else round
+    if r not in rounds:
+        raise ExportError(f"round {r} is not in {run.root}/rounds.jsonl (it has rounds {min(rounds)}..{max(rounds)})")
+    store = LocalStore(run.store_dir, create=False)
+    rec = rounds[r]
+    parts = rec.get("stages") or [{"checkpoint": rec["checkpoint"], "params_hash": rec["params_hash"]}]
+    params: dict[str, torch.Tensor] = {}
+    for s, part in enumerate(parts):
+        try:
+            ckpt = st_load(store.get(part["checkpoint"]))
+        except (StoreError, KeyError, ValueError, TypeError) as e:
+            raise ExportError(f"round {r}: checkpoint of stage {s} does not load: {str(e).splitlines()[0]}") from None
+        mine = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
+        if tensors_hash(mine) != part["params_hash"]:
+            raise ExportError(f"round {r}: checkpoint of stage {s} does not match its record's params hash")
+        params.update(mine)
+    return cfg, params, r
+
+
+def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -> tuple[Path, int]:
+    """Write the run's params after `round` to `out` (see the module docstring); returns (out, round)."""
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out} already exists; export writes a new directory")
+    cfg, params, r = run_params(run_dir, round)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed to out once whole
+    try:
+        if cfg.model.arch != "gpt":
+            from .hf import save_hf
+
+            try:
+                save_hf(params, cfg.model, tmp)
+            except ValueError as e:
+                raise ExportError(str(e)) from None
+        else:
+            save_file({k: v.contiguous() for k, v in params.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            (tmp / "model.json").write_text(json.dumps(cfg.to_dict()["model"], indent=2, sort_keys=True) + "\n",
+                                            encoding="utf-8")
+        mask = os.umask(0)
+        os.umask(mask)
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp's and safetensors' private modes -> the umask's
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, r
+
+
+__all__ = ["ExportError", "export_run", "run_params"]

@@ -1,0 +1,165 @@
+"""Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3) built from the run's config, no download.
+
+`[model] arch = "llama"` (or "mistral", "qwen2", "qwen3") trains that `transformers` architecture
+instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, d_model,
+ffn, ctx, vocab_size, rope_theta). Nothing is fetched: the `transformers` config is made from
+those fields (`hf_config`), the weights are initialised from `run.seed`, and the tokenizer is the
+run's own (bytes, or the token ids of a .bin corpus).
+
+`HFCausalLM` holds the `transformers` model's parts under the same parameter names as its
+`*ForCausalLM` (`model.embed_tokens.weight`, `model.layers.<i>.*`, `model.norm.weight`,
+`lm_head.weight`), which is what lets a pipeline stage (`keep_stage`: the full model with the
+other stages' parts deleted) line up with the whole model, and what lets `veriloco export` write
+a checkpoint that `AutoModelForCausalLM.from_pretrained` loads as it is (`save_hf`).
+
+Its forward is the decoder loop of `LlamaModel.forward`, written out so that a stage can run a
+slice of it: embed (first stage), rotary position embeddings (every stage: they hold no
+parameters), the held layers, the final norm and head (last stage). Attention is PyTorch's SDPA
+with `is_causal` (no padding: every sequence is a full window). `tests/test_hf.py` checks that
+the full model's logits equal `transformers`' own forward and that the stages chained equal the
+full model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig
+
+HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+TRANSFORMERS_NEEDED = "transformers>=5,<6"
+
+
+def transformers_version() -> str | None:
+    """The installed `transformers` version, or None."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
+def ffn_width(m: ModelConfig) -> int:
+    """`[model] ffn`, or Llama's default: 8/3 of d_model, rounded up to a multiple of 32."""
+    return m.ffn or -(-(8 * m.d_model) // (3 * 32)) * 32
+
+
+def hf_config(m: ModelConfig) -> Any:
+    """The `transformers` config of `[model]` (no file, no download)."""
+    from transformers import AutoConfig
+
+    extra: dict[str, Any] = {}
+    if m.arch in ("mistral", "qwen2", "qwen3"):
+        extra["sliding_window"] = None  # full causal attention over the window, as the GPT
+    if m.arch in ("qwen2", "qwen3"):
+        extra["use_sliding_window"] = False
+    return AutoConfig.for_model(
+        m.arch,
+        vocab_size=m.vocab_size,
+        hidden_size=m.d_model,
+        intermediate_size=ffn_width(m),
+        num_hidden_layers=m.n_layer,
+        num_attention_heads=m.n_head,
+        num_key_value_heads=m.kv_heads or m.n_head,
+        head_dim=m.d_model // m.n_head,
+        max_position_embeddings=m.ctx,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+        torch_dtype="float32",
+        **extra,
+    )
+
+
+class HFCausalLM(nn.Module):
+    """A `transformers` decoder-only causal LM, or one pipeline stage of it.
+
+    forward(token ids) -> logits for the full model; a first stage maps ids -> hidden, a middle
+    one hidden -> hidden, a last one hidden -> logits.
+    """
+
+    def __init__(self, m: ModelConfig, causal_lm: nn.Module) -> None:
+        super().__init__()
+        self.cfg = m
+        base = causal_lm.model
+        base.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers)})  # same names as the list
+        self.model = base
+        self.lm_head = causal_lm.lm_head
+
+    def keep_stage(self, layers: set[int], embed: bool, head: bool) -> None:
+        """Delete what a stage does not hold (the names of what stays do not change)."""
+        for name in [k for k in self.model.layers if int(k) not in layers]:
+            del self.model.layers[name]
+        if not embed:
+            self.model.embed_tokens = None
+        if not head:
+            self.model.norm = self.lm_head = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rope = self.model.rotary_emb(h, position_ids=pos)
+        recompute = self.cfg.checkpoint and torch.is_grad_enabled()  # [model] checkpoint
+        for layer in self.model.layers.values():
+            if recompute:
+                h = checkpoint(_run_layer, layer, h, pos, rope, use_reentrant=False)
+            else:
+                h = _run_layer(layer, h, pos, rope)
+        if self.lm_head is not None:
+            h = self.lm_head(self.model.norm(h))
+        return h
+
+
+def _run_layer(layer: nn.Module, h: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def build_hf(m: ModelConfig) -> HFCausalLM:
+    """The full model with `transformers`' own initialisation, drawn from torch's global RNG
+    (the caller seeds it: `model.build_model`)."""
+    from transformers import AutoModelForCausalLM
+
+    return HFCausalLM(m, AutoModelForCausalLM.from_config(hf_config(m), dtype=torch.float32))
+
+
+def save_hf(params: dict[str, torch.Tensor], m: ModelConfig, directory: Path) -> None:
+    """Write `params` (the full model's, under HFCausalLM's names) into `directory` as a
+    `transformers` model: config.json and model.safetensors, which
+    `AutoModelForCausalLM.from_pretrained(directory)` loads (`veriloco export`, export.py)."""
+    from safetensors.torch import save_file
+
+    expected = {name for name, _ in build_hf_meta(m).named_parameters()}
+    missing, extra = sorted(expected - params.keys()), sorted(params.keys() - expected)
+    if missing or extra:
+        raise ValueError(f"the checkpoint does not hold a {m.arch} model of this config: "
+                         f"missing {missing[:3]}, unexpected {extra[:3]}")
+    config = hf_config(m)
+    config.architectures = [_causal_lm_name(config)]
+    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    save_file({k: v.detach().contiguous().float() for k, v in params.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def build_hf_meta(m: ModelConfig) -> HFCausalLM:
+    """The model's structure without memory (parameter names and shapes only)."""
+    with torch.device("meta"):
+        return build_hf(m)
+
+
+def _causal_lm_name(config: Any) -> str:
+    """`LlamaForCausalLM` and the like: what from_pretrained builds from config.json."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)].__name__
+
+
+__all__ = ["HF_ARCHS", "HFCausalLM", "build_hf", "ffn_width", "hf_config", "save_hf", "transformers_version"]

@@ -1,0 +1,162 @@
+"""`[model] arch`: transformers architectures (Llama, Mistral, Qwen2, Qwen3) built from the config.
+
+The model must compute exactly what `transformers` computes, cut into stages that chain to the
+whole model, train through every part of the engine (stages, replays, the audit), and come out as
+a directory `AutoModelForCausalLM.from_pretrained` loads (`veriloco export`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import rounds_of, tiny
+
+from veriloco import audit as audit_mod
+from veriloco.audit import audit_run
+from veriloco.config import ConfigError
+from veriloco.export import ExportError, export_run, run_params
+from veriloco.hf import HF_ARCHS, ffn_width, hf_config
+from veriloco.model import build_model
+from veriloco.run import train
+from veriloco.store import LocalStore
+from veriloco.task import model_init_hash
+from veriloco.topology import build_stage_model
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = ("--model.n_layer=3", "--model.d_model=32", "--model.n_head=4", "--model.kv_heads=2")
+REPLAYED = ("--train.inner_state=reset", "--verify.replay_probability=1.0", "--verify.trace_every=5",
+            "--verify.loss_gain_batches=1")
+
+
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_the_model_is_transformers_own_and_its_stages_chain_to_it(arch):
+    cfg = tiny(f"--model.arch={arch}", *SMALL)
+    model = build_model(cfg.model, cfg.run.seed)
+    reference = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
+    reference.load_state_dict(model.state_dict())  # strict: the same names and shapes as transformers'
+    assert model_init_hash(build_model(cfg.model, cfg.run.seed)) == model_init_hash(model)  # G_0 from the seed
+    assert model_init_hash(build_model(cfg.model, cfg.run.seed + 1)) != model_init_hash(model)
+    x = torch.randint(0, 256, (2, cfg.model.ctx))
+    with torch.no_grad():
+        logits = model(x)
+        assert torch.equal(logits, reference(input_ids=x).logits)
+        h, names = x, []
+        for s in range(3):
+            stage = build_stage_model(cfg.model, cfg.run.seed, s, 3)
+            names += [n for n, _ in stage.named_parameters()]
+            h = stage(h)
+    assert torch.equal(h, logits)
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each parameter in one stage
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    grads = []
+    for flag in ("false", "true"):
+        cfg = tiny("--model.arch=llama", *SMALL, f"--model.checkpoint={flag}")
+        model = build_model(cfg.model, 0)
+        x = torch.randint(0, 256, (2, cfg.model.ctx), generator=torch.Generator().manual_seed(0))
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--model.arch=gpt2", "model.arch must be gpt, llama, mistral, qwen2, qwen3, got 'gpt2'"),
+    ("--model.kv_heads=2", "model.kv_heads, model.ffn and model.rope_theta are for transformers archs"),
+])
+def test_arch_settings_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(override)
+    with pytest.raises(ConfigError, match=r"model.n_head \(4\) must be divisible by model.kv_heads \(3\)"):
+        tiny("--model.arch=llama", "--model.n_head=4", "--model.kv_heads=3")
+    with pytest.raises(ConfigError, match=r"head width d_model / n_head \(5\) must be even"):
+        tiny("--model.arch=qwen2", "--model.d_model=20", "--model.n_head=4")
+
+
+def test_a_missing_transformers_is_one_line(monkeypatch):
+    import veriloco.hf
+
+    monkeypatch.setattr(veriloco.hf, "transformers_version", lambda: None)
+    with pytest.raises(ConfigError, match=r"model.arch = 'llama' needs transformers>=5,<6 \(pip install 'veriloco\[hf\]'\); it is not installed"):
+        tiny("--model.arch=llama")
+
+
+def test_ffn_default_is_llamas_rounding():
+    assert ffn_width(tiny("--model.arch=llama").model) == 96  # 8/3 x 32 = 85.3 -> 96
+    assert ffn_width(tiny("--model.arch=llama", "--model.ffn=50").model) == 50
+
+
+def test_a_pipelined_llama_trains_replays_audits_and_exports(tmp_path, monkeypatch):
+    """W=2 x S=2 against W=2 x S=1 on the same seed (as tests/test_engine.py does for the GPT), every
+    worker replayed every round, the offline audit re-running every replay, then `export`."""
+    arch = ("--model.arch=llama", "--model.kv_heads=1", "--train.rounds=2")
+    flat, _ = train(tiny(*arch, *REPLAYED), str(tmp_path / "s1"), quiet=True)
+    piped, summary = train(tiny(*arch, *REPLAYED, "--topology.stages=2", "--topology.microbatches=2"),
+                           str(tmp_path / "s2"), quiet=True)
+    a, b = rounds_of(flat.root), rounds_of(piped.root)
+    assert summary["stages"] == 2 and b[-1]["eval_loss"] < b[0]["eval_loss_start"]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["verdicts"] == ["accept"] * 2
+        assert abs(ra["eval_loss"] - rb["eval_loss"]) <= 1e-5 * ra["eval_loss"]  # STAGES_LOSS_RTOL
+    manifest = json.loads((piped.root / "manifest.json").read_text())
+    assert manifest["transformers_version"] == transformers.__version__
+    report = audit_run(piped.root, replay=100)
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] == 4  # 2 workers x 2 rounds, each through the emulated pipeline
+
+    # another transformers version may compute another forward: the audit says so, not "replay mismatch"
+    monkeypatch.setattr(audit_mod, "transformers_version", lambda: "5.0.0")
+    report = audit_run(piped.root)
+    assert not report.ok and "ran on transformers" in report.first_failure and "this machine has 5.0.0" in report.first_failure
+    monkeypatch.undo()
+
+    # export: the stage checkpoints merged, loadable by transformers, the same logits as the run's model
+    out, r = export_run(piped.root, tmp_path / "hf")
+    assert r == 1 and sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    cfg, params, _ = run_params(piped.root)
+    ours = build_model(cfg.model, cfg.run.seed)
+    ours.load_state_dict(params)
+    x = torch.randint(0, 256, (2, cfg.model.ctx))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, ours(x))
+    with pytest.raises(ExportError, match="already exists"):
+        export_run(piped.root, out)
+    with pytest.raises(ExportError, match=r"round 5 is not in .* \(it has rounds 0..1\)"):
+        export_run(piped.root, tmp_path / "x", round=5)
+
+
+def test_export_of_the_gpt_and_its_bad_input(tmp_path):
+    from safetensors.torch import load_file
+
+    from veriloco.config import ModelConfig
+    from veriloco.model import GPT
+
+    run, _ = train(tiny("--train.rounds=2"), str(tmp_path / "run"), quiet=True)
+    out, r = export_run(run.root, tmp_path / "gpt", round=0)
+    model = GPT(ModelConfig(**json.loads((out / "model.json").read_text())))
+    model.load_state_dict(load_file(out / "model.safetensors"))
+    assert r == 0 and model_init_hash(model) == rounds_of(run.root)[0]["params_hash"]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "veriloco.cli", "export", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    # a checkpoint that does not match its record: one line, exit 2, nothing written
+    rec = rounds_of(run.root)[-1]
+    blob = LocalStore(run.store_dir).path_of(rec["checkpoint"])
+    blob.write_bytes(blob.read_bytes()[:-8] + b"\0" * 8)
+    for args, message in (
+        ((str(run.root), "--out", str(tmp_path / "bad")), "checkpoint of stage 0 does not load"),
+        ((str(tmp_path / "nothing"), "--out", str(tmp_path / "bad")), "is not a run directory"),
+        ((str(run.root), "--out", str(out)), "already exists"),
+    ):
+        p = cli(*args)
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))
