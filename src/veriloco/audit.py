@@ -474,6 +474,11 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     if corpus.root != manifest["corpus_root"]:
         _fail(f"corpus: Merkle root {corpus.root} is not the manifest's {manifest['corpus_root']}")
     counts["corpus_chunks"] = len(corpus.chunks)
+    if "tokenizer" in manifest:  # [data] tokenizer: the file is kept, not rerun (the text is not stored)
+        try:
+            store.get(manifest["tokenizer"])
+        except (StoreError, ValueError, TypeError) as e:
+            _fail(f"corpus: the tokenizer the manifest names is not in the store: {str(e).splitlines()[0]}")
     corpus_task = CorpusTask(cfg, "", manifest["corpus_manifest"])
     corpus_task._corpus = corpus
     task = _AuditTask(corpus_task, device if stages == 1 else "cpu", cfg.train.precision)  # stages: the emulated pipeline, on the CPU

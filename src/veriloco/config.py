@@ -60,6 +60,10 @@ class DataConfig:
         "a text file, a directory of text files, or a nanoGPT-style token .bin file",
     )
     bin_dtype: str = _f("uint16", "element type of a token .bin file: uint16 or uint32")
+    tokenizer: str = _f(
+        "", "a tokenizers tokenizer.json (a local file, nothing downloaded) that turns a text source into "
+        "token ids once, when the run is prepared; '' = bytes (data.py; pip install 'veriloco[hf]')",
+    )
     eval_fraction: float = _f(0.05, "fraction of the corpus (its tail) held out for eval")
     chunk_bytes: int = _f(65536, "corpus chunk size for the Merkle tree and the store")
     max_bytes: int = _f(0, "use only the first max_bytes of the corpus; 0 = all of it")

@@ -9,6 +9,13 @@ run manifest). A user may instead point `[data] source` at a text file, a direct
 files (every regular file under it, sorted by relative path), or a nanoGPT-style token `.bin`
 (a flat array of uint16/uint32 token ids).
 
+A text corpus is bytes unless `[data] tokenizer` names a `tokenizers` tokenizer.json (a local
+file: nothing is downloaded). Then the text is tokenized once, when the run is prepared, and the
+corpus the run commits to and stores is the token ids (kind "tokenized", uint32): the Merkle root
+names the tokens the workers trained on, and the run's store holds them, so an audit needs no
+tokenizer. The tokenizer file itself goes into the store and its hash into the manifest
+(`veriloco export` puts it beside the model).
+
 The corpus is cut into `chunk_bytes` chunks whose sha256 hashes are the leaves of a Merkle tree
 (RFC 9162 hashing, the same as the ledger's); the root names the corpus in the manifest, and the
 chunks go into the run's store so a run directory is self-contained.
@@ -61,11 +68,12 @@ def _read_text_sources(paths: list[tuple[str, Path]]) -> bytes:
 class Corpus:
     """Tokens of a corpus with its split, chunk hashes and Merkle root."""
 
-    tokens: np.ndarray  # 1-D uint8 (bytes) or uint16/uint32 (token .bin)
-    raw: bytes  # the bytes that were chunked and hashed (text bytes or the .bin file)
-    kind: str  # "text" or "bin"
+    tokens: np.ndarray  # 1-D uint8 (bytes), uint16/uint32 (token .bin) or uint32 (tokenized text)
+    raw: bytes  # the bytes that were chunked and hashed (text bytes, the .bin file, or the token ids)
+    kind: str  # "text", "bin" or "tokenized"
     chunk_bytes: int
     eval_fraction: float
+    tokenizer_json: bytes | None = None  # the tokenizer file of a "tokenized" corpus, when it was loaded from text
 
     def __post_init__(self) -> None:
         self.chunks = [
@@ -92,9 +100,17 @@ class Corpus:
         return canonical_json(self.manifest())
 
 
+KINDS = ("text", "bin", "tokenized")
+TOKENIZED_DTYPE = "uint32"
+
+
 def _tokens_from(raw: bytes, kind: str, dtype: str) -> np.ndarray:
+    if kind not in KINDS:
+        raise DataError(f"corpus kind {kind!r:.40} is not one of {', '.join(KINDS)}")
     if kind == "text":
         return np.frombuffer(raw, dtype=np.uint8)
+    if kind == "tokenized":
+        dtype = TOKENIZED_DTYPE
     itemsize = np.dtype(dtype).itemsize
     if len(raw) % itemsize:
         raise DataError(f"token .bin has {len(raw)} bytes, not a multiple of {dtype} ({itemsize})")
@@ -126,7 +142,45 @@ def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
         raw = raw[: cfg.max_bytes]
         if kind == "bin":
             raw = raw[: len(raw) - len(raw) % np.dtype(cfg.bin_dtype).itemsize]
+    if cfg.tokenizer:
+        if kind == "bin":
+            raise DataError(f"data.tokenizer is for text corpora; {src} is a token .bin already")
+        tokenizer_json = Path(cfg.tokenizer).read_bytes() if Path(cfg.tokenizer).is_file() else None
+        if tokenizer_json is None:
+            raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
+        corpus = corpus_from_raw(tokenize(raw, tokenizer_json, vocab_size), "tokenized", cfg, vocab_size, ctx)
+        corpus.tokenizer_json = tokenizer_json
+        return corpus
     return corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
+
+
+TOKENIZE_PIECE = 1 << 18  # the text is tokenized in pieces of about this many bytes, cut after a newline
+
+
+def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:
+    """`text` (UTF-8; undecodable bytes become U+FFFD) as uint32 token ids of the tokenizer in
+    `tokenizer_json` (the `tokenizers` library's format). The text is cut into pieces after the
+    first newline past every TOKENIZE_PIECE bytes and each piece encoded on its own, without
+    special tokens: a pure function of the bytes and the tokenizer file."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError("data.tokenizer needs the tokenizers package (pip install 'veriloco[hf]')") from None
+    try:
+        tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    except Exception as e:  # the library raises its own exception type for any bad file
+        raise DataError(f"data.tokenizer is not a tokenizers tokenizer.json: {str(e).splitlines()[0][:120]}") from None
+    if tok.get_vocab_size() > vocab_size:
+        raise DataError(f"data.tokenizer has {tok.get_vocab_size()} tokens > model.vocab_size {vocab_size}: "
+                        f"set model.vocab_size >= {tok.get_vocab_size()}")
+    pieces, start = [], 0
+    while start < len(text):
+        cut = text.find(b"\n", start + TOKENIZE_PIECE)
+        end = len(text) if cut < 0 else cut + 1
+        pieces.append(text[start:end].decode("utf-8", errors="replace"))
+        start = end
+    ids = [i for enc in tok.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
+    return np.asarray(ids, dtype=TOKENIZED_DTYPE).tobytes()
 
 
 def corpus_from_raw(raw: bytes, kind: str, cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
@@ -134,10 +188,9 @@ def corpus_from_raw(raw: bytes, kind: str, cfg: DataConfig, vocab_size: int, ctx
     tokens = _tokens_from(raw, kind, cfg.bin_dtype)
     if kind == "text" and vocab_size < 256:
         raise DataError(f"a byte-level corpus needs model.vocab_size >= 256, got {vocab_size}")
-    if kind == "bin" and len(tokens) and int(tokens.max()) >= vocab_size:
-        raise DataError(
-            f"token .bin has token id {int(tokens.max())} >= model.vocab_size {vocab_size}"
-        )
+    if kind != "text" and len(tokens) and int(tokens.max()) >= vocab_size:
+        what = "token .bin" if kind == "bin" else "tokenized corpus"
+        raise DataError(f"{what} has token id {int(tokens.max())} >= model.vocab_size {vocab_size}")
     corpus = Corpus(tokens, raw, kind, cfg.chunk_bytes, cfg.eval_fraction)
     need = 4 * (ctx + 1)
     if corpus.eval_start < need or len(tokens) - corpus.eval_start < ctx + 2:

@@ -7,7 +7,9 @@ checks every blob against its digest. What is written:
 - `[model] arch` a transformers architecture (hf.py): `config.json` and `model.safetensors`, which
   `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as it is;
 - the built-in GPT: `model.safetensors` and `model.json` (the run's `[model]` section), which
-  `veriloco.model.GPT(ModelConfig(**json))` loads with `load_state_dict`.
+  `veriloco.model.GPT(ModelConfig(**json))` loads with `load_state_dict`;
+- with `[data] tokenizer`, its `tokenizer.json` too (from the run's store), which
+  `transformers.AutoTokenizer.from_pretrained(DIR)` loads.
 
 The records are the run's own: `veriloco audit RUN` checks them (signatures, verdicts, every outer
 step) before you trust what they name. DIR is written whole or not at all.
@@ -88,6 +90,12 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
                       metadata={"format": "pt"})
             (tmp / "model.json").write_text(json.dumps(cfg.to_dict()["model"], indent=2, sort_keys=True) + "\n",
                                             encoding="utf-8")
+        tokenizer = RunDir(run_dir).read_manifest().get("tokenizer")
+        if tokenizer is not None:  # [data] tokenizer: what turned the text into the tokens trained on
+            try:
+                (tmp / "tokenizer.json").write_bytes(LocalStore(RunDir(run_dir).store_dir, create=False).get(tokenizer))
+            except StoreError as e:
+                raise ExportError(f"the run's tokenizer does not load from its store: {str(e).splitlines()[0]}") from None
         mask = os.umask(0)
         os.umask(mask)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp's and safetensors' private modes -> the umask's

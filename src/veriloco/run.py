@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
 from .data import load_corpus
-from .hashing import canonical_json, json_hash
+from .hashing import canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_model
 from .procs import start_workers
@@ -62,6 +62,8 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     }
     if cfg.model.arch != "gpt":  # its forward is transformers' code: replays reproduce under the same version
         manifest["transformers_version"] = transformers_version()
+    if corpus.tokenizer_json is not None:  # what made the committed tokens (put into the store below)
+        manifest["tokenizer"] = sha256_hex(corpus.tokenizer_json)
     run_id = json_hash(manifest)
     run = RunDir(out or Path("runs") / run_id[:16])
     if run.rounds_path.exists() and run.rounds():
@@ -70,6 +72,8 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     store.put(canonical_json(manifest))  # named by its hash, the run id: a store says which runs it holds
     for chunk in corpus.chunks:
         store.put(chunk)
+    if corpus.tokenizer_json is not None:
+        store.put(corpus.tokenizer_json)
     manifest["corpus_manifest"] = store.put(corpus.manifest_bytes())
     manifest["run_id"] = run_id
     run.write_manifest(manifest)

@@ -1,0 +1,101 @@
+"""`[data] tokenizer`: a text corpus tokenized once by a local tokenizer.json, committed as tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import TINY, tiny
+
+from veriloco.audit import audit_run
+from veriloco.data import DataError, load_corpus, tokenize
+from veriloco.export import export_run
+from veriloco.hashing import sha256_hex
+from veriloco.run import train
+from veriloco.store import LocalStore
+
+tokenizers = pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A byte-level BPE of 300 tokens trained here on a standard-library module (no download)."""
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([open(os.__file__, encoding="utf-8").read()], trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_the_corpus_is_the_tokenizers_ids(tokenizer_file):
+    cfg = tiny(f"--data.tokenizer={tokenizer_file}", "--model.vocab_size=300")
+    corpus = load_corpus(cfg.data, 300, cfg.model.ctx)
+    text = load_corpus(tiny().data, 256, cfg.model.ctx).raw
+    assert corpus.kind == "tokenized" and corpus.tokens.dtype == np.uint32
+    assert corpus.tokenizer_json == tokenizer_file.read_bytes()
+    assert int(corpus.tokens.max()) >= 256 and len(corpus.tokens) < 0.8 * len(text)  # merges, not bytes
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    assert tok.decode(corpus.tokens.tolist()) == text.decode("utf-8", errors="replace")  # byte-level BPE: lossless
+    assert tokenize(text, tokenizer_file.read_bytes(), 300) == corpus.raw  # a pure function of text and file
+
+
+def test_a_tokenized_run_trains_audits_and_exports_its_tokenizer(tmp_path, tokenizer_file):
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny(f"--data.tokenizer={tokenizer_file}", "--model.vocab_size=300", "--model.arch=llama",
+               "--train.rounds=2")
+    run, summary = train(cfg, str(tmp_path / "run"), quiet=True)
+    manifest = json.loads((run.root / "manifest.json").read_text())
+    assert manifest["tokenizer"] == sha256_hex(tokenizer_file.read_bytes())
+    assert summary["eval_loss_end"] < summary["eval_loss_start"]
+    report = audit_run(run.root)
+    assert report.ok, report.first_failure
+    out, _ = export_run(run.root, tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("def f(x): return x")["input_ids"] == tokenizers.Tokenizer.from_file(str(tokenizer_file)).encode(
+        "def f(x): return x").ids
+
+    # the tokenizer kept in the store is checked by the audit
+    LocalStore(run.store_dir).path_of(manifest["tokenizer"]).write_bytes(b"{}")
+    report = audit_run(run.root)
+    assert not report.ok and "the tokenizer the manifest names is not in the store" in report.first_failure
+
+
+def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file):
+    with pytest.raises(DataError, match="data.tokenizer has 300 tokens > model.vocab_size 256: set model.vocab_size >= 300"):
+        load_corpus(tiny(f"--data.tokenizer={tokenizer_file}").data, 256, 32)
+    with pytest.raises(DataError, match="data.tokenizer not found"):
+        load_corpus(tiny(f"--data.tokenizer={tmp_path / 'none.json'}").data, 300, 32)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": 1}')
+    with pytest.raises(DataError, match="data.tokenizer is not a tokenizers tokenizer.json"):
+        load_corpus(tiny(f"--data.tokenizer={bad}").data, 300, 32)
+    tokens = tmp_path / "t.bin"
+    np.arange(4096, dtype=np.uint16).tofile(tokens)
+    with pytest.raises(DataError, match="data.tokenizer is for text corpora"):
+        load_corpus(tiny(f"--data.source={tokens}", f"--data.tokenizer={tokenizer_file}").data, 5000, 32)
+    # through the CLI: one line, exit 2, no run directory
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "veriloco.cli", "train", str(TINY), f"--data.tokenizer={bad}",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "not a tokenizers tokenizer.json" in lines[0], p.stderr
+    assert not out.exists()
+
+
+def test_a_stored_corpus_of_an_unknown_kind_is_refused():
+    from veriloco.data import corpus_from_raw
+
+    with pytest.raises(DataError, match="corpus kind 'pickle' is not one of text, bin, tokenized"):
+        corpus_from_raw(b"\0" * 4096, "pickle", tiny().data, 256, 32)
