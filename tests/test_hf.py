@@ -66,14 +66,14 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.parametrize("override, message", [
     ("--model.arch=gpt2", "model.arch must be gpt, llama, mistral, qwen2, qwen3, got 'gpt2'"),
-    ("--model.kv_heads=2", "model.kv_heads, model.ffn and model.rope_theta are for transformers archs"),
+    ("--model.norm_eps=1e-5", "model.kv_heads, model.head_dim, model.ffn, model.rope_theta and model.norm_eps are for transformers archs"),
 ])
 def test_arch_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
         tiny(override)
     with pytest.raises(ConfigError, match=r"model.n_head \(4\) must be divisible by model.kv_heads \(3\)"):
         tiny("--model.arch=llama", "--model.n_head=4", "--model.kv_heads=3")
-    with pytest.raises(ConfigError, match=r"head width d_model / n_head \(5\) must be even"):
+    with pytest.raises(ConfigError, match=r"head width \(5; model.head_dim, or d_model / n_head\) must be even"):
         tiny("--model.arch=qwen2", "--model.d_model=20", "--model.n_head=4")
 
 
@@ -104,6 +104,10 @@ def test_a_pipelined_llama_trains_replays_audits_and_exports(tmp_path, monkeypat
         assert abs(ra["eval_loss"] - rb["eval_loss"]) <= 1e-5 * ra["eval_loss"]  # STAGES_LOSS_RTOL
     manifest = json.loads((piped.root / "manifest.json").read_text())
     assert manifest["transformers_version"] == transformers.__version__
+    from veriloco.report import write_report
+
+    html = write_report(piped.root).read_text()
+    assert "llama · 2 layers · 32 d_model · 2 heads · 1 kv heads" in html and transformers.__version__ in html
     report = audit_run(piped.root, replay=100)
     assert report.ok, report.first_failure
     assert report.checked["replays"] == 4  # 2 workers x 2 rounds, each through the emulated pipeline

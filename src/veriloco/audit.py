@@ -55,6 +55,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .config import config_from_dict
@@ -86,7 +88,15 @@ from .round import (
 from .signing import FILE as SIGNED_FILE
 from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
-from .task import CorpusTask, Task, load_stored_corpus, model_init_hash, on_device, take_device
+from .task import (
+    CorpusTask,
+    Task,
+    load_stored_corpus,
+    model_init_hash,
+    on_device,
+    take_device,
+    with_initial,
+)
 from .topology import build_stage_model, stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
@@ -461,10 +471,19 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     if cfg.model.arch != "gpt" and trained_with != transformers_version():
         _fail(f"manifest: the run's {cfg.model.arch} model ran on transformers {trained_with}, this machine has "
               f"{transformers_version()}: install that version to audit it (its forward is transformers' code)")
-    G0 = build_model(cfg.model, cfg.run.seed)
-    if model_init_hash(G0) != manifest.get("model_init_hash"):
-        _fail("manifest: the model built from the config's seed does not have the manifest's init hash")
     store = src.store
+    G0, initial = build_model(cfg.model, cfg.run.seed), None
+    if "init" in manifest:  # [model] init: G_0 is the weights kept in the store, not the seed's
+        try:
+            initial = st_load(store.get(manifest["init"]))
+        except (StoreError, SafetensorError, ValueError, TypeError) as e:
+            _fail(f"manifest: the starting weights it names (init) do not load from the store: {str(e).splitlines()[0]}")
+        if {k: tuple(v.shape) for k, v in initial.items()} != {k: tuple(p.shape) for k, p in G0.named_parameters()}:
+            _fail("manifest: the starting weights it names (init) are not this config's model")
+        with_initial(G0, initial)
+    if model_init_hash(G0) != manifest.get("model_init_hash"):
+        _fail("manifest: the model built from the config's seed"
+              + (" and starting weights" if initial is not None else "") + " does not have the manifest's init hash")
 
     # 2. corpus
     try:
@@ -479,8 +498,8 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
             store.get(manifest["tokenizer"])
         except (StoreError, ValueError, TypeError) as e:
             _fail(f"corpus: the tokenizer the manifest names is not in the store: {str(e).splitlines()[0]}")
-    corpus_task = CorpusTask(cfg, "", manifest["corpus_manifest"])
-    corpus_task._corpus = corpus
+    corpus_task = CorpusTask(cfg, "", manifest["corpus_manifest"], manifest.get("init"))
+    corpus_task._corpus, corpus_task._initial = corpus, initial
     task = _AuditTask(corpus_task, device if stages == 1 else "cpu", cfg.train.precision)  # stages: the emulated pipeline, on the CPU
     take_device(task.device, cfg.verify.replay_match == "exact")
 
@@ -511,7 +530,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
     slices, stage_models = [], []
     for s in range(stages):
-        model = G0 if stages == 1 else build_stage_model(cfg.model, cfg.run.seed, s, stages)
+        model = G0 if stages == 1 else with_initial(build_stage_model(cfg.model, cfg.run.seed, s, stages), initial)
         stage_models.append(model)
         params = dict(model.named_parameters())
         slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},

@@ -38,8 +38,14 @@ class ModelConfig:
     n_layer: int = _f(4, "number of transformer blocks")
     n_head: int = _f(4, "attention heads per block")
     kv_heads: int = _f(0, "transformers archs: key/value heads (grouped-query attention); 0 = n_head")
+    head_dim: int = _f(0, "transformers archs: width of one attention head; 0 = d_model / n_head")
     ffn: int = _f(0, "transformers archs: MLP width (intermediate_size); 0 = 8/3 d_model rounded up to 32")
     rope_theta: float = _f(10000.0, "transformers archs: rotary embedding base")
+    norm_eps: float = _f(1e-6, "transformers archs: RMSNorm epsilon (rms_norm_eps)")
+    init: str = _f(
+        "", "start from these weights instead of run.seed's: a safetensors file or a directory of them (a veriloco "
+        "export, a transformers model directory); read once, checked against [model], kept in the run's store (weights.py)",
+    )
     d_model: int = _f(128, "embedding width")
     ctx: int = _f(128, "context length in tokens")
     vocab_size: int = _f(256, "vocabulary size; 256 = bytes; a token .bin file may need more")
@@ -590,14 +596,17 @@ def _check_arch(m: ModelConfig) -> None:
     from .hf import HF_ARCHS, TRANSFORMERS_NEEDED, transformers_version
 
     need(m.arch in ("gpt",) + HF_ARCHS, f"model.arch must be gpt, {', '.join(HF_ARCHS)}, got {m.arch!r}")
-    need(m.kv_heads >= 0 and m.ffn >= 0, f"model.kv_heads and model.ffn must be >= 0, got {m.kv_heads} and {m.ffn}")
-    need(m.rope_theta > 0, f"model.rope_theta must be > 0, got {m.rope_theta}")
+    need(m.kv_heads >= 0 and m.ffn >= 0 and m.head_dim >= 0,
+         f"model.kv_heads, model.ffn and model.head_dim must be >= 0, got {m.kv_heads}, {m.ffn} and {m.head_dim}")
+    need(m.rope_theta > 0 and m.norm_eps > 0, f"model.rope_theta and model.norm_eps must be > 0, got {m.rope_theta} and {m.norm_eps}")
     if m.arch == "gpt":
-        need(not (m.kv_heads or m.ffn or m.rope_theta != 10000.0),
-             "model.kv_heads, model.ffn and model.rope_theta are for transformers archs; model.arch is 'gpt'")
+        need(not (m.kv_heads or m.ffn or m.head_dim or m.rope_theta != 10000.0 or m.norm_eps != 1e-6),
+             "model.kv_heads, model.head_dim, model.ffn, model.rope_theta and model.norm_eps are for transformers archs; "
+             "model.arch is 'gpt'")
         return
-    need((m.d_model // m.n_head) % 2 == 0,
-         f"model.arch = {m.arch!r}: the head width d_model / n_head ({m.d_model // m.n_head}) must be even (rotary embeddings)")
+    head = m.head_dim or m.d_model // m.n_head
+    need(head % 2 == 0, f"model.arch = {m.arch!r}: the head width ({head}; model.head_dim, or d_model / n_head) "
+         "must be even (rotary embeddings)")
     need(m.n_head % (m.kv_heads or m.n_head) == 0,
          f"model.n_head ({m.n_head}) must be divisible by model.kv_heads ({m.kv_heads})")
     version = transformers_version()

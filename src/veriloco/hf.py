@@ -1,8 +1,8 @@
 """Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3) built from the run's config, no download.
 
 `[model] arch = "llama"` (or "mistral", "qwen2", "qwen3") trains that `transformers` architecture
-instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, d_model,
-ffn, ctx, vocab_size, rope_theta). Nothing is fetched: the `transformers` config is made from
+instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, head_dim,
+d_model, ffn, ctx, vocab_size, rope_theta, norm_eps). Nothing is fetched: the `transformers` config is made from
 those fields (`hf_config`), the weights are initialised from `run.seed`, and the tokenizer is the
 run's own (bytes, or the token ids of a .bin corpus).
 
@@ -67,7 +67,8 @@ def hf_config(m: ModelConfig) -> Any:
         num_hidden_layers=m.n_layer,
         num_attention_heads=m.n_head,
         num_key_value_heads=m.kv_heads or m.n_head,
-        head_dim=m.d_model // m.n_head,
+        head_dim=m.head_dim or m.d_model // m.n_head,
+        rms_norm_eps=m.norm_eps,
         max_position_embeddings=m.ctx,
         rope_theta=m.rope_theta,
         tie_word_embeddings=False,

@@ -743,9 +743,10 @@ def _mode_text(v: RunView, mode: Any, codec: Any) -> str:
 def header(v: RunView) -> str:
     s = _dict(v.summary)
     m = _dict(v.config.get("model"))
-    model = " · ".join(f"{e(val)} {label}" for key, label in
-                       (("n_layer", "layers"), ("d_model", "d_model"), ("n_head", "heads"),
-                        ("ctx", "ctx"), ("vocab_size", "vocab")) if (val := m.get(key)) is not None)
+    model = " · ".join([*([e(m["arch"])] if m.get("arch") not in (None, "gpt") else []),  # [model] arch: transformers'
+                        *(f"{e(val)} {label}" for key, label in
+                          (("n_layer", "layers"), ("d_model", "d_model"), ("n_head", "heads"), ("kv_heads", "kv heads"),
+                           ("ctx", "ctx"), ("vocab_size", "vocab")) if (val := m.get(key)))])
     stages = _int(v.cfg("topology", "stages")) or 1
     planned = v.planned_rounds
     tokens = _num(s.get("tokens"))
@@ -802,6 +803,9 @@ def header(v: RunView) -> str:
         ("mode / codec", _mode_text(v, mode, codec)),
         ("corpus root", v.manifest.get("corpus_root")),
         ("model init hash", v.manifest.get("model_init_hash")),
+        ("starting weights (store)", v.manifest.get("init")),  # [model] init
+        ("tokenizer (store)", v.manifest.get("tokenizer")),  # [data] tokenizer
+        ("transformers version", v.manifest.get("transformers_version")),
         ("final params hash" if v.summary is not None else "latest params hash", s.get("final_params_hash") or (v.rounds[-1].get("params_hash") if v.rounds else None)),
         ("code version", v.manifest.get("code_version")),
         ("run directory", str(v.root)),

@@ -95,7 +95,7 @@ from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, 
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
-from .task import CorpusTask, Task, on_device, process_device, take_device
+from .task import CorpusTask, Task, on_device, process_device, take_device, with_initial
 from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
@@ -331,6 +331,8 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     topo = Topology(cfg.topology.workers, cfg.topology.stages, world)
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
     check_splittable(task, stages)
+    source = getattr(task.make_model, "__self__", None)  # the built-in task: G_0 may be weights from its store
+    initial = source.initial_params() if isinstance(source, CorpusTask) else None
     device = process_device(cfg, rank)
     take_device(device, cfg.verify.replay_match == "exact")
     task = on_device(task, device, cfg.train.precision)
@@ -347,7 +349,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         model = task.make_model()
         inner = InnerLoop(model, cfg.train, total_steps, task.loss)
     else:
-        model = stage_model(cfg, stage, stages, device)
+        model = with_initial(stage_model(cfg, stage, stages, device), initial)
         inner = PipelineInnerLoop(
             model, cfg.train, total_steps, stage=stage, stages=stages, group=worker_group,
             microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule, device=device,

@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
+from safetensors.torch import load as st_load
 
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
@@ -25,7 +26,8 @@ from .procs import start_workers
 from .records import RunDir, RunDirError
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, run_ref
-from .task import CorpusTask, Task, model_init_hash
+from .task import CorpusTask, Task, model_init_hash, with_initial
+from .weights import init_blob, read_init
 
 
 def admitted_keys(cfg: Config) -> dict[str, str]:
@@ -53,10 +55,14 @@ def free_port() -> int:
 def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     """Load the corpus into the run's store, write the manifest; the run id is its hash."""
     corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+    model, init = build_model(cfg.model, cfg.run.seed), None
+    if cfg.model.init:  # start from weights on disk: read and checked once, then kept in the store
+        init = init_blob(read_init(cfg.model, model))
+        with_initial(model, st_load(init))
     manifest = {
         "config": cfg.to_dict(),
         "corpus_root": corpus.root,
-        "model_init_hash": model_init_hash(build_model(cfg.model, cfg.run.seed)),
+        "model_init_hash": model_init_hash(model),
         "code_version": __version__,
         "worker_keys": admitted_keys(cfg),
     }
@@ -64,6 +70,8 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
         manifest["transformers_version"] = transformers_version()
     if corpus.tokenizer_json is not None:  # what made the committed tokens (put into the store below)
         manifest["tokenizer"] = sha256_hex(corpus.tokenizer_json)
+    if init is not None:
+        manifest["init"] = sha256_hex(init)
     run_id = json_hash(manifest)
     run = RunDir(out or Path("runs") / run_id[:16])
     if run.rounds_path.exists() and run.rounds():
@@ -72,12 +80,13 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     store.put(canonical_json(manifest))  # named by its hash, the run id: a store says which runs it holds
     for chunk in corpus.chunks:
         store.put(chunk)
-    if corpus.tokenizer_json is not None:
-        store.put(corpus.tokenizer_json)
+    for blob in (corpus.tokenizer_json, init):
+        if blob is not None:
+            store.put(blob)
     manifest["corpus_manifest"] = store.put(corpus.manifest_bytes())
     manifest["run_id"] = run_id
     run.write_manifest(manifest)
-    return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
+    return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init"))
 
 
 def _spawned(
@@ -203,7 +212,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
         except ValueError as e:
             raise RunDirError(str(e)) from None
     run.truncate_to(done)
-    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"])
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init"))
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
 
 
@@ -272,7 +281,8 @@ def torchrun_main(argv: list[str]) -> None:
     dist.barrier()
     if task is None:
         run = RunDir(out or "")
-        task = CorpusTask(cfg, run.store_dir, run.read_manifest()["corpus_manifest"])
+        manifest = run.read_manifest()
+        task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init"))
     try:
         summary = train_worker(cfg, rank, world, task.as_task(), str(run.root), 0)
         if summary is not None:

@@ -123,9 +123,20 @@ def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> 
 class CorpusTask:
     """The built-in task: the small GPT on a Merkle-committed corpus from the run's store."""
 
-    def __init__(self, cfg: Config, store_dir: str | Path, corpus_manifest: str) -> None:
-        self.cfg, self.store_dir, self.corpus_manifest = cfg, str(store_dir), corpus_manifest
+    def __init__(self, cfg: Config, store_dir: str | Path, corpus_manifest: str, init: str | None = None) -> None:
+        """`init`: the manifest's `init`, the store digest of the starting weights (`[model] init`)."""
+        self.cfg, self.store_dir, self.corpus_manifest, self.init = cfg, str(store_dir), corpus_manifest, init
         self._corpus: Corpus | None = None
+        self._initial: dict[str, torch.Tensor] | None = None
+
+    def initial_params(self) -> dict[str, torch.Tensor] | None:
+        """G_0 from the run's store when the run starts from weights (`[model] init`), else None
+        (G_0 is then `run.seed`'s initialisation)."""
+        if self.init is not None and self._initial is None:
+            from safetensors.torch import load as st_load
+
+            self._initial = st_load(LocalStore(self.store_dir).get(self.init))
+        return self._initial
 
     @property
     def corpus(self) -> Corpus:
@@ -137,7 +148,7 @@ class CorpusTask:
         return Task(self.make_model, _gpt_loss, self.batch, self.eval_batches)
 
     def make_model(self) -> nn.Module:
-        return build_model(self.cfg.model, self.cfg.run.seed)
+        return with_initial(build_model(self.cfg.model, self.cfg.run.seed), self.initial_params())
 
     def batch(self, worker: int, round: int, step: int) -> Batch:
         t = self.cfg.train
@@ -148,6 +159,16 @@ class CorpusTask:
         return eval_batches(self.corpus, t.eval_batches, t.batch_size, self.cfg.model.ctx)
 
 
+def with_initial(model: nn.Module, initial: dict[str, torch.Tensor] | None) -> nn.Module:
+    """`model` (the whole model or one stage) with its params set from `initial` (G_0 of a run
+    that starts from weights: `CorpusTask.initial_params`), or as it is when that is None."""
+    if initial is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(initial[name])
+    return model
+
+
 def model_init_hash(model: nn.Module) -> str:
     """sha256 of the initial params (goes into the run manifest)."""
     from .hashing import tensors_hash
@@ -155,5 +176,5 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash({k: v for k, v in model.state_dict().items()})
 
 
-__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",
+__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "with_initial", "on_device", "process_device", "require_gpu",
            "take_device"]

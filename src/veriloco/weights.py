@@ -1,0 +1,139 @@
+"""Starting weights: `[model] init`, a run that starts from weights on disk instead of run.seed's.
+
+`[model] init` names a safetensors file, or a directory of `*.safetensors` files (a `veriloco
+export` directory, or a transformers model directory, sharded or not). When the run is prepared
+(`run.prepare_run`) the weights are read once and checked against the model `[model]` describes:
+
+- every parameter present, none left over, every shape equal (one line naming the first tensor
+  that differs);
+- with a transformers `config.json` beside them, every setting that changes the computation
+  without changing a shape (rope_theta, rms_norm_eps, head_dim, a rope scaling, the
+  architecture) equal to `[model]`'s, one line naming each field to set; for the GPT, a
+  `veriloco export`'s `model.json` likewise (n_head, which no shape shows);
+- a checkpoint with tied embeddings (no `lm_head.weight`) gets a copy of the embedding as its
+  head: veriloco's models do not tie, so from there on the two train apart.
+
+The weights, as float32 under the model's names, become one canonical safetensors blob in the run's
+store; the manifest names it (`init`) and its model-init hash is the hash of those params, so
+the run id covers them. Workers, the DDP baseline and the audit start from that blob
+(`task.CorpusTask`), never from the file again: a run directory is self-contained.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as st_save
+from torch import nn
+
+from .config import ConfigError, ModelConfig
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved beside the weights
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            return files
+        raise ConfigError(f"model.init: {path} holds no *.safetensors file")
+    raise ConfigError(f"model.init not found: {path}")
+
+
+def _hf_settings(m: ModelConfig, config: dict) -> list[str]:
+    """Where a transformers config.json disagrees with `[model]`, as 'field X but [model] key Y'."""
+    from .hf import ffn_width
+
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                             if rope.get("rope_type", "default") != "default" else None)
+    n_head = config.get("num_attention_heads")
+    pairs = [
+        ("model_type", config.get("model_type"), "arch", m.arch),
+        ("num_hidden_layers", config.get("num_hidden_layers"), "n_layer", m.n_layer),
+        ("hidden_size", config.get("hidden_size"), "d_model", m.d_model),
+        ("num_attention_heads", n_head, "n_head", m.n_head),
+        ("num_key_value_heads", config.get("num_key_value_heads") or n_head, "kv_heads", m.kv_heads or m.n_head),
+        ("head_dim", config.get("head_dim") or (config.get("hidden_size", 0) // (n_head or 1)), "head_dim",
+         m.head_dim or m.d_model // m.n_head),
+        ("intermediate_size", config.get("intermediate_size"), "ffn", ffn_width(m)),
+        ("vocab_size", config.get("vocab_size"), "vocab_size", m.vocab_size),
+        ("rope_theta", float(theta), "rope_theta", m.rope_theta),
+        ("rms_norm_eps", config.get("rms_norm_eps"), "norm_eps", m.norm_eps),
+    ]
+    out = [f"config.json {a} = {x!r} but model.{b} = {y!r}" for a, x, b, y in pairs if x is not None and x != y]
+    if scaling:
+        out.append(f"config.json has a rope scaling ({json.dumps(scaling)[:60]}), which veriloco does not run")
+    if config.get("use_sliding_window") or (config.get("sliding_window") and m.arch == "mistral"
+                                            and config["sliding_window"] < m.ctx):
+        out.append("config.json uses sliding-window attention, which veriloco does not run")
+    return out
+
+
+def read_init(m: ModelConfig, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights `[model] init` names, checked against `model` (the full model `[model]`
+    builds), as float32 under its parameter names. ConfigError (one line) for anything amiss."""
+    path = Path(m.init)
+    files = _files(path)
+    # the settings beside the weights: transformers' config.json, or a veriloco export's model.json (the GPT)
+    beside = path / ("model.json" if m.arch == "gpt" else "config.json") if path.is_dir() else None
+    if beside is not None and beside.is_file():
+        try:
+            settings = json.loads(beside.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"model.init: {beside} is not JSON: {str(e)[:80]}") from None
+        if not isinstance(settings, dict):
+            wrong = ["it is not a JSON object"]
+        elif m.arch == "gpt":
+            wrong = [f"{key} = {settings[key]!r} but model.{key} = {getattr(m, key)!r}"
+                     for key in ("arch", "n_layer", "n_head", "d_model", "ctx", "vocab_size")
+                     if key in settings and settings[key] != getattr(m, key)]
+        else:
+            wrong = _hf_settings(m, settings)
+        if wrong:
+            raise ConfigError(f"model.init: {beside}: {'; '.join(wrong)}")
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"model.init: {f} is not a safetensors file: {str(e).splitlines()[0][:100]}") from None
+        twice = sorted(set(tensors) & set(found))
+        if twice:
+            raise ConfigError(f"model.init: {twice[0]} is in {f.name} and in another file")
+        found.update(tensors)
+    for name in [k for k in found if k.endswith(IGNORED_SUFFIXES)]:
+        del found[name]
+    expected = dict(model.named_parameters())
+    if "lm_head.weight" in expected and "lm_head.weight" not in found and "model.embed_tokens.weight" in found:
+        found["lm_head.weight"] = found["model.embed_tokens.weight"].clone()  # tied embeddings: untied from here on
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or extra:
+        raise ConfigError(f"model.init: {path} does not hold this [model]'s parameters: "
+                          + (f"missing {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                             if missing else "")
+                          + ("; " if missing and extra else "")
+                          + (f"unexpected {extra[0]}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+                             if extra else ""))
+    for name, p in expected.items():
+        if tuple(found[name].shape) != tuple(p.shape):
+            raise ConfigError(f"model.init: {name} has shape {tuple(found[name].shape)}, this [model] makes "
+                              f"{tuple(p.shape)}: set [model] to the checkpoint's sizes")
+        if not found[name].is_floating_point():
+            raise ConfigError(f"model.init: {name} is {found[name].dtype}, not a float tensor")
+    return {name: found[name].to(torch.float32).contiguous() for name in expected}
+
+
+def init_blob(params: dict[str, torch.Tensor]) -> bytes:
+    """The canonical safetensors bytes of `params` (sorted names, no metadata): what the store keeps."""
+    return st_save({k: params[k].contiguous() for k in sorted(params)})
+
+
+__all__ = ["init_blob", "read_init"]
