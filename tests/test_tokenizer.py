@@ -66,6 +66,13 @@ def test_a_tokenized_run_trains_audits_and_exports_its_tokenizer(tmp_path, token
     assert tok("def f(x): return x")["input_ids"] == tokenizers.Tokenizer.from_file(str(tokenizer_file)).encode(
         "def f(x): return x").ids
 
+    # sampling encodes and decodes with the run's own tokenizer
+    from veriloco.sample import sample
+
+    text, _ = sample(run.root, "def ", tokens=20, temperature=0)
+    ids = tokenizers.Tokenizer.from_file(str(tokenizer_file)).encode(text).ids
+    assert text and len(ids) <= 40  # 20 tokens of this tokenizer, re-encoded (merges may differ at the seams)
+
     # the tokenizer kept in the store is checked by the audit
     LocalStore(run.store_dir).path_of(manifest["tokenizer"]).write_bytes(b"{}")
     report = audit_run(run.root)

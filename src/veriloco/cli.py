@@ -10,6 +10,7 @@
     veriloco prove RUN ROUND       # inclusion proof of a round's ledger entry
     veriloco report RUN            # RUN/report.html: one self-contained page
     veriloco export RUN --out DIR  # the global params as a model directory (transformers archs: from_pretrained)
+    veriloco sample RUN --prompt TEXT   # what the run's model writes after TEXT
     veriloco keygen --out DIR --workers N   # Ed25519 keys for [verify] key_dir
     veriloco config                # print the config reference (every section and key)
 
@@ -264,6 +265,28 @@ def export(
     except (ExportError, *USER_ERRORS) as e:
         fail(str(e).splitlines()[0])
     typer.echo(f"wrote {path}: the global params after round {r} (check the run first: veriloco audit {run})")
+
+
+@app.command("sample")
+def sample_text(
+    run: str = typer.Argument(..., help="run directory"),
+    prompt: str = typer.Option("", "--prompt", help="text to continue (default: a newline)"),
+    tokens: int = typer.Option(200, "--tokens", help="how many tokens to generate (bytes for a byte-level run)"),
+    temperature: float = typer.Option(0.8, "--temperature", help="softmax temperature; 0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k", help="sample among the k likeliest tokens; 0 = all"),
+    seed: int = typer.Option(0, "--seed", help="the sampler's seed: the same seed prints the same text"),
+    round: int = typer.Option(None, "--round", help="the global params after this round (default: the last)"),
+) -> None:
+    """Print text the run's model writes after PROMPT (the params after a round, checked
+    against its record; the run's own tokenizer, or bytes)."""
+    from .export import ExportError
+    from .sample import sample
+
+    try:
+        text, _ = sample(run, prompt, tokens, temperature, top_k, seed, round)
+    except (ExportError, *USER_ERRORS) as e:
+        fail(str(e).splitlines()[0])
+    typer.echo(prompt + text)
 
 
 @app.command()
