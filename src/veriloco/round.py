@@ -332,7 +332,6 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
     check_splittable(task, stages)
     source = getattr(task.make_model, "__self__", None)  # the built-in task: G_0 may be weights from its store
-    initial = source.initial_params() if isinstance(source, CorpusTask) else None
     device = process_device(cfg, rank)
     take_device(device, cfg.verify.replay_match == "exact")
     task = on_device(task, device, cfg.train.precision)
@@ -349,7 +348,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         model = task.make_model()
         inner = InnerLoop(model, cfg.train, total_steps, task.loss)
     else:
-        model = with_initial(stage_model(cfg, stage, stages, device), initial)
+        model = with_initial(stage_model(cfg, stage, stages, device), source.initial_params())  # a stage is the built-in task
         inner = PipelineInnerLoop(
             model, cfg.train, total_steps, stage=stage, stages=stages, group=worker_group,
             microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule, device=device,

@@ -121,7 +121,7 @@ def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> 
 
 
 class CorpusTask:
-    """The built-in task: the small GPT on a Merkle-committed corpus from the run's store."""
+    """The built-in task: the run's model (`[model]`) on a Merkle-committed corpus from the run's store."""
 
     def __init__(self, cfg: Config, store_dir: str | Path, corpus_manifest: str, init: str | None = None) -> None:
         """`init`: the manifest's `init`, the store digest of the starting weights (`[model] init`)."""
@@ -131,12 +131,14 @@ class CorpusTask:
 
     def initial_params(self) -> dict[str, torch.Tensor] | None:
         """G_0 from the run's store when the run starts from weights (`[model] init`), else None
-        (G_0 is then `run.seed`'s initialisation)."""
-        if self.init is not None and self._initial is None:
-            from safetensors.torch import load as st_load
+        (G_0 is then `run.seed`'s initialisation). Read on every call, not kept: a worker needs
+        it once, and a pipeline stage only its slice (the audit presets `_initial` from its own
+        store)."""
+        if self._initial is not None or self.init is None:
+            return self._initial
+        from safetensors.torch import load as st_load
 
-            self._initial = st_load(LocalStore(self.store_dir).get(self.init))
-        return self._initial
+        return st_load(LocalStore(self.store_dir).get(self.init))
 
     @property
     def corpus(self) -> Corpus:
