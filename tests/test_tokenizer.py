@@ -11,6 +11,7 @@ import pytest
 from conftest import TINY, tiny
 
 from veriloco.audit import audit_run
+from veriloco.config import ConfigError
 from veriloco.data import DataError, load_corpus, tokenize
 from veriloco.export import export_run
 from veriloco.hashing import sha256_hex
@@ -31,7 +32,7 @@ def tokenizer_file(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  special_tokens=["<|endoftext|>"], show_progress=False)
     tok.train_from_iterator([open(os.__file__, encoding="utf-8").read()], trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
@@ -48,6 +49,30 @@ def test_the_corpus_is_the_tokenizers_ids(tokenizer_file):
     tok = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     assert tok.decode(corpus.tokens.tolist()) == text.decode("utf-8", errors="replace")  # byte-level BPE: lossless
     assert tokenize(text, tokenizer_file.read_bytes(), 300) == corpus.raw  # a pure function of text and file
+
+
+def test_eos_ends_each_document_without_file_headers(tmp_path, tokenizer_file):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = [("a.txt", "first document\n" * 300), ("b/c.txt", "second one\n" * 300)]
+    for name, text in texts:
+        (docs / name).parent.mkdir(exist_ok=True)
+        (docs / name).write_text(text)
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = tiny(f"--data.source={docs}", f"--data.tokenizer={tokenizer_file}", "--data.eos=<|endoftext|>",
+               "--model.vocab_size=300")
+    ids = load_corpus(cfg.data, 300, 32).tokens.tolist()
+    assert ids == tok.encode(texts[0][1]).ids + [eos] + tok.encode(texts[1][1]).ids + [eos]  # sorted by path
+    capped = load_corpus(tiny(f"--data.source={docs}", f"--data.tokenizer={tokenizer_file}",
+                              "--data.eos=<|endoftext|>", "--data.max_bytes=4000").data, 300, 32).tokens.tolist()
+    assert capped == tok.encode(texts[0][1][:4000]).ids + [eos]  # the first 4000 bytes: part of a.txt
+    without = load_corpus(tiny(f"--data.source={docs}", f"--data.tokenizer={tokenizer_file}").data, 300, 32)
+    assert eos not in without.tokens.tolist() and tok.decode(without.tokens.tolist()).startswith("# file: a.txt\n")
+    with pytest.raises(DataError, match="data.eos '</s>' is not a token of data.tokenizer"):
+        load_corpus(tiny(f"--data.source={docs}", f"--data.tokenizer={tokenizer_file}", "--data.eos=</s>").data, 300, 32)
+    with pytest.raises(ConfigError, match="data.eos needs data.tokenizer"):
+        tiny("--data.eos=</s>")
 
 
 def test_a_tokenized_run_trains_audits_and_exports_its_tokenizer(tmp_path, tokenizer_file):

@@ -70,6 +70,10 @@ class DataConfig:
         "", "a tokenizers tokenizer.json (a local file, nothing downloaded) that turns a text source into "
         "token ids once, when the run is prepared; '' = bytes (data.py; pip install 'veriloco[hf]')",
     )
+    eos: str = _f(
+        "", "with data.tokenizer: a token of it (e.g. '<|endoftext|>') put after each document (each file of the "
+        "source), which is then tokenized without the '# file:' headers; '' = the files as one text with headers",
+    )
     eval_fraction: float = _f(0.05, "fraction of the corpus (its tail) held out for eval")
     chunk_bytes: int = _f(65536, "corpus chunk size for the Merkle tree and the store")
     max_bytes: int = _f(0, "use only the first max_bytes of the corpus; 0 = all of it")
@@ -500,6 +504,7 @@ def validate(cfg: Config) -> None:
     need(0 < d.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {d.eval_fraction}")
     need(d.chunk_bytes >= 1024, f"data.chunk_bytes must be >= 1024, got {d.chunk_bytes}")
     need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype must be uint16 or uint32, got {d.bin_dtype!r}")
+    need(not d.eos or bool(d.tokenizer), "data.eos needs data.tokenizer (a byte-level corpus has no end-of-text token)")
     need(cfg.outer.lr > 0, f"outer.lr must be > 0, got {cfg.outer.lr}")
     need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
     _check_topology(cfg)

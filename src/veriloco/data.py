@@ -55,11 +55,12 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.name)
 
 
-def _read_text_sources(paths: list[tuple[str, Path]]) -> bytes:
+def _with_headers(docs: list[tuple[str, bytes]]) -> bytes:
+    """The byte-level corpus of several files: each one as `# file: <name>\\n`, its bytes, `\\n`."""
     parts = []
-    for name, p in paths:
+    for name, data in docs:
         parts.append(f"# file: {name}\n".encode())
-        parts.append(p.read_bytes())
+        parts.append(data)
         parts.append(b"\n")
     return b"".join(parts)
 
@@ -120,11 +121,13 @@ def _tokens_from(raw: bytes, kind: str, dtype: str) -> np.ndarray:
 def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Read the corpus named by `cfg.source` and check it fits the model."""
     src = cfg.source
+    docs: list[tuple[str, bytes]] = []  # a text source's documents: its files, or the one file
     if src == "stdlib":
         files = stdlib_files()
         if not files:
             raise DataError("no standard-library sources found through sysconfig")
-        raw, kind = _read_text_sources([(p.name, p) for p in files]), "text"
+        docs = [(p.name, p.read_bytes()) for p in files]
+        raw, kind = _with_headers(docs), "text"
     else:
         path = Path(src)
         if not path.exists():
@@ -133,35 +136,50 @@ def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
             files = sorted(p for p in path.rglob("*") if p.is_file())
             if not files:
                 raise DataError(f"data.source directory {path} has no files")
-            raw, kind = _read_text_sources([(str(p.relative_to(path)), p) for p in files]), "text"
+            docs = [(str(p.relative_to(path)), p.read_bytes()) for p in files]
+            raw, kind = _with_headers(docs), "text"
         elif path.suffix == ".bin":
             raw, kind = path.read_bytes(), "bin"
         else:
             raw, kind = path.read_bytes(), "text"
+            docs = [(path.name, raw)]
     if cfg.max_bytes:
         raw = raw[: cfg.max_bytes]
         if kind == "bin":
             raw = raw[: len(raw) - len(raw) % np.dtype(cfg.bin_dtype).itemsize]
-    if cfg.tokenizer:
-        if kind == "bin":
-            raise DataError(f"data.tokenizer is for text corpora; {src} is a token .bin already")
-        tokenizer_json = Path(cfg.tokenizer).read_bytes() if Path(cfg.tokenizer).is_file() else None
-        if tokenizer_json is None:
-            raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
-        corpus = corpus_from_raw(tokenize(raw, tokenizer_json, vocab_size), "tokenized", cfg, vocab_size, ctx)
-        corpus.tokenizer_json = tokenizer_json
-        return corpus
-    return corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
+    if not cfg.tokenizer:
+        return corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
+    if kind == "bin":
+        raise DataError(f"data.tokenizer is for text corpora; {src} is a token .bin already")
+    tokenizer_json = Path(cfg.tokenizer).read_bytes() if Path(cfg.tokenizer).is_file() else None
+    if tokenizer_json is None:
+        raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
+    if cfg.eos:  # each document on its own, then the end-of-text token; no file headers
+        ids = tokenize_documents(_first_bytes([d for _, d in docs], cfg.max_bytes), tokenizer_json, vocab_size, cfg.eos)
+    else:
+        ids = tokenize(raw, tokenizer_json, vocab_size)
+    corpus = corpus_from_raw(ids, "tokenized", cfg, vocab_size, ctx)
+    corpus.tokenizer_json = tokenizer_json
+    return corpus
+
+
+def _first_bytes(docs: list[bytes], limit: int) -> list[bytes]:
+    """The documents cut to `limit` bytes in all (0: no limit), the last one cut short."""
+    if not limit:
+        return docs
+    out, left = [], limit
+    for d in docs:
+        if left <= 0:
+            break
+        out.append(d[:left])
+        left -= len(d)
+    return out
 
 
 TOKENIZE_PIECE = 1 << 18  # the text is tokenized in pieces of about this many bytes, cut after a newline
 
 
-def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:
-    """`text` (UTF-8; undecodable bytes become U+FFFD) as uint32 token ids of the tokenizer in
-    `tokenizer_json` (the `tokenizers` library's format). The text is cut into pieces after the
-    first newline past every TOKENIZE_PIECE bytes and each piece encoded on its own, without
-    special tokens: a pure function of the bytes and the tokenizer file."""
+def _tokenizer(tokenizer_json: bytes, vocab_size: int):
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -173,13 +191,40 @@ def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:
     if tok.get_vocab_size() > vocab_size:
         raise DataError(f"data.tokenizer has {tok.get_vocab_size()} tokens > model.vocab_size {vocab_size}: "
                         f"set model.vocab_size >= {tok.get_vocab_size()}")
+    return tok
+
+
+def _pieces(text: bytes) -> list[str]:
+    """`text` cut after the first newline past every TOKENIZE_PIECE bytes, each piece decoded
+    (UTF-8; undecodable bytes become U+FFFD)."""
     pieces, start = [], 0
     while start < len(text):
         cut = text.find(b"\n", start + TOKENIZE_PIECE)
         end = len(text) if cut < 0 else cut + 1
         pieces.append(text[start:end].decode("utf-8", errors="replace"))
         start = end
-    ids = [i for enc in tok.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
+    return pieces
+
+
+def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:
+    """`text` as uint32 token ids of the tokenizer in `tokenizer_json` (the `tokenizers`
+    library's format). The text is cut into pieces (`_pieces`), each encoded on its own, without
+    special tokens: a pure function of the bytes and the tokenizer file."""
+    tok = _tokenizer(tokenizer_json, vocab_size)
+    ids = [i for enc in tok.encode_batch(_pieces(text), add_special_tokens=False) for i in enc.ids]
+    return np.asarray(ids, dtype=TOKENIZED_DTYPE).tobytes()
+
+
+def tokenize_documents(docs: list[bytes], tokenizer_json: bytes, vocab_size: int, eos: str) -> bytes:
+    """Each document's token ids (as `tokenize`), followed by the id of the token `eos`."""
+    tok = _tokenizer(tokenizer_json, vocab_size)
+    eos_id = tok.token_to_id(eos)
+    if eos_id is None:
+        raise DataError(f"data.eos {eos!r:.60} is not a token of data.tokenizer")
+    ids: list[int] = []
+    for doc in docs:
+        ids += [i for enc in tok.encode_batch(_pieces(doc), add_special_tokens=False) for i in enc.ids]
+        ids.append(eos_id)
     return np.asarray(ids, dtype=TOKENIZED_DTYPE).tobytes()
 
 
