@@ -164,3 +164,9 @@ def test_export_of_the_gpt_and_its_bad_input(tmp_path):
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))
+    # a record that names no checkpoint (rounds.jsonl is the run's own file, not trusted to be whole)
+    rows = rounds_of(run.root)
+    rows[-1]["checkpoint"] = 123
+    (run.root / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ExportError, match="round 1: its record does not name a checkpoint and params hash"):
+        export_run(run.root, tmp_path / "bad")

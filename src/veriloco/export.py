@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
@@ -44,23 +45,28 @@ def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, d
     manifest = run.read_manifest()
     try:
         cfg = config_from_dict(manifest["config"])
-    except (KeyError, ConfigError) as e:
-        raise ExportError(f"{run.root}: the manifest's config does not load: {e}") from None
+    except (KeyError, ConfigError, AttributeError, TypeError) as e:
+        raise ExportError(f"{run.root}: the manifest's config does not load: {str(e)[:120]}") from None
     records = run.rounds()
     if not records:
         raise ExportError(f"{run.root} has no complete round to export")
-    rounds = {r["round"]: r for r in records}
+    rounds = {rec.get("round"): rec for rec in records}
+    if not all(isinstance(k, int) and not isinstance(k, bool) for k in rounds):
+        raise ExportError(f"{run.root}/rounds.jsonl has a record without an integer 'round'")
     r = max(rounds) if round is None else round
     if r not in rounds:
         raise ExportError(f"round {r} is not in {run.root}/rounds.jsonl (it has rounds {min(rounds)}..{max(rounds)})")
     store = LocalStore(run.store_dir, create=False)
     rec = rounds[r]
-    parts = rec.get("stages") or [{"checkpoint": rec["checkpoint"], "params_hash": rec["params_hash"]}]
+    parts = rec.get("stages") or [{"checkpoint": rec.get("checkpoint"), "params_hash": rec.get("params_hash")}]
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("checkpoint"), str)
+                                              and isinstance(p.get("params_hash"), str) for p in parts):
+        raise ExportError(f"round {r}: its record does not name a checkpoint and params hash for every stage")
     params: dict[str, torch.Tensor] = {}
     for s, part in enumerate(parts):
         try:
             ckpt = st_load(store.get(part["checkpoint"]))
-        except (StoreError, KeyError, ValueError, TypeError) as e:
+        except (StoreError, SafetensorError, ValueError) as e:
             raise ExportError(f"round {r}: checkpoint of stage {s} does not load: {str(e).splitlines()[0]}") from None
         mine = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
         if tensors_hash(mine) != part["params_hash"]:
