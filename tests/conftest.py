@@ -26,6 +26,19 @@ def set_args(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
+def cli(monkeypatch, capsys, *args: str) -> tuple[int, list[str], str]:
+    """`veriloco ARGS...` in this process (no interpreter start): its exit code, its stderr's
+    non-blank lines and its stdout."""
+    from veriloco.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["veriloco", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main()
+    out, err = capsys.readouterr()
+    return e.value.code, [ln for ln in err.splitlines() if ln.strip()], out
+
+
 def tiny(*overrides: str) -> Config:
     """configs/tiny.toml with `--section.key=value` overrides."""
     return load_config(TINY, list(overrides))

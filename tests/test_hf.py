@@ -7,12 +7,10 @@ a directory `AutoModelForCausalLM.from_pretrained` loads (`veriloco export`)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import rounds_of, tiny
+from conftest import cli, rounds_of, tiny
 
 from veriloco import audit as audit_mod
 from veriloco.audit import audit_run
@@ -135,7 +133,7 @@ def test_a_pipelined_llama_trains_replays_audits_and_exports(tmp_path, monkeypat
         export_run(piped.root, tmp_path / "x", round=5)
 
 
-def test_export_of_the_gpt_and_its_bad_input(tmp_path):
+def test_export_of_the_gpt_and_its_bad_input(tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
 
     from veriloco.config import ModelConfig
@@ -147,10 +145,6 @@ def test_export_of_the_gpt_and_its_bad_input(tmp_path):
     model.load_state_dict(load_file(out / "model.safetensors"))
     assert r == 0 and model_init_hash(model) == rounds_of(run.root)[0]["params_hash"]
 
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "veriloco.cli", "export", *args], capture_output=True, text=True,
-                              timeout=120)
-
     # a checkpoint that does not match its record: one line, exit 2, nothing written
     rec = rounds_of(run.root)[-1]
     blob = LocalStore(run.store_dir).path_of(rec["checkpoint"])
@@ -160,9 +154,8 @@ def test_export_of_the_gpt_and_its_bad_input(tmp_path):
         ((str(tmp_path / "nothing"), "--out", str(tmp_path / "bad")), "is not a run directory"),
         ((str(run.root), "--out", str(out)), "already exists"),
     ):
-        p = cli(*args)
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and message in lines[0], p.stderr
+        code, lines, _ = cli(monkeypatch, capsys, "export", *args)
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))
     # a record that names no checkpoint (rounds.jsonl is the run's own file, not trusted to be whole)
     rows = rounds_of(run.root)
@@ -170,3 +163,23 @@ def test_export_of_the_gpt_and_its_bad_input(tmp_path):
     (run.root / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ExportError, match="round 1: its record does not name a checkpoint and params hash"):
         export_run(run.root, tmp_path / "bad")
+
+
+def test_the_fine_tuning_example_runs(tmp_path):
+    """examples/finetune_hf.py: a transformers model and tokenizer on disk -> DiLoCo -> audit -> export ->
+    transformers loads it and generates."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf.py"), str(tmp_path / "ft")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "audit ok" in p.stdout and "['config.json', 'model.safetensors', 'tokenizer.json']" in p.stdout
+    start, end = (float(x) for x in p.stdout.split("eval loss ")[1].split(" in ")[0].split(" -> "))
+    assert end < start and "generated: 'def " in p.stdout
+    manifest = json.loads((tmp_path / "ft" / "run" / "manifest.json").read_text())
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ft" / "base")
+    from veriloco.task import model_init_hash
+    assert manifest["model_init_hash"] == model_init_hash(base)  # the run started from the model on disk

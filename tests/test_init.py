@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import TINY, rounds_of, tiny
+from conftest import TINY, cli, rounds_of, tiny
 
 from veriloco.audit import audit_run
 from veriloco.config import ConfigError
@@ -75,7 +73,7 @@ def test_a_transformers_directory_with_tied_embeddings_and_shards(tmp_path):
         assert torch.equal(ours(x), theirs(input_ids=x).logits)
 
 
-def test_weights_that_do_not_fit_are_one_line(tmp_path):
+def test_weights_that_do_not_fit_are_one_line(tmp_path, monkeypatch, capsys):
     transformers = pytest.importorskip("transformers")
     from veriloco.hf import hf_config
 
@@ -113,8 +111,6 @@ def test_weights_that_do_not_fit_are_one_line(tmp_path):
 
     # through the CLI: one line, exit 2, no run directory
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "veriloco.cli", "train", str(TINY), f"--model.init={tmp_path / 'junk.safetensors'}",
-                        "--out", str(out)], capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and "is not a safetensors file" in lines[0], p.stderr
+    code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), f"--model.init={tmp_path / 'junk.safetensors'}", "--out", str(out))
+    assert code == 2 and len(lines) == 1 and "is not a safetensors file" in lines[0], lines
     assert not out.exists()

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
+from conftest import cli, tiny
 
 from veriloco.export import ExportError, run_params
 from veriloco.model import build_model
@@ -42,18 +39,15 @@ def test_the_same_seed_prints_the_same_text(run_dir):
     assert sample(run_dir, "import ", tokens=40, seed=3, top_k=1)[0] == sample(run_dir, "import ", tokens=40, temperature=0)[0]
 
 
-def test_bad_input_is_one_line(run_dir, tmp_path):
-    def cli(*args):
-        p = subprocess.run([sys.executable, "-m", "veriloco.cli", "sample", *args], capture_output=True, text=True,
-                           timeout=120)
-        return p.returncode, [ln for ln in p.stderr.splitlines() if ln.strip()]
-
+def test_bad_input_is_one_line(run_dir, tmp_path, monkeypatch, capsys):
     for args, message in (((str(run_dir), "--tokens", "0"), "--tokens must be >= 1, got 0"),
                           ((str(run_dir), "--temperature", "-1"), "--temperature must be >= 0"),
                           ((str(run_dir), "--round", "7"), "round 7 is not in"),
                           ((str(tmp_path),), "is not a run directory")):
-        code, lines = cli(*args)
+        code, lines, _ = cli(monkeypatch, capsys, "sample", *args)
         assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    code, _, out = cli(monkeypatch, capsys, "sample", str(run_dir), "--prompt", "def ", "--tokens", "5", "--temperature", "0")
+    assert code == 0 and out == "def " + sample(run_dir, "def ", 5, temperature=0)[0] + "\n"
     # token ids from a .bin file and no tokenizer: nothing to decode them with
     tokens = tmp_path / "t.bin"
     np.random.default_rng(0).integers(0, 300, 40000, dtype=np.uint16).tofile(tokens)

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import TINY, tiny
+from conftest import TINY, cli, tiny
 
 from veriloco.audit import audit_run
 from veriloco.config import ConfigError
@@ -104,7 +102,7 @@ def test_a_tokenized_run_trains_audits_and_exports_its_tokenizer(tmp_path, token
     assert not report.ok and "the tokenizer the manifest names is not in the store" in report.first_failure
 
 
-def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file):
+def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file, monkeypatch, capsys):
     with pytest.raises(DataError, match="data.tokenizer has 300 tokens > model.vocab_size 256: set model.vocab_size >= 300"):
         load_corpus(tiny(f"--data.tokenizer={tokenizer_file}").data, 256, 32)
     with pytest.raises(DataError, match="data.tokenizer not found"):
@@ -119,10 +117,8 @@ def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file):
         load_corpus(tiny(f"--data.source={tokens}", f"--data.tokenizer={tokenizer_file}").data, 5000, 32)
     # through the CLI: one line, exit 2, no run directory
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "veriloco.cli", "train", str(TINY), f"--data.tokenizer={bad}",
-                        "--out", str(out)], capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and "not a tokenizers tokenizer.json" in lines[0], p.stderr
+    code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), f"--data.tokenizer={bad}", "--out", str(out))
+    assert code == 2 and len(lines) == 1 and "not a tokenizers tokenizer.json" in lines[0], lines
     assert not out.exists()
 
 
