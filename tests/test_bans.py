@@ -23,7 +23,7 @@ BASE = ("--topology.workers=4", "--train.rounds=3", "--train.inner_steps=6", "--
         "--train.inner_state=reset", "--verify.replay_probability=1.0")
 
 
-ROUNDS = 4  # the false accuser's run
+ROUNDS = 6  # the false accuser's run
 
 
 def verdicts_of(run_dir: Path, worker: int) -> list[str]:
@@ -32,8 +32,10 @@ def verdicts_of(run_dir: Path, worker: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def accuser_run(tmp_path_factory) -> tuple[Path, dict]:
-    # 4 rounds: the round in which worker 2 first audits moves with the run id (every config field
-    # is in it); in 4 rounds it audits before the last with probability 1 - (2/3)^9 = 97%
+    # 6 rounds: the round in which worker 2 first audits moves with the run id (every config field
+    # is in it); in 6 rounds it audits before the last with probability 1 - (2/3)^15 = 99.8% (4 rounds
+    # gave 97%, and the nineteenth session's new [model] fields drew a run id where it first audited
+    # in the last round)
     run, summary = train(tiny(*BASE, f"--train.rounds={ROUNDS}", "--adversary.2=false_accuser"),
                          str(tmp_path_factory.mktemp("bans") / "a"), quiet=True)
     return run.root, summary
@@ -46,7 +48,7 @@ def test_a_false_accuser_is_convicted_and_banned_and_its_victims_are_not(accuser
     # config) decides when worker 2 first audits someone: it lies then, and is convicted that round
     audits = [{e["replayed"]["auditor"] for e in r["evidence"].values() if "replayed" in e} for r in recs]
     first = next(i for i, a in enumerate(audits) if 2 in a)
-    assert first < ROUNDS - 1, audits  # before the last round, so that the ban shows (round 0 for this config)
+    assert first < ROUNDS - 1, audits  # before the last round, so that the ban shows
     assert verdicts_of(root, 2) == ["accept"] * first + ["false_report"] + ["banned"] * (ROUNDS - 1 - first), \
         recs[first]["verdicts"]
     victim = recs[first]["evidence"]["2"]["accused"]
