@@ -10,7 +10,7 @@ naming the key, any that disagree with its config.json).
 
 1. the model and tokenizer on disk (WORK_DIR/base);
 2. train (as `veriloco train` would) with `--model.init` (start from those weights), `--data.tokenizer` and
-   `--data.eos` (each file of the corpus a document ended by <|endoftext|>): 2 workers, 4 rounds;
+   `--data.eos` (each file of the corpus a document ended by <|endoftext|>): 2 workers, 3 rounds;
 3. audit it (`veriloco audit`: signatures, verdicts, every outer step, the starting weights in the store);
 4. export it (`veriloco export`: WORK_DIR/tuned: config.json, model.safetensors, tokenizer.json);
 5. transformers loads it back and generates, greedily, after a prompt.
@@ -60,7 +60,7 @@ if __name__ == "__main__":  # worker processes import this file: keep the launch
     # the same as: veriloco train --model.arch=qwen3 ... --model.init=BASE --data.tokenizer=BASE/tokenizer.json ...
     cfg = load_config(overrides=[
         *SIZES, f"--model.init={base}", f"--data.tokenizer={base / 'tokenizer.json'}", "--data.eos=<|endoftext|>",
-        "--data.max_bytes=400000", "--topology.workers=2", "--train.rounds=4", "--train.inner_steps=20",
+        "--data.max_bytes=400000", "--topology.workers=2", "--train.rounds=3", "--train.inner_steps=10",
         "--train.batch_size=8", "--train.warmup_steps=10", "--train.eval_batches=4"])
     run, summary = train(cfg, str(work / "run"), quiet=True)
     print(f"trained: eval loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss_end']:.4f} in {run.root}")
