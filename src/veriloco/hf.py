@@ -2,9 +2,10 @@
 
 `[model] arch = "llama"` (or "mistral", "qwen2", "qwen3") trains that `transformers` architecture
 instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, head_dim,
-d_model, ffn, ctx, vocab_size, rope_theta, norm_eps). Nothing is fetched: the `transformers` config is made from
-those fields (`hf_config`), the weights are initialised from `run.seed`, and the tokenizer is the
-run's own (bytes, or the token ids of a .bin corpus).
+d_model, ffn, ctx, vocab_size, rope_theta, norm_eps). Nothing is fetched: the `transformers`
+config is made from those fields (`hf_config`), the weights are initialised from `run.seed` (or
+read from `[model] init`: weights.py), and the tokens are the run's own (bytes, a .bin corpus's
+ids, or `[data] tokenizer`'s).
 
 `HFCausalLM` holds the `transformers` model's parts under the same parameter names as its
 `*ForCausalLM` (`model.embed_tokens.weight`, `model.layers.<i>.*`, `model.norm.weight`,

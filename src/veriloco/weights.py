@@ -96,7 +96,10 @@ def read_init(m: ModelConfig, model: nn.Module) -> dict[str, torch.Tensor]:
                      for key in ("arch", "n_layer", "n_head", "d_model", "ctx", "vocab_size")
                      if key in settings and settings[key] != getattr(m, key)]
         else:
-            wrong = _hf_settings(m, settings)
+            try:
+                wrong = _hf_settings(m, settings)
+            except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type in the file
+                raise ConfigError(f"model.init: {beside} has a setting veriloco cannot read: {str(e)[:80]}") from None
         if wrong:
             raise ConfigError(f"model.init: {beside}: {'; '.join(wrong)}")
     found: dict[str, torch.Tensor] = {}
@@ -116,12 +119,9 @@ def read_init(m: ModelConfig, model: nn.Module) -> dict[str, torch.Tensor]:
         found["lm_head.weight"] = found["model.embed_tokens.weight"].clone()  # tied embeddings: untied from here on
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if missing or extra:
-        raise ConfigError(f"model.init: {path} does not hold this [model]'s parameters: "
-                          + (f"missing {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-                             if missing else "")
-                          + ("; " if missing and extra else "")
-                          + (f"unexpected {extra[0]}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
-                             if extra else ""))
+        what = [f"{word} {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                for word, names in (("missing", missing), ("unexpected", extra)) if names]
+        raise ConfigError(f"model.init: {path} does not hold this [model]'s parameters: {'; '.join(what)}")
     for name, p in expected.items():
         if tuple(found[name].shape) != tuple(p.shape):
             raise ConfigError(f"model.init: {name} has shape {tuple(found[name].shape)}, this [model] makes "
