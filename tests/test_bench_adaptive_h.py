@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_bench, set_args
+from conftest import bench_arguments, run_bench, set_args
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32", "train.batch_size=4",
         "train.eval_batches=2", "topology.workers=2", "train.warmup_steps=5"]
@@ -31,5 +31,5 @@ def test_adaptive_h_on_a_tiny_model(tmp_path):
 
 
 def test_a_bad_override_exits_2_with_one_line():
-    p = run_bench("adaptive_h.py", "--set", "train.nope=1", timeout=60)
+    p = bench_arguments("adaptive_h.py", "--set", "train.nope=1", timeout=60)
     assert p.returncode == 2 and "nope" in p.stderr.splitlines()[-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_bench
+from conftest import bench_arguments, run_bench
 
 
 def test_one_freeze_trial(tmp_path):
@@ -22,5 +22,5 @@ def test_one_freeze_trial(tmp_path):
 
 
 def test_bad_arguments_exit_with_one_line():
-    p = run_bench("elastic_freeze.py", "--freezes", "0", timeout=60)
+    p = bench_arguments("elastic_freeze.py", "--freezes", "0", timeout=60)
     assert p.returncode == 2 and "--freezes must be seconds in (0, 60]" in p.stderr.splitlines()[-1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from conftest import ROOT, run_bench
+from conftest import ROOT, bench_arguments
 
 
 def _bench():
@@ -24,5 +24,5 @@ def test_the_off_variant_patches_both_probes_out(tmp_path):
 
 
 def test_bad_arguments_exit_with_one_line():
-    p = run_bench("elastic_sever.py", "--cuts", "0", timeout=60)
+    p = bench_arguments("elastic_sever.py", "--cuts", "0", timeout=60)
     assert p.returncode == 2 and "--cuts must be seconds in (0, 120]" in p.stderr.splitlines()[-1]

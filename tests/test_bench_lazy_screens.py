@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_bench
+from conftest import bench_arguments, run_bench
 
 
 def test_lazy_screens_on_a_tiny_run(tmp_path):
@@ -27,5 +27,5 @@ def test_lazy_screens_on_a_tiny_run(tmp_path):
 
 
 def test_bad_arguments_exit_with_one_line():
-    p = run_bench("lazy_screens.py", "--skip", "1.5", timeout=60)
+    p = bench_arguments("lazy_screens.py", "--skip", "1.5", timeout=60)
     assert p.returncode == 2 and "--skip must be in (0, 1)" in p.stderr.splitlines()[-1]

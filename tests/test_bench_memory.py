@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_bench
+from conftest import bench_arguments, run_bench
 
 
 def test_memory_rows(tmp_path):
@@ -20,5 +20,5 @@ def test_memory_rows(tmp_path):
 
 
 def test_bad_arguments_exit_2():
-    p = run_bench("memory.py", "--batch", "3", timeout=60)
+    p = bench_arguments("memory.py", "--batch", "3", timeout=60)
     assert p.returncode == 2 and "--batch a multiple of 4" in p.stderr

@@ -8,7 +8,7 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, run_bench
+from conftest import ROOT, bench_arguments, run_bench
 
 sys.path.insert(0, str(ROOT / "bench"))
 import replay_extent  # noqa: E402
@@ -54,5 +54,5 @@ def test_replay_extent_on_a_tiny_run(tmp_path):
 
 
 def test_trace_every_must_divide_inner_steps():
-    p = run_bench("replay_extent.py", "--inner-steps", "10", "--trace-every", "3", timeout=60)
+    p = bench_arguments("replay_extent.py", "--inner-steps", "10", "--trace-every", "3", timeout=60)
     assert p.returncode == 2 and "--trace-every (3) must divide --inner-steps (10)" in p.stderr.splitlines()[-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_bench, set_args
+from conftest import bench_arguments, run_bench, set_args
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32", "train.batch_size=4",
         "train.eval_batches=2"]
@@ -23,5 +23,5 @@ def test_reset_ramp_on_a_tiny_model(tmp_path):
 
 
 def test_a_ramp_longer_than_a_round_exits_2_with_one_line():
-    p = run_bench("reset_ramp.py", "--inner-steps", "5", "--ramps", "9", timeout=60)
+    p = bench_arguments("reset_ramp.py", "--inner-steps", "5", "--ramps", "9", timeout=60)
     assert p.returncode == 2 and "round_warmup_steps must be in [0, train.inner_steps = 5], got 9" in p.stderr

@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, run_bench
+from conftest import ROOT, bench_arguments, run_bench
 
 sys.path.insert(0, str(ROOT / "bench"))
 import state_replay  # noqa: E402
@@ -41,7 +41,7 @@ def test_quick_run(tmp_path):
 
 
 def test_trace_every_must_divide_inner_steps():
-    p = run_bench("state_replay.py", "--inner-steps", "10", "--trace-every", "3", timeout=60)
+    p = bench_arguments("state_replay.py", "--inner-steps", "10", "--trace-every", "3", timeout=60)
     assert p.returncode == 2 and "--trace-every (3) must divide --inner-steps (10)" in p.stderr.splitlines()[-1]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import ROOT, run_bench, set_args
+from conftest import ROOT, bench_arguments, run_bench, set_args
 
 from veriloco.config import load_config
 
@@ -42,5 +42,5 @@ def test_verified_cost_on_a_tiny_model(tmp_path):
 
 
 def test_a_bad_override_exits_2_with_one_line():
-    p = run_bench("verified_cost.py", "--set", "train.nope=1", timeout=60)
+    p = bench_arguments("verified_cost.py", "--set", "train.nope=1", timeout=60)
     assert p.returncode == 2 and "nope" in p.stderr.splitlines()[-1]
