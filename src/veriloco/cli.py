@@ -256,8 +256,10 @@ def export(
     out: str = typer.Option(..., "--out", help="new directory for the model"),
     round: int = typer.Option(None, "--round", help="the global params after this round (default: the last)"),
 ) -> None:
-    """Write the run's global params as a model directory: for a transformers arch one that
-    AutoModelForCausalLM.from_pretrained loads; for the GPT, model.safetensors + model.json."""
+    """Write the run's global params as a model directory (transformers archs: from_pretrained).
+
+    For a transformers arch, config.json and model.safetensors, which AutoModelForCausalLM.from_pretrained
+    loads; for the GPT, model.safetensors and model.json; with [data] tokenizer, its tokenizer.json too."""
     from .export import ExportError, export_run
 
     try:
@@ -277,8 +279,9 @@ def sample_text(
     seed: int = typer.Option(0, "--seed", help="the sampler's seed: the same seed prints the same text"),
     round: int = typer.Option(None, "--round", help="the global params after this round (default: the last)"),
 ) -> None:
-    """Print text the run's model writes after PROMPT (the params after a round, checked
-    against its record; the run's own tokenizer, or bytes)."""
+    """Print text the run's model writes after --prompt.
+
+    The params after a round, checked against its record; the run's own tokenizer, or bytes."""
     from .export import ExportError
     from .sample import sample
 
