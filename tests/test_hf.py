@@ -183,3 +183,15 @@ def test_the_fine_tuning_example_runs(tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ft" / "base")
     from veriloco.task import model_init_hash
     assert manifest["model_init_hash"] == model_init_hash(base)  # the run started from the model on disk
+
+
+def test_every_shipped_config_loads():
+    from conftest import ROOT
+
+    from veriloco.config import load_config
+
+    configs = sorted((ROOT / "configs").glob("*.toml"))
+    assert {p.name for p in configs} >= {"default.toml", "llama.toml", "tiny.toml", "verified.toml"}
+    for path in configs:
+        load_config(path)
+    assert load_config(ROOT / "configs" / "llama.toml").model.arch == "llama"
