@@ -27,6 +27,7 @@ import typer
 
 from .config import ConfigError, config_warnings, describe, load_config
 from .data import DataError
+from .export import ExportError
 from .faults import FaultError
 from .records import RunDirError
 from .store import StoreError
@@ -34,7 +35,8 @@ from .verify.identity import IdentityError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Verifiable low-communication decentralized training.")
 
-USER_ERRORS = (ConfigError, DataError, RunDirError, StoreError, FileNotFoundError, FaultError, IdentityError)
+USER_ERRORS = (ConfigError, DataError, ExportError, RunDirError, StoreError, FileNotFoundError, FaultError,
+               IdentityError)
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -260,11 +262,11 @@ def export(
 
     For a transformers arch, config.json and model.safetensors, which AutoModelForCausalLM.from_pretrained
     loads; for the GPT, model.safetensors and model.json; with [data] tokenizer, its tokenizer.json too."""
-    from .export import ExportError, export_run
+    from .export import export_run
 
     try:
         path, r = export_run(run, out, round)
-    except (ExportError, *USER_ERRORS) as e:
+    except USER_ERRORS as e:
         fail(str(e).splitlines()[0])
     typer.echo(f"wrote {path}: the global params after round {r} (check the run first: veriloco audit {run})")
 
@@ -282,12 +284,11 @@ def sample_text(
     """Print text the run's model writes after --prompt.
 
     The params after a round, checked against its record; the run's own tokenizer, or bytes."""
-    from .export import ExportError
     from .sample import sample
 
     try:
         text, _ = sample(run, prompt, tokens, temperature, top_k, seed, round)
-    except (ExportError, *USER_ERRORS) as e:
+    except USER_ERRORS as e:
         fail(str(e).splitlines()[0])
     typer.echo(prompt + text)
 

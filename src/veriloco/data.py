@@ -151,9 +151,9 @@ def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
         return corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
     if kind == "bin":
         raise DataError(f"data.tokenizer is for text corpora; {src} is a token .bin already")
-    tokenizer_json = Path(cfg.tokenizer).read_bytes() if Path(cfg.tokenizer).is_file() else None
-    if tokenizer_json is None:
+    if not Path(cfg.tokenizer).is_file():
         raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
+    tokenizer_json = Path(cfg.tokenizer).read_bytes()
     if cfg.eos:  # each document on its own, then the end-of-text token; no file headers
         ids = tokenize_documents(_first_bytes([d for _, d in docs], cfg.max_bytes), tokenizer_json, vocab_size, cfg.eos)
     else:
@@ -206,13 +206,15 @@ def _pieces(text: bytes) -> list[str]:
     return pieces
 
 
+def _encode(tok, text: bytes) -> list[int]:
+    """The token ids of `text`: its pieces (`_pieces`), each encoded on its own, without special tokens."""
+    return [i for enc in tok.encode_batch(_pieces(text), add_special_tokens=False) for i in enc.ids]
+
+
 def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:
     """`text` as uint32 token ids of the tokenizer in `tokenizer_json` (the `tokenizers`
-    library's format). The text is cut into pieces (`_pieces`), each encoded on its own, without
-    special tokens: a pure function of the bytes and the tokenizer file."""
-    tok = _tokenizer(tokenizer_json, vocab_size)
-    ids = [i for enc in tok.encode_batch(_pieces(text), add_special_tokens=False) for i in enc.ids]
-    return np.asarray(ids, dtype=TOKENIZED_DTYPE).tobytes()
+    library's format): a pure function of the bytes and the tokenizer file."""
+    return np.asarray(_encode(_tokenizer(tokenizer_json, vocab_size), text), dtype=TOKENIZED_DTYPE).tobytes()
 
 
 def tokenize_documents(docs: list[bytes], tokenizer_json: bytes, vocab_size: int, eos: str) -> bytes:
@@ -223,8 +225,7 @@ def tokenize_documents(docs: list[bytes], tokenizer_json: bytes, vocab_size: int
         raise DataError(f"data.eos {eos!r:.60} is not a token of data.tokenizer")
     ids: list[int] = []
     for doc in docs:
-        ids += [i for enc in tok.encode_batch(_pieces(doc), add_special_tokens=False) for i in enc.ids]
-        ids.append(eos_id)
+        ids += [*_encode(tok, doc), eos_id]
     return np.asarray(ids, dtype=TOKENIZED_DTYPE).tobytes()
 
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -38,9 +39,30 @@ class ExportError(ValueError):
     """The run cannot be exported as asked: one line naming why."""
 
 
-def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, dict[str, torch.Tensor], int]:
-    """The run's config, its global params after `round` (default: the last recorded), and that
-    round. Every checkpoint is checked against its record's params hash."""
+class Opened(NamedTuple):
+    """A run's round as export and sample read it: its manifest, its store, its config, and its
+    global params after `round` (each stage's checkpoint checked against its record)."""
+
+    manifest: dict
+    store: LocalStore
+    cfg: Config
+    params: dict[str, torch.Tensor]
+    round: int
+
+    def tokenizer_json(self) -> bytes | None:
+        """The run's `[data] tokenizer` file from its store, or None when it has none."""
+        digest = self.manifest.get("tokenizer")
+        if digest is None:
+            return None
+        try:
+            return self.store.get(digest)
+        except StoreError as e:
+            raise ExportError(f"the run's tokenizer does not load from its store: {str(e).splitlines()[0]}") from None
+
+
+def open_round(run_dir: str | Path, round: int | None = None) -> Opened:
+    """The run in `run_dir` after `round` (default: the last recorded); ExportError or
+    RunDirError (one line) for anything missing or malformed."""
     run = RunDir(run_dir)
     manifest = run.read_manifest()
     try:
@@ -72,7 +94,14 @@ def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, d
         if tensors_hash(mine) != part["params_hash"]:
             raise ExportError(f"round {r}: checkpoint of stage {s} does not match its record's params hash")
         params.update(mine)
-    return cfg, params, r
+    return Opened(manifest, store, cfg, params, r)
+
+
+def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, dict[str, torch.Tensor], int]:
+    """The run's config, its global params after `round` (default: the last recorded), and that
+    round. Every checkpoint is checked against its record's params hash."""
+    opened = open_round(run_dir, round)
+    return opened.cfg, opened.params, opened.round
 
 
 def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -> tuple[Path, int]:
@@ -80,7 +109,8 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
     out = Path(out)
     if out.exists():
         raise ExportError(f"{out} already exists; export writes a new directory")
-    cfg, params, r = run_params(run_dir, round)
+    opened = open_round(run_dir, round)
+    cfg, params, r = opened.cfg, opened.params, opened.round
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed to out once whole
     try:
@@ -96,12 +126,9 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
                       metadata={"format": "pt"})
             (tmp / "model.json").write_text(json.dumps(cfg.to_dict()["model"], indent=2, sort_keys=True) + "\n",
                                             encoding="utf-8")
-        tokenizer = RunDir(run_dir).read_manifest().get("tokenizer")
+        tokenizer = opened.tokenizer_json()
         if tokenizer is not None:  # [data] tokenizer: what turned the text into the tokens trained on
-            try:
-                (tmp / "tokenizer.json").write_bytes(LocalStore(RunDir(run_dir).store_dir, create=False).get(tokenizer))
-            except StoreError as e:
-                raise ExportError(f"the run's tokenizer does not load from its store: {str(e).splitlines()[0]}") from None
+            (tmp / "tokenizer.json").write_bytes(tokenizer)
         mask = os.umask(0)
         os.umask(mask)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp's and safetensors' private modes -> the umask's
@@ -113,4 +140,4 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
     return out, r
 
 
-__all__ = ["ExportError", "export_run", "run_params"]
+__all__ = ["ExportError", "Opened", "export_run", "open_round", "run_params"]

@@ -95,7 +95,15 @@ from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, 
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
-from .task import CorpusTask, Task, on_device, process_device, take_device, with_initial
+from .task import (
+    CorpusTask,
+    Task,
+    load_params,
+    on_device,
+    process_device,
+    take_device,
+    with_initial,
+)
 from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
@@ -492,12 +500,6 @@ def pipeline_eval(w: Worker, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
         w.pipe_evals[shape] = PipelineEval(w.model, w.worker_group, stage=w.stage, stages=w.topo.stages,
                                            microbatches=w.cfg.topology.microbatches, device=w.device)
     return w.pipe_evals[shape](batches)
-
-
-def load_params(model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(params[k])
 
 
 def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int,

@@ -14,7 +14,6 @@ import traceback
 from pathlib import Path
 
 import torch.distributed as dist
-from safetensors.torch import load as st_load
 
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
@@ -57,8 +56,9 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
     model, init = build_model(cfg.model, cfg.run.seed), None
     if cfg.model.init:  # start from weights on disk: read and checked once, then kept in the store
-        init = init_blob(read_init(cfg.model, model))
-        with_initial(model, st_load(init))
+        initial = read_init(cfg.model, model)
+        init = init_blob(initial)
+        with_initial(model, initial)
     manifest = {
         "config": cfg.to_dict(),
         "corpus_root": corpus.root,

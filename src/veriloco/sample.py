@@ -1,7 +1,7 @@
 """`veriloco sample RUN`: text from a run's global params, to see what the model learned.
 
 The params after a round come from the run's store, checked against the round record's params
-hash (`export.run_params`). The prompt is encoded as the run's corpus was: bytes, or with the
+hash (`export.open_round`). The prompt is encoded as the run's corpus was: bytes, or with the
 tokenizer the run keeps in its store (`[data] tokenizer`). Sampling is autoregressive over the
 last `ctx` tokens, at a temperature (0: greedy), with an optional top-k, from a seeded generator,
 so the same command prints the same text.
@@ -14,20 +14,17 @@ from pathlib import Path
 
 import torch
 
-from .export import ExportError, run_params
+from .export import ExportError, Opened, open_round
 from .model import build_model
-from .records import RunDir
-from .store import LocalStore, StoreError
+from .store import StoreError
 
 
-def _codec(run_dir: str | Path):
+def _codec(opened: Opened):
     """(encode, decode) of the run's corpus: bytes, or its stored tokenizer."""
-    run = RunDir(run_dir)
-    manifest = run.read_manifest()
-    tokenizer = manifest.get("tokenizer")
+    tokenizer = opened.tokenizer_json()
     if tokenizer is None:
         try:
-            kind = json.loads(LocalStore(run.store_dir, create=False).get(manifest["corpus_manifest"]))["kind"]
+            kind = json.loads(opened.store.get(opened.manifest["corpus_manifest"]))["kind"]
         except (StoreError, KeyError, ValueError, TypeError) as e:
             raise ExportError(f"the run's corpus manifest does not load from its store: {str(e).splitlines()[0]}") from None
         if kind != "text":
@@ -40,9 +37,9 @@ def _codec(run_dir: str | Path):
     except ImportError:
         raise ExportError("the run was tokenized: sampling needs the tokenizers package (pip install 'veriloco[hf]')") from None
     try:
-        tok = Tokenizer.from_str(LocalStore(RunDir(run_dir).store_dir, create=False).get(tokenizer).decode("utf-8"))
-    except (StoreError, UnicodeDecodeError) as e:
-        raise ExportError(f"the run's tokenizer does not load from its store: {str(e).splitlines()[0]}") from None
+        tok = Tokenizer.from_str(tokenizer.decode("utf-8"))
+    except Exception as e:  # the library raises its own exception type for any bad file
+        raise ExportError(f"the run's tokenizer does not load: {str(e).splitlines()[0][:120]}") from None
     return (lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids))
 
 
@@ -56,8 +53,9 @@ def sample(run_dir: str | Path, prompt: str = "", tokens: int = 200, temperature
         raise ExportError(f"--temperature must be >= 0, got {temperature}")
     if top_k < 0:
         raise ExportError(f"--top-k must be >= 0, got {top_k}")
-    cfg, params, r = run_params(run_dir, round)
-    encode, decode = _codec(run_dir)
+    opened = open_round(run_dir, round)
+    cfg, params, r = opened.cfg, opened.params, opened.round
+    encode, decode = _codec(opened)
     model = build_model(cfg.model, cfg.run.seed)
     model.load_state_dict(params)
     model.eval()

@@ -161,13 +161,18 @@ class CorpusTask:
         return eval_batches(self.corpus, t.eval_batches, t.batch_size, self.cfg.model.ctx)
 
 
+def load_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Copy `params` (by name; a superset is fine) into `model`'s parameters, across devices."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(params[k])
+
+
 def with_initial(model: nn.Module, initial: dict[str, torch.Tensor] | None) -> nn.Module:
     """`model` (the whole model or one stage) with its params set from `initial` (G_0 of a run
     that starts from weights: `CorpusTask.initial_params`), or as it is when that is None."""
     if initial is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(initial[name])
+        load_params(model, initial)
     return model
 
 
@@ -178,5 +183,5 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash({k: v for k, v in model.state_dict().items()})
 
 
-__all__ = ["Task", "CorpusTask", "load_stored_corpus", "model_init_hash", "with_initial", "on_device", "process_device", "require_gpu",
+__all__ = ["Task", "CorpusTask", "load_params", "load_stored_corpus", "model_init_hash", "with_initial", "on_device", "process_device", "require_gpu",
            "take_device"]
