@@ -22,10 +22,10 @@ def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.Compl
 
 
 def bench_arguments(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`python bench/SCRIPT ARGS...` for arguments the script refuses before doing any work, run in
-    this process (its `main()` with ARGS as the command line): the same returncode, stdout and
-    stderr as `run_bench` gives, without starting an interpreter (3 s each). `timeout` is unused,
-    for the same call as run_bench."""
+    """`python bench/SCRIPT ARGS...` for arguments the script refuses before doing any work (or a
+    run whose work is in child processes of its own), run in this process (its `main()` with ARGS
+    as the command line): the same returncode, stdout and stderr as `run_bench` gives, without
+    starting an interpreter (3 s each). `timeout` is unused, for the same call as run_bench."""
     import contextlib
     import importlib.util
     import io

@@ -36,7 +36,7 @@ def test_a_run_continues_from_an_export_bit_for_bit(tmp_path):
     blob = LocalStore(then.store_dir).path_of(manifest["init"])
     blob.write_bytes(blob.read_bytes()[:-4] + b"\0\0\0\0")
     report = audit_run(then.root)
-    assert not report.ok and "the starting weights it names (init) do not load from the store" in report.first_failure
+    assert not report.ok and "the starting weights it names (initial_params) do not load from the store" in report.first_failure
 
 
 def test_pipelined_and_ddp_runs_start_from_the_weights_too(tmp_path):

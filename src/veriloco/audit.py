@@ -65,7 +65,7 @@ from .hf import transformers_version
 from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
 from .link import Link
-from .model import build_model
+from .model import build_meta, build_model, model_from
 from .outer import OuterOptimizer
 from .pipeline import EmulatedPipeline
 from .records import RunDir, RunDirError
@@ -95,7 +95,6 @@ from .task import (
     model_init_hash,
     on_device,
     take_device,
-    with_initial,
 )
 from .topology import build_stage_model, stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
@@ -472,18 +471,21 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
         _fail(f"manifest: the run's {cfg.model.arch} model ran on transformers {trained_with}, this machine has "
               f"{transformers_version()}: install that version to audit it (its forward is transformers' code)")
     store = src.store
-    G0, initial = build_model(cfg.model, cfg.run.seed), None
-    if "init" in manifest:  # [model] init: G_0 is the weights kept in the store, not the seed's
+    initial, key = None, "initial_params" if "initial_params" in manifest else "init"
+    if key in manifest:  # G_0 as the store keeps it (the [model] init weights, or the seed's)
         try:
-            initial = st_load(store.get(manifest["init"]))
+            initial = st_load(store.get(manifest[key]))
         except (StoreError, SafetensorError, ValueError, TypeError) as e:
-            _fail(f"manifest: the starting weights it names (init) do not load from the store: {str(e).splitlines()[0]}")
-        if {k: tuple(v.shape) for k, v in initial.items()} != {k: tuple(p.shape) for k, p in G0.named_parameters()}:
-            _fail("manifest: the starting weights it names (init) are not this config's model")
-        with_initial(G0, initial)
+            _fail(f"manifest: the starting weights it names ({key}) do not load from the store: {str(e).splitlines()[0]}")
+        if {k: tuple(v.shape) for k, v in initial.items()} != {k: tuple(p.shape) for k, p in build_meta(cfg.model).named_parameters()}:
+            _fail(f"manifest: the starting weights it names ({key}) are not this config's model")
+    from_disk = "init" in manifest  # [model] init: G_0 is weights from disk, not the seed's
+    G0 = build_model(cfg.model, cfg.run.seed) if initial is None or not from_disk else model_from(cfg.model, initial)
     if model_init_hash(G0) != manifest.get("model_init_hash"):
         _fail("manifest: the model built from the config's seed"
-              + (" and starting weights" if initial is not None else "") + " does not have the manifest's init hash")
+              + (" and starting weights" if from_disk else "") + " does not have the manifest's init hash")
+    if initial is not None and not from_disk and tensors_hash(initial) != manifest["model_init_hash"]:
+        _fail("manifest: the starting weights it names (initial_params) are not the model built from the config's seed")
 
     # 2. corpus
     try:
@@ -498,7 +500,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
             store.get(manifest["tokenizer"])
         except (StoreError, ValueError, TypeError) as e:
             _fail(f"corpus: the tokenizer the manifest names is not in the store: {str(e).splitlines()[0]}")
-    corpus_task = CorpusTask(cfg, "", manifest["corpus_manifest"], manifest.get("init"))
+    corpus_task = CorpusTask(cfg, "", manifest["corpus_manifest"], manifest.get(key))
     corpus_task._corpus, corpus_task._initial = corpus, initial
     task = _AuditTask(corpus_task, device if stages == 1 else "cpu", cfg.train.precision)  # stages: the emulated pipeline, on the CPU
     take_device(task.device, cfg.verify.replay_match == "exact")
@@ -530,7 +532,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
     slices, stage_models = [], []
     for s in range(stages):
-        model = G0 if stages == 1 else with_initial(build_stage_model(cfg.model, cfg.run.seed, s, stages), initial)
+        model = G0 if stages == 1 else build_stage_model(cfg.model, cfg.run.seed, s, stages, dict(G0.named_parameters()))
         stage_models.append(model)
         params = dict(model.named_parameters())
         slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},

@@ -895,7 +895,7 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
     from .config import ConfigError, config_from_dict
     from .procs import context
     from .records import RunDir, RunDirError
-    from .task import CorpusTask
+    from .task import CorpusTask, initial_digest
 
     run = RunDir(run_dir)
     manifest = run.read_manifest()
@@ -927,7 +927,7 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
     except OSError as e:
         raise RunDirError(f"the coordinator named in {path} ({store_host}:{store_port}) does not answer ({e}): "
                           "its launcher is gone (the file is stale), or that address is not reachable from here") from None
-    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init")).as_task()
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
     ctx, procs, codes = context(), {}, {}
     budget = dict.fromkeys(workers, cfg.run.max_restarts)
     end = cfg.train.rounds if stop_after is None else min(int(stop_after), cfg.train.rounds)
@@ -991,13 +991,13 @@ def _main(spec_path: str) -> None:
 
     from .config import config_from_dict
     from .records import RunDir
-    from .task import CorpusTask
+    from .task import CorpusTask, initial_digest
 
     spec = json.loads(open(spec_path).read())
     run = RunDir(spec["run_dir"])
     manifest = run.read_manifest()
     cfg = config_from_dict(manifest["config"])
-    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init")).as_task()
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
     spec["faults"] = [Fault(**f) for f in spec["faults"]]
     _worker_main(cfg, task, spec["run_dir"], spec["lighthouse"], spec["store_host"], spec["store_port"], spec)
     # as a forkserver child does: no interpreter teardown, which would wait for gloo's timeout on

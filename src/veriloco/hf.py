@@ -105,6 +105,15 @@ class HFCausalLM(nn.Module):
         if not head:
             self.model.norm = self.lm_head = None
 
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute the rotary tables (`inv_freq`: buffers, not parameters) on `device`, as
+        transformers computes them when it builds the model (`model.model_from` builds on the
+        meta device, where they are empty)."""
+        rotary = self.model.rotary_emb
+        with torch.device("cpu"):
+            fresh = type(rotary)(config=self.model.config)
+        self.model.rotary_emb = fresh.to(device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -139,7 +148,9 @@ def save_hf(params: dict[str, torch.Tensor], m: ModelConfig, directory: Path) ->
     `AutoModelForCausalLM.from_pretrained(directory)` loads (`veriloco export`, export.py)."""
     from safetensors.torch import save_file
 
-    expected = {name for name, _ in build_hf_meta(m).named_parameters()}
+    from .model import build_meta
+
+    expected = {name for name, _ in build_meta(m).named_parameters()}
     missing, extra = sorted(expected - params.keys()), sorted(params.keys() - expected)
     if missing or extra:
         raise ValueError(f"the checkpoint does not hold a {m.arch} model of this config: "
@@ -149,12 +160,6 @@ def save_hf(params: dict[str, torch.Tensor], m: ModelConfig, directory: Path) ->
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     save_file({k: v.detach().contiguous().float() for k, v in params.items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
-
-
-def build_hf_meta(m: ModelConfig) -> HFCausalLM:
-    """The model's structure without memory (parameter names and shapes only)."""
-    with torch.device("meta"):
-        return build_hf(m)
 
 
 def _causal_lm_name(config: Any) -> str:

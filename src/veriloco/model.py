@@ -9,6 +9,7 @@ lets a stage's delta, packet and checkpoint line up with the full model's.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,9 @@ class GPT(nn.Module):
         if not head:
             self.ln_f = self.lm_head = None
 
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """The GPT holds no buffers (`model_from` calls this on every model it materialises)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
             pos = torch.arange(x.shape[1], device=x.device)
@@ -110,13 +114,55 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        if cfg.arch != "gpt":
-            from .hf import build_hf
-
-            return build_hf(cfg)
-        return GPT(cfg)
+        return _build(cfg)
     finally:
         torch.random.set_rng_state(gen_state)
+
+
+def _build(cfg: ModelConfig) -> nn.Module:
+    if cfg.arch != "gpt":
+        from .hf import build_hf
+
+        return build_hf(cfg)
+    return GPT(cfg)
+
+
+def model_from(
+    cfg: ModelConfig, params: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+    stage: tuple[set[int], bool, bool] | None = None,
+) -> nn.Module:
+    """The model holding `params` (or, with `stage` = (layers, embed, head), one pipeline stage of
+    it: `keep_stage`'s arguments), built without memory for anything else and without drawing an
+    initialisation: the structure on the meta device, then only what it keeps made real on
+    `device` and copied from `params`, one tensor at a time. `params` may be lazy (`task.StoredParams`
+    reads a stored G_0 tensor by tensor), so a stage reads its slice and no more; a superset is
+    fine. Buffers that are not parameters (the rotary tables of the transformers archs) are
+    recomputed. Equal to `build_model` (and `keep_stage`) followed by `load_params`:
+    tests/test_materialize.py."""
+    model = build_meta(cfg)
+    if stage is not None:
+        model.keep_stage(*stage)
+    model.to_empty(device=device)
+    load_params(model, params)
+    model.reset_buffers(device)
+    return model
+
+
+def build_meta(cfg: ModelConfig) -> nn.Module:
+    """The model's structure without memory: parameter names and shapes, on the meta device."""
+    gen_state = torch.random.get_rng_state()  # meta tensors draw nothing; keep the RNG untouched regardless
+    try:
+        with torch.device("meta"):
+            return _build(cfg)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    """Copy `params` (by name; a superset is fine) into `model`'s parameters, across devices."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(params[k])
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -102,7 +102,6 @@ from .task import (
     on_device,
     process_device,
     take_device,
-    with_initial,
 )
 from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
@@ -356,7 +355,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         model = task.make_model()
         inner = InnerLoop(model, cfg.train, total_steps, task.loss)
     else:
-        model = with_initial(stage_model(cfg, stage, stages, device), source.initial_params())  # a stage is the built-in task
+        model = stage_model(cfg, stage, stages, device, source.initial_params())  # a stage is the built-in task: its slice of G_0
         inner = PipelineInnerLoop(
             model, cfg.train, total_steps, stage=stage, stages=stages, group=worker_group,
             microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule, device=device,
@@ -978,8 +977,7 @@ def replayer_of(w: Worker) -> Replayer:
         return plain_replayer(w.task.make_model, w.task.loss, cfg.train, total)
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[torch.nn.Module, PipelineInnerLoop]:
-        model = stage_model(cfg, w.stage, w.topo.stages, w.device)
-        load_params(model, start)
+        model = stage_model(cfg, w.stage, w.topo.stages, w.device, start)
         loop = PipelineInnerLoop(model, cfg.train, total, stage=w.stage, stages=w.topo.stages, group=w.worker_group,
                                  microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule,
                                  device=w.device)

@@ -18,14 +18,14 @@ import torch.distributed as dist
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
 from .data import load_corpus
-from .hashing import canonical_json, json_hash, sha256_hex
+from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .hf import transformers_version
-from .model import build_model
+from .model import build_meta, build_model
 from .procs import start_workers
 from .records import RunDir, RunDirError
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, run_ref
-from .task import CorpusTask, Task, model_init_hash, with_initial
+from .task import CorpusTask, Task, initial_digest
 from .weights import init_blob, read_init
 
 
@@ -54,15 +54,16 @@ def free_port() -> int:
 def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     """Load the corpus into the run's store, write the manifest; the run id is its hash."""
     corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
-    model, init = build_model(cfg.model, cfg.run.seed), None
-    if cfg.model.init:  # start from weights on disk: read and checked once, then kept in the store
-        initial = read_init(cfg.model, model)
-        init = init_blob(initial)
-        with_initial(model, initial)
+    if cfg.model.init:  # start from weights on disk: read and checked once
+        initial = read_init(cfg.model, build_meta(cfg.model))
+    else:
+        initial = {k: p.detach() for k, p in build_model(cfg.model, cfg.run.seed).named_parameters()}
+    g0 = init_blob(initial)  # G_0, kept in the store: workers and stages read it (a stage its slice) instead of building it
     manifest = {
         "config": cfg.to_dict(),
         "corpus_root": corpus.root,
-        "model_init_hash": model_init_hash(model),
+        "model_init_hash": tensors_hash(initial),
+        "initial_params": sha256_hex(g0),
         "code_version": __version__,
         "worker_keys": admitted_keys(cfg),
     }
@@ -70,8 +71,8 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
         manifest["transformers_version"] = transformers_version()
     if corpus.tokenizer_json is not None:  # what made the committed tokens (put into the store below)
         manifest["tokenizer"] = sha256_hex(corpus.tokenizer_json)
-    if init is not None:
-        manifest["init"] = sha256_hex(init)
+    if cfg.model.init:
+        manifest["init"] = manifest["initial_params"]  # G_0 is weights from disk, not the seed's
     run_id = json_hash(manifest)
     run = RunDir(out or Path("runs") / run_id[:16])
     if run.rounds_path.exists() and run.rounds():
@@ -80,13 +81,13 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     store.put(canonical_json(manifest))  # named by its hash, the run id: a store says which runs it holds
     for chunk in corpus.chunks:
         store.put(chunk)
-    for blob in (corpus.tokenizer_json, init):
+    for blob in (corpus.tokenizer_json, g0):
         if blob is not None:
             store.put(blob)
     manifest["corpus_manifest"] = store.put(corpus.manifest_bytes())
     manifest["run_id"] = run_id
     run.write_manifest(manifest)
-    return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init"))
+    return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest["initial_params"])
 
 
 def _spawned(
@@ -212,7 +213,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
         except ValueError as e:
             raise RunDirError(str(e)) from None
     run.truncate_to(done)
-    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init"))
+    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
 
 
@@ -282,7 +283,7 @@ def torchrun_main(argv: list[str]) -> None:
     if task is None:
         run = RunDir(out or "")
         manifest = run.read_manifest()
-        task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest.get("init"))
+        task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
     try:
         summary = train_worker(cfg, rank, world, task.as_task(), str(run.root), 0)
         if summary is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .export import ExportError, Opened, open_round
-from .model import build_model
+from .model import model_from
 from .store import StoreError
 
 
@@ -56,8 +56,7 @@ def sample(run_dir: str | Path, prompt: str = "", tokens: int = 200, temperature
     opened = open_round(run_dir, round)
     cfg, params, r = opened.cfg, opened.params, opened.round
     encode, decode = _codec(opened)
-    model = build_model(cfg.model, cfg.run.seed)
-    model.load_state_dict(params)
+    model = model_from(cfg.model, params)
     model.eval()
     ids = encode(prompt or "\n") or [0]  # no prompt: start after a newline
     gen = torch.Generator().manual_seed(seed)

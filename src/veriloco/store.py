@@ -13,6 +13,7 @@ one checks what it says (a signature, the digests it lists) before trusting it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -66,6 +67,9 @@ def check_digest(digest: str) -> str:
     return digest
 
 
+_VERIFIED: set[tuple[str, str, int, int]] = set()  # (path, digest, size, mtime) hashed here: LocalStore.verified_path
+
+
 class LocalStore:
     """Blobs under `root/ab/cdef...` on local disk; refs under `root/refs/`.
 
@@ -108,6 +112,27 @@ class LocalStore:
     def has(self, digest: str) -> bool:
         """True when blob `digest` is present (its hash is checked on `get`, not here)."""
         return self._path(digest).exists()
+
+    def verified_path(self, digest: str) -> Path:
+        """Where blob `digest` lives, after hashing its bytes as a stream (StoreError if missing
+        or corrupt): for readers that map a large blob instead of holding it (`task.StoredParams`).
+        A process hashes a blob once, and again if its file was written since (size or mtime)."""
+        path = self._path(digest)
+        try:
+            with path.open("rb") as f:
+                st = os.fstat(f.fileno())
+                seen = (str(path), digest, st.st_size, st.st_mtime_ns)
+                if seen in _VERIFIED:
+                    return path
+                h = hashlib.sha256()
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+        except FileNotFoundError:
+            raise StoreError(f"blob {digest} is missing from {self.root}") from None
+        if h.hexdigest() != digest:
+            raise StoreError(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
+        _VERIFIED.add(seen)
+        return path
 
     def path_of(self, digest: str) -> Path:
         """Where blob `digest` lives on disk (for tests and tools that corrupt it on purpose)."""

@@ -8,8 +8,9 @@ processes this project spawns itself (never to or from a peer).
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from .config import Config
 from .data import Corpus, batch, corpus_from_raw, eval_batches
-from .model import build_model, lm_loss
+from .model import build_model, lm_loss, load_params, model_from
 from .store import LocalStore, StoreError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -120,25 +121,85 @@ def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> 
     return corpus
 
 
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class StoredParams(Mapping[str, torch.Tensor]):
+    """The tensors of a safetensors blob in a local store, each read from the file when asked for
+    (a stored G_0: a pipeline stage reads its slice and no more; `model.model_from`). The blob's
+    hash is checked, as a stream, when it is opened, and its header is validated; a tensor is
+    read with plain file reads, not a memory map, so a process holds only the tensors it asked for
+    (safetensors' own `safe_open` maps the file, and every tensor read stays resident)."""
+
+    def __init__(self, store: LocalStore, digest: str) -> None:
+        import json
+
+        self._path = store.verified_path(digest)
+        with self._path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or not 2 <= n <= min(size - 8, 64 << 20):
+                raise StoreError(f"blob {digest} is not a safetensors file: its header length is {n}")
+            try:
+                header = json.loads(f.read(n))
+            except (ValueError, UnicodeDecodeError):
+                raise StoreError(f"blob {digest} is not a safetensors file: its header is not JSON") from None
+        if not isinstance(header, dict):
+            raise StoreError(f"blob {digest} is not a safetensors file: its header is not an object")
+        data = size - 8 - n
+        self._index: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+                ok = (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(begin, int) and isinstance(end, int)
+                      and 0 <= begin <= end <= data and end - begin == math.prod(shape) * dtype.itemsize)
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise StoreError(f"blob {digest} is not a safetensors file veriloco reads: tensor {name!r:.60} is malformed")
+            self._index[name] = (dtype, shape, 8 + n + begin, end - begin)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, shape, offset, nbytes = self._index[name]
+        buf = bytearray(nbytes)
+        with self._path.open("rb") as f:
+            f.seek(offset)
+            if f.readinto(buf) != nbytes:
+                raise StoreError(f"{self._path}: tensor {name} is cut short")
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._index))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+def initial_digest(manifest: dict) -> str | None:
+    """The store digest of a run's G_0 (`initial_params`; a run from before it was kept: the
+    `[model] init` weights, or None, and G_0 is `run.seed`'s initialisation)."""
+    return manifest.get("initial_params", manifest.get("init"))
+
+
 class CorpusTask:
     """The built-in task: the run's model (`[model]`) on a Merkle-committed corpus from the run's store."""
 
-    def __init__(self, cfg: Config, store_dir: str | Path, corpus_manifest: str, init: str | None = None) -> None:
-        """`init`: the manifest's `init`, the store digest of the starting weights (`[model] init`)."""
-        self.cfg, self.store_dir, self.corpus_manifest, self.init = cfg, str(store_dir), corpus_manifest, init
+    def __init__(self, cfg: Config, store_dir: str | Path, corpus_manifest: str, initial: str | None = None) -> None:
+        """`initial`: the store digest of G_0 (`initial_digest` of the manifest)."""
+        self.cfg, self.store_dir, self.corpus_manifest, self.initial = cfg, str(store_dir), corpus_manifest, initial
         self._corpus: Corpus | None = None
-        self._initial: dict[str, torch.Tensor] | None = None
+        self._initial: Mapping[str, torch.Tensor] | None = None
 
-    def initial_params(self) -> dict[str, torch.Tensor] | None:
-        """G_0 from the run's store when the run starts from weights (`[model] init`), else None
-        (G_0 is then `run.seed`'s initialisation). Read on every call, not kept: a worker needs
-        it once, and a pipeline stage only its slice (the audit presets `_initial` from its own
-        store)."""
-        if self._initial is not None or self.init is None:
+    def initial_params(self) -> Mapping[str, torch.Tensor] | None:
+        """G_0 as kept in the run's store, read lazily (`StoredParams`), or None for a run that
+        keeps none (G_0 is then `run.seed`'s initialisation). Opened on every call, never held:
+        a worker needs it once, a pipeline stage only its slice (the audit presets `_initial`
+        from its own store)."""
+        if self._initial is not None or self.initial is None:
             return self._initial
-        from safetensors.torch import load as st_load
-
-        return st_load(LocalStore(self.store_dir).get(self.init))
+        return StoredParams(LocalStore(self.store_dir), self.initial)
 
     @property
     def corpus(self) -> Corpus:
@@ -150,7 +211,9 @@ class CorpusTask:
         return Task(self.make_model, _gpt_loss, self.batch, self.eval_batches)
 
     def make_model(self) -> nn.Module:
-        return with_initial(build_model(self.cfg.model, self.cfg.run.seed), self.initial_params())
+        """G_0: read from the store (nothing is initialised), or the seed's when the run keeps none."""
+        initial = self.initial_params()
+        return build_model(self.cfg.model, self.cfg.run.seed) if initial is None else model_from(self.cfg.model, initial)
 
     def batch(self, worker: int, round: int, step: int) -> Batch:
         t = self.cfg.train
@@ -161,21 +224,6 @@ class CorpusTask:
         return eval_batches(self.corpus, t.eval_batches, t.batch_size, self.cfg.model.ctx)
 
 
-def load_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """Copy `params` (by name; a superset is fine) into `model`'s parameters, across devices."""
-    with torch.no_grad():
-        for k, p in model.named_parameters():
-            p.copy_(params[k])
-
-
-def with_initial(model: nn.Module, initial: dict[str, torch.Tensor] | None) -> nn.Module:
-    """`model` (the whole model or one stage) with its params set from `initial` (G_0 of a run
-    that starts from weights: `CorpusTask.initial_params`), or as it is when that is None."""
-    if initial is not None:
-        load_params(model, initial)
-    return model
-
-
 def model_init_hash(model: nn.Module) -> str:
     """sha256 of the initial params (goes into the run manifest)."""
     from .hashing import tensors_hash
@@ -183,5 +231,5 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash({k: v for k, v in model.state_dict().items()})
 
 
-__all__ = ["Task", "CorpusTask", "load_params", "load_stored_corpus", "model_init_hash", "with_initial", "on_device", "process_device", "require_gpu",
+__all__ = ["Task", "CorpusTask", "StoredParams", "initial_digest", "load_params", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",
            "take_device"]

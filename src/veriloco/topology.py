@@ -17,13 +17,14 @@ Two kinds of group:
 - the **stage group** of stage s: the `workers` ranks that hold slice s, in worker order, so a
   rank's index inside the group is its worker. The outer exchange of slice s runs here.
 
-A stage's module is the full model with the other stages' layers deleted (`build_stage_model`), so
+A stage's module holds only its own layers, under the full model's names (`build_stage_model`), so
 its parameter names and initial values are exactly the full model's: deltas, packets and
 checkpoints of the slices line up with the unsplit model's names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import Config, ModelConfig
-from .model import build_model
+from .model import build_model, model_from
 
 
 class Topology:
@@ -147,27 +148,33 @@ def layers_of_stage(stage: int, n_layer: int, stages: int) -> list[int]:
     return list(range(start, start + base + (1 if stage < extra else 0)))
 
 
-def build_stage_model(model_cfg: ModelConfig, seed: int, stage: int, stages: int) -> nn.Module:
-    """The module of one pipeline stage, initialised exactly as the full model.
+def build_stage_model(model_cfg: ModelConfig, seed: int, stage: int, stages: int,
+                      params: Mapping[str, torch.Tensor] | None = None, device: torch.device | str = "cpu") -> nn.Module:
+    """The module of one pipeline stage, its parameters the full model's under the same names
+    (GPT: `blocks.<global index>.*`, `tok_emb.*` on stage 0, `ln_f.*` / `lm_head.*` on the last;
+    transformers archs: `model.layers.<i>.*`, `model.embed_tokens.*`, `model.norm.*` / `lm_head.*`).
 
-    Builds the full model from `seed` (`model.build_model`, the same G_0 every worker builds) and
-    deletes what this stage does not hold (`keep_stage`), so its parameters are the full model's
-    under the same names (GPT: `blocks.<global index>.*`, `tok_emb.*` on stage 0, `ln_f.*` /
-    `lm_head.*` on the last; transformers archs: `model.layers.<i>.*`, `model.embed_tokens.*`,
-    `model.norm.*` / `lm_head.*`).
+    With `params` (a stored G_0 read lazily, a round's start state) the stage is materialised from
+    them alone (`model.model_from`): no memory for the other stages' layers, nothing initialised.
+    Without, it is the full model built from `seed` (`model.build_model`, the G_0 every worker of
+    a run that keeps none builds) with what the stage does not hold deleted (`keep_stage`).
     """
+    keep = (set(layers_of_stage(stage, model_cfg.n_layer, stages)), stage == 0, stage == stages - 1)
+    if params is not None:
+        return model_from(model_cfg, params, device, stage=keep)
     model = build_model(model_cfg, seed)
-    model.keep_stage(set(layers_of_stage(stage, model_cfg.n_layer, stages)), embed=stage == 0, head=stage == stages - 1)
-    return model
+    model.keep_stage(*keep)
+    return model.to(device)
 
 
-def stage_model(cfg: Config, stage: int, stages: int, device: torch.device | str = "cpu") -> nn.Module:
+def stage_model(cfg: Config, stage: int, stages: int, device: torch.device | str = "cpu",
+                params: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """`build_stage_model` of the run's model, on `device` (`[run] device`); with `[train]
     precision = "bf16"` its forward runs under bf16 autocast and returns fp32 (what the next stage,
     or the loss on the last, takes; one stage's autocast covers its own forward, and the backward
     follows it). Every process that runs a stage builds it here: the workers, their replays, the
     audit's emulated pipeline, so all of them compute alike."""
-    model = build_stage_model(cfg.model, cfg.run.seed, stage, stages).to(device)
+    model = build_stage_model(cfg.model, cfg.run.seed, stage, stages, params, device)
     if cfg.train.precision == "bf16":
         forward, kind = model.forward, torch.device(device).type
 
