@@ -174,7 +174,8 @@ class TopologyConfig:
         1,
         "pipeline stages per worker (DiLoCoX): a worker is this many processes, each holding a "
         "contiguous slice of the model's blocks with its own inner and outer optimizer; the outer "
-        "exchange of a slice runs only among the workers' processes that hold it. Built-in GPT only",
+        "exchange of a slice runs only among the workers' processes that hold it, and each builds only its "
+        "slice (from G_0 in the run's store). The built-in task only ([model]: the GPT or a transformers arch)",
     )
     microbatches: int = _f(1, "stages > 1: micro-batches per inner step; must divide train.batch_size")
     schedule: str = _f(

@@ -321,11 +321,11 @@ class DeltaEncoder:
 
 
 def check_splittable(task: Task, stages: int) -> None:
-    """Only the built-in GPT can be cut into pipeline stages; say so before anything starts."""
+    """Only the built-in task's model ([model]) can be cut into pipeline stages; say so before anything starts."""
     if stages > 1 and not isinstance(getattr(task.make_model, "__self__", None), CorpusTask):
         raise ValueError(
             f"topology.stages = {stages}: a custom Task's model cannot be split into pipeline stages "
-            "(only the built-in GPT can); set topology.stages = 1"
+            "(only the built-in task's [model] can); set topology.stages = 1"
         )
 
 
