@@ -49,6 +49,11 @@ class ModelConfig:
     d_model: int = _f(128, "embedding width")
     ctx: int = _f(128, "context length in tokens")
     vocab_size: int = _f(256, "vocabulary size; 256 = bytes; a token .bin file may need more")
+    tie: bool = _f(
+        False,
+        "the output head is the token embedding, one matrix (weight tying: GPT-2's, transformers' "
+        "tie_word_embeddings); needs topology.stages = 1",
+    )
     checkpoint: bool = _f(
         False,
         "activation checkpointing: keep only each block's input for the backward and recompute the rest "
@@ -498,6 +503,8 @@ def validate(cfg: Config) -> None:
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.batch_size % t.grad_accum == 0,
          f"train.batch_size ({t.batch_size}) must split into train.grad_accum ({t.grad_accum}) equal parts")
+    need(not m.tie or cfg.topology.stages == 1,
+         "model.tie needs topology.stages = 1 (the embedding is on the first stage, the head on the last)")
     need(t.grad_accum == 1 or cfg.topology.stages == 1,
          "train.grad_accum needs topology.stages = 1 (with stages, topology.microbatches splits a step)")
     need(0 <= t.round_warmup_steps <= t.inner_steps,

@@ -122,6 +122,8 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
             except ValueError as e:
                 raise ExportError(str(e)) from None
         else:
+            if cfg.model.tie:  # GPT(...).load_state_dict wants the tied head's name too (safetensors keeps no aliases)
+                params = params | {"lm_head.weight": params["tok_emb.weight"].clone()}
             save_file({k: v.contiguous() for k, v in params.items()}, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
             (tmp / "model.json").write_text(json.dumps(cfg.to_dict()["model"], indent=2, sort_keys=True) + "\n",

@@ -72,7 +72,7 @@ def hf_config(m: ModelConfig) -> Any:
         rms_norm_eps=m.norm_eps,
         max_position_embeddings=m.ctx,
         rope_theta=m.rope_theta,
-        tie_word_embeddings=False,
+        tie_word_embeddings=m.tie,
         attention_dropout=0.0,
         use_cache=False,
         attn_implementation="sdpa",
@@ -104,6 +104,12 @@ class HFCausalLM(nn.Module):
             self.model.embed_tokens = None
         if not head:
             self.model.norm = self.lm_head = None
+
+    def retie(self) -> None:
+        """`[model] tie`: the head's weight is the embedding's (`model.embed_tokens.weight`), as
+        transformers ties it; `model.model_from` calls this after it gives the model memory."""
+        if self.cfg.tie and self.model.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """Recompute the rotary tables (`inv_freq`: buffers, not parameters) on `device`, as

@@ -69,10 +69,17 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         else:
             self.ln_f = self.lm_head = None
+        self.retie()
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith(("proj.weight", "fc_out.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def retie(self) -> None:
+        """`[model] tie`: the head's weight is the token embedding's, one parameter (named
+        `tok_emb.weight`); `model_from` calls this again after it gives the model memory."""
+        if self.cfg.tie and self.tok_emb is not None and self.lm_head is not None:
+            self.lm_head.weight = self.tok_emb.weight
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -143,6 +150,7 @@ def model_from(
     if stage is not None:
         model.keep_stage(*stage)
     model.to_empty(device=device)
+    model.retie()  # to_empty makes a new tensor per module: a tied head would have its own
     load_params(model, params)
     model.reset_buffers(device)
     return model

@@ -746,7 +746,8 @@ def header(v: RunView) -> str:
     model = " · ".join([*([e(m["arch"])] if m.get("arch") not in (None, "gpt") else []),  # [model] arch: transformers'
                         *(f"{e(val)} {label}" for key, label in
                           (("n_layer", "layers"), ("d_model", "d_model"), ("n_head", "heads"), ("kv_heads", "kv heads"),
-                           ("ctx", "ctx"), ("vocab_size", "vocab")) if (val := m.get(key)))])
+                           ("ctx", "ctx"), ("vocab_size", "vocab")) if (val := m.get(key))),
+                        *(["tied embeddings"] if m.get("tie") is True else [])])
     stages = _int(v.cfg("topology", "stages")) or 1
     planned = v.planned_rounds
     tokens = _num(s.get("tokens"))

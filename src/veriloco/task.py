@@ -228,7 +228,7 @@ def model_init_hash(model: nn.Module) -> str:
     """sha256 of the initial params (goes into the run manifest)."""
     from .hashing import tensors_hash
 
-    return tensors_hash({k: v for k, v in model.state_dict().items()})
+    return tensors_hash(dict(model.named_parameters()))  # a tied head is the embedding: named once
 
 
 __all__ = ["Task", "CorpusTask", "StoredParams", "initial_digest", "load_params", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",

@@ -115,8 +115,14 @@ def read_init(m: ModelConfig, model: nn.Module) -> dict[str, torch.Tensor]:
     for name in [k for k in found if k.endswith(IGNORED_SUFFIXES)]:
         del found[name]
     expected = dict(model.named_parameters())
-    if "lm_head.weight" in expected and "lm_head.weight" not in found and "model.embed_tokens.weight" in found:
-        found["lm_head.weight"] = found["model.embed_tokens.weight"].clone()  # tied embeddings: untied from here on
+    embedding = "tok_emb.weight" if m.arch == "gpt" else "model.embed_tokens.weight"
+    if m.tie and "lm_head.weight" in found and embedding in found:  # [model] tie: the head is the embedding
+        if not torch.equal(found["lm_head.weight"], found[embedding]):
+            raise ConfigError(f"model.init: {path} has a head of its own (lm_head.weight is not its embedding): "
+                              "set model.tie = false")
+        del found["lm_head.weight"]  # a tied model's export writes the head too (GPT): the same matrix
+    if "lm_head.weight" in expected and "lm_head.weight" not in found and embedding in found:
+        found["lm_head.weight"] = found[embedding].clone()  # tied embeddings, model.tie = false: untied from here on
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if missing or extra:
         what = [f"{word} {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
