@@ -41,6 +41,12 @@ class ModelConfig:
     head_dim: int = _f(0, "transformers archs: width of one attention head; 0 = d_model / n_head")
     ffn: int = _f(0, "transformers archs: MLP width (intermediate_size); 0 = 8/3 d_model rounded up to 32")
     rope_theta: float = _f(10000.0, "transformers archs: rotary embedding base")
+    rope_scaling: str = _f(
+        "", "transformers archs: rotary scaling as JSON, config.json's rope_parameters less rope_theta: "
+        "'{\"rope_type\": \"llama3\", \"factor\": 32.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+        "\"original_max_position_embeddings\": 8192}' (Llama 3.1-3.3) or '{\"rope_type\": \"linear\", \"factor\": 2.0}'; "
+        "'' = none (hf.py)",
+    )
     norm_eps: float = _f(1e-6, "transformers archs: RMSNorm epsilon (rms_norm_eps)")
     init: str = _f(
         "", "start from these weights instead of run.seed's: a safetensors file or a directory of them (a veriloco "
@@ -613,10 +619,16 @@ def _check_arch(m: ModelConfig) -> None:
          f"model.kv_heads, model.ffn and model.head_dim must be >= 0, got {m.kv_heads}, {m.ffn} and {m.head_dim}")
     need(m.rope_theta > 0 and m.norm_eps > 0, f"model.rope_theta and model.norm_eps must be > 0, got {m.rope_theta} and {m.norm_eps}")
     if m.arch == "gpt":
-        need(not (m.kv_heads or m.ffn or m.head_dim or m.rope_theta != 10000.0 or m.norm_eps != 1e-6),
-             "model.kv_heads, model.head_dim, model.ffn, model.rope_theta and model.norm_eps are for transformers archs; "
-             "model.arch is 'gpt'")
+        need(not (m.kv_heads or m.ffn or m.head_dim or m.rope_theta != 10000.0 or m.norm_eps != 1e-6 or m.rope_scaling),
+             "model.kv_heads, model.head_dim, model.ffn, model.rope_theta, model.rope_scaling and model.norm_eps are for "
+             "transformers archs; model.arch is 'gpt'")
         return
+    from .hf import rope_scaling
+
+    try:
+        rope_scaling(m)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     head = m.head_dim or m.d_model // m.n_head
     need(head % 2 == 0, f"model.arch = {m.arch!r}: the head width ({head}; model.head_dim, or d_model / n_head) "
          "must be even (rotary embeddings)")

@@ -46,6 +46,44 @@ def transformers_version() -> str | None:
     return transformers.__version__
 
 
+ROPE_SCALINGS = {  # rope_type -> the numbers it takes (transformers' rope_parameters, less rope_theta)
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(value: Any, where: str) -> dict[str, Any]:
+    """`value` as a rope scaling veriloco runs ({"rope_type": ..., its numbers}), normalised
+    (floats; original_max_position_embeddings an int); ValueError, one line, naming `where`."""
+    if isinstance(value, dict) and "rope_type" not in value and "type" in value:  # transformers 4's spelling
+        value = {("rope_type" if k == "type" else k): v for k, v in value.items()}
+    kind = value.get("rope_type") if isinstance(value, dict) else None
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"{where}: rope_type must be {' or '.join(ROPE_SCALINGS)} (what veriloco runs), got {kind!r:.40}")
+    given, takes = sorted(set(value) - {"rope_type"}), sorted(ROPE_SCALINGS[kind])
+    if given != takes:
+        raise ValueError(f"{where}: rope_type {kind!r} takes {', '.join(takes)}; got {', '.join(given) or 'nothing'}")
+    out: dict[str, Any] = {"rope_type": kind}
+    for key in takes:
+        v = value[key]
+        integral = key == "original_max_position_embeddings"
+        if isinstance(v, bool) or not isinstance(v, int if integral else (int, float)) or not v > 0:
+            raise ValueError(f"{where}: {key} must be {'an integer' if integral else 'a number'} > 0, got {v!r:.40}")
+        out[key] = v if integral else float(v)
+    return out
+
+
+def rope_scaling(m: ModelConfig) -> dict[str, Any] | None:
+    """`[model] rope_scaling`, parsed and checked (`check_rope_scaling`), or None."""
+    if not m.rope_scaling:
+        return None
+    try:
+        value = json.loads(m.rope_scaling)
+    except ValueError:
+        raise ValueError(f"model.rope_scaling is not JSON: {m.rope_scaling!r:.80}") from None
+    return check_rope_scaling(value, "model.rope_scaling")
+
+
 def ffn_width(m: ModelConfig) -> int:
     """`[model] ffn`, or Llama's default: 8/3 of d_model, rounded up to a multiple of 32."""
     return m.ffn or -(-(8 * m.d_model) // (3 * 32)) * 32
@@ -60,6 +98,13 @@ def hf_config(m: ModelConfig) -> Any:
         extra["sliding_window"] = None  # full causal attention over the window, as the GPT
     if m.arch in ("qwen2", "qwen3"):
         extra["use_sliding_window"] = False
+    scaling, positions = rope_scaling(m), m.ctx
+    if scaling is None:
+        extra["rope_theta"] = m.rope_theta
+    else:  # [model] rope_scaling: transformers computes the scaled rotary tables (tests/test_rope_scaling.py)
+        extra["rope_parameters"] = {**scaling, "rope_theta": m.rope_theta}
+        if scaling["rope_type"] == "llama3":  # the context the scaling stretches to (transformers wants it above the original)
+            positions = max(m.ctx, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
     return AutoConfig.for_model(
         m.arch,
         vocab_size=m.vocab_size,
@@ -70,8 +115,7 @@ def hf_config(m: ModelConfig) -> Any:
         num_key_value_heads=m.kv_heads or m.n_head,
         head_dim=m.head_dim or m.d_model // m.n_head,
         rms_norm_eps=m.norm_eps,
-        max_position_embeddings=m.ctx,
-        rope_theta=m.rope_theta,
+        max_position_embeddings=positions,
         tie_word_embeddings=m.tie,
         attention_dropout=0.0,
         use_cache=False,
@@ -175,4 +219,5 @@ def _causal_lm_name(config: Any) -> str:
     return AutoModelForCausalLM._model_mapping[type(config)].__name__
 
 
-__all__ = ["HF_ARCHS", "HFCausalLM", "build_hf", "ffn_width", "hf_config", "save_hf", "transformers_version"]
+__all__ = ["HF_ARCHS", "HFCausalLM", "ROPE_SCALINGS", "build_hf", "check_rope_scaling", "ffn_width", "hf_config",
+           "rope_scaling", "save_hf", "transformers_version"]

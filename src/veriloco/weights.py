@@ -48,7 +48,7 @@ def _files(path: Path) -> list[Path]:
 
 def _hf_settings(m: ModelConfig, config: dict) -> list[str]:
     """Where a transformers config.json disagrees with `[model]`, as 'field X but [model] key Y'."""
-    from .hf import ffn_width
+    from .hf import check_rope_scaling, ffn_width, rope_scaling
 
     rope = config.get("rope_parameters") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -69,8 +69,17 @@ def _hf_settings(m: ModelConfig, config: dict) -> list[str]:
         ("rms_norm_eps", config.get("rms_norm_eps"), "norm_eps", m.norm_eps),
     ]
     out = [f"config.json {a} = {x!r} but model.{b} = {y!r}" for a, x, b, y in pairs if x is not None and x != y]
+    ours = rope_scaling(m)
     if scaling:
-        out.append(f"config.json has a rope scaling ({json.dumps(scaling)[:60]}), which veriloco does not run")
+        try:
+            theirs = check_rope_scaling(scaling, "config.json's rope scaling")
+        except ValueError:
+            out.append(f"config.json has a rope scaling ({json.dumps(scaling)[:60]}), which veriloco does not run")
+        else:
+            if theirs != ours:
+                out.append(f"config.json's rope scaling is {json.dumps(theirs)} but model.rope_scaling = {m.rope_scaling!r}")
+    elif ours is not None:
+        out.append(f"config.json has no rope scaling but model.rope_scaling = {m.rope_scaling!r}")
     if config.get("use_sliding_window") or (config.get("sliding_window") and m.arch == "mistral"
                                             and config["sliding_window"] < m.ctx):
         out.append("config.json uses sliding-window attention, which veriloco does not run")
