@@ -33,19 +33,19 @@ sys.path.insert(0, str(ROOT / "src"))
 WAYS = ("seed", "stored")
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
 
 
-def _reset_peak() -> int | None:
+def reset_peak() -> int | None:
     """The resident KB now, after resetting the kernel's peak (VmHWM) to it; None where Linux's
     /proc/self/clear_refs is not there (the peak is then ru_maxrss, which includes the imports')."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        return _status_kb("VmRSS")
+        return status_kb("VmRSS")
     except OSError:
         return None
 
@@ -67,7 +67,7 @@ def child(spec: dict) -> dict:
     cfg = load_config(ROOT / "configs" / "tiny.toml", spec["overrides"])
     if cfg.model.arch != "gpt":
         import transformers  # noqa: F401  (imported before the baseline, as a worker has it)
-    before = _reset_peak()
+    before = reset_peak()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     params = StoredParams(LocalStore(spec["store"]), spec["digest"]) if spec["way"] == "stored" else None
@@ -76,7 +76,7 @@ def child(spec: dict) -> dict:
     if before is None:
         before, peak = maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     else:
-        peak = _status_kb("VmHWM")
+        peak = status_kb("VmHWM")
     named = {k: p.detach() for k, p in model.named_parameters()}
     return {"peak_mb": (peak - before) / 1024, "seconds": seconds, "params_hash": tensors_hash(named),
             "params": sum(p.numel() for p in named.values())}

@@ -121,6 +121,90 @@ def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> 
     return corpus
 
 
+class StoredCorpus:
+    """The run's corpus as its store keeps it, read a chunk at a time when a batch needs it: a
+    worker holds at most `cache_chunks` chunks (64 KiB each by default), not the corpus
+    (`load_stored_corpus` holds all of it, twice: what the audit reads, since it checks every
+    chunk). The corpus manifest's chunk hashes must make its Merkle root (checked here, no chunk
+    read), and each chunk is checked against its hash when it is read, so a batch is made only
+    of the committed tokens. `tokens` and `eval_start` are what `data.batch` and
+    `data.eval_batches` read, as of a `Corpus`; the batches are the same tokens bit for bit."""
+
+    def __init__(self, store: LocalStore, manifest_digest: str, cfg: Config, cache_chunks: int = 256) -> None:
+        import json
+        from collections import OrderedDict
+
+        import numpy as np
+
+        from .data import KINDS, TOKENIZED_DTYPE, DataError
+        from .ledger.merkle import root as merkle_root
+
+        raw = store.get(manifest_digest, max_bytes=64 << 20)
+        try:
+            man = json.loads(raw)
+            kind, chunks, n, root = man["kind"], list(man["chunks"]), int(man["tokens"]), man["root"]
+            if kind not in KINDS:
+                raise DataError(f"corpus kind {kind!r:.40} is not one of {', '.join(KINDS)}")
+            self.dtype = np.dtype("uint8" if kind == "text" else TOKENIZED_DTYPE if kind == "tokenized" else cfg.data.bin_dtype)
+            if merkle_root([bytes.fromhex(h) for h in chunks]).hex() != root:
+                raise StoreError(f"corpus root {root!r:.80} is not the root of the manifest's chunk hashes")
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreError(f"corpus manifest {manifest_digest} is malformed: {str(e)[:80]}") from None
+        self.store, self.kind, self.chunk_hashes, self.root = store, kind, chunks, root
+        self.chunk_bytes, self.size = cfg.data.chunk_bytes, n * self.dtype.itemsize
+        if not chunks or not (len(chunks) - 1) * self.chunk_bytes < self.size <= len(chunks) * self.chunk_bytes:
+            raise StoreError(f"corpus manifest {manifest_digest}: {n} tokens do not fill {len(chunks)} chunks of "
+                             f"{self.chunk_bytes} bytes")
+        if kind == "text" and cfg.model.vocab_size < 256:
+            raise DataError(f"a byte-level corpus needs model.vocab_size >= 256, got {cfg.model.vocab_size}")
+        self.tokens = _ChunkedTokens(self, n)
+        self.eval_start = int(n * (1 - cfg.data.eval_fraction))
+        ctx = cfg.model.ctx
+        if self.eval_start < 4 * (ctx + 1) or n - self.eval_start < ctx + 2:
+            raise DataError(f"corpus of {n} tokens is too small for ctx {ctx} with eval_fraction {cfg.data.eval_fraction}")
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cache_chunks = cache_chunks
+        self.reads = 0  # chunks read from the store (and hashed) so far
+
+    def chunk(self, i: int) -> bytes:
+        """Chunk `i`, checked against its hash (and its length) when read; kept in a small LRU."""
+        data = self._cache.get(i)
+        if data is not None:
+            self._cache.move_to_end(i)
+            return data
+        data = self.store.get(self.chunk_hashes[i])
+        expected = min(self.chunk_bytes, self.size - i * self.chunk_bytes)
+        if len(data) != expected:
+            raise StoreError(f"corpus chunk {i} has {len(data)} bytes, not {expected}")
+        self.reads += 1
+        self._cache[i] = data
+        if len(self._cache) > self._cache_chunks:
+            self._cache.popitem(last=False)
+        return data
+
+
+class _ChunkedTokens:
+    """`StoredCorpus.tokens`: its length, and contiguous slices as numpy arrays."""
+
+    def __init__(self, corpus: StoredCorpus, n: int) -> None:
+        self.corpus, self.n = corpus, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, s: slice):
+        import numpy as np
+
+        start, stop, step = s.indices(self.n)
+        if step != 1:
+            raise ValueError("StoredCorpus.tokens takes contiguous slices only")
+        c, item = self.corpus, self.corpus.dtype.itemsize
+        a, b = start * item, max(stop, start) * item
+        parts = [c.chunk(i)[max(a - i * c.chunk_bytes, 0):b - i * c.chunk_bytes]
+                 for i in range(a // c.chunk_bytes, -(-b // c.chunk_bytes))]
+        return np.frombuffer(b"".join(parts), dtype=c.dtype)
+
+
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
@@ -189,7 +273,7 @@ class CorpusTask:
     def __init__(self, cfg: Config, store_dir: str | Path, corpus_manifest: str, initial: str | None = None) -> None:
         """`initial`: the store digest of G_0 (`initial_digest` of the manifest)."""
         self.cfg, self.store_dir, self.corpus_manifest, self.initial = cfg, str(store_dir), corpus_manifest, initial
-        self._corpus: Corpus | None = None
+        self._corpus: Corpus | StoredCorpus | None = None
         self._initial: Mapping[str, torch.Tensor] | None = None
 
     def initial_params(self) -> Mapping[str, torch.Tensor] | None:
@@ -202,9 +286,11 @@ class CorpusTask:
         return StoredParams(LocalStore(self.store_dir), self.initial)
 
     @property
-    def corpus(self) -> Corpus:
+    def corpus(self) -> Corpus | StoredCorpus:
+        """The run's corpus, read from the store a chunk at a time (`StoredCorpus`; the audit
+        presets `_corpus` with the whole corpus, which it checks)."""
         if self._corpus is None:
-            self._corpus = load_stored_corpus(LocalStore(self.store_dir), self.corpus_manifest, self.cfg)
+            self._corpus = StoredCorpus(LocalStore(self.store_dir), self.corpus_manifest, self.cfg)
         return self._corpus
 
     def as_task(self) -> Task:
@@ -231,5 +317,5 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash(dict(model.named_parameters()))  # a tied head is the embedding: named once
 
 
-__all__ = ["Task", "CorpusTask", "StoredParams", "initial_digest", "load_params", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",
+__all__ = ["Task", "CorpusTask", "StoredCorpus", "StoredParams", "initial_digest", "load_params", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",
            "take_device"]
