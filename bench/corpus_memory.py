@@ -7,7 +7,7 @@ every worker read it before) or a chunk at a time (`task.StoredCorpus`, how work
 Writes a token .bin of `--mb` MB (uint16, random ids below 256) and prepares a run on it (its
 chunks go into the run's store, 64 KiB each), then, in a fresh interpreter per measurement, the
 two ways alternating `--repeats` times: open the run's corpus and draw `--steps` inner steps'
-batches of worker 0 (the tiny config's batch: 8 sequences of 32 tokens) plus the eval batches.
+batches of worker 0 (the tiny config's batch: 4 sequences of 32 tokens) plus its 4 eval batches.
 Per way: the process's peak resident memory above what it held after its imports (VmHWM reset
 just before opening; the largest over the repeats), the time to open the corpus and the time per
 batch (medians), and how many chunks were read. Both ways must give the same batches (a hash of

@@ -64,7 +64,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.parametrize("override, message", [
     ("--model.arch=gpt2", "model.arch must be gpt, llama, mistral, qwen2, qwen3, got 'gpt2'"),
-    ("--model.norm_eps=1e-5", "model.kv_heads, model.head_dim, model.ffn, model.rope_theta and model.norm_eps are for transformers archs"),
+    ("--model.norm_eps=1e-5", "model.kv_heads, model.head_dim, model.ffn, model.rope_theta, model.rope_scaling and model.norm_eps are for "
+     "transformers archs"),
 ])
 def test_arch_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
