@@ -77,9 +77,8 @@ class Corpus:
     tokenizer_json: bytes | None = None  # the tokenizer file of a "tokenized" corpus, when it was loaded from text
 
     def __post_init__(self) -> None:
-        self.chunks = [
-            self.raw[i : i + self.chunk_bytes] for i in range(0, len(self.raw), self.chunk_bytes)
-        ]
+        view = memoryview(self.raw)  # the chunks are views of raw, not copies: the corpus is held once
+        self.chunks = [view[i : i + self.chunk_bytes] for i in range(0, len(self.raw), self.chunk_bytes)]
         self.chunk_hashes = [sha256_hex(c) for c in self.chunks]
         self.root = merkle_root([bytes.fromhex(h) for h in self.chunk_hashes]).hex()
         n = len(self.tokens)
