@@ -82,3 +82,18 @@ def test_a_manifest_that_does_not_add_up_is_refused(tmp_path):
         opened(chunks=["zz"])
     with pytest.raises(DataError, match="too small for ctx"):
         StoredCorpus(store, digest, tiny("--data.chunk_bytes=4096", "--model.ctx=100000"))
+
+
+def test_the_audit_reads_every_chunk_once_without_holding_them(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(2).integers(0, 200, 40000, dtype=np.uint16).tofile(path)
+    cfg, store, digest = _prepared(tmp_path, f"--data.source={path}", "--data.max_bytes=0", "--data.chunk_bytes=1025")
+    lazy = StoredCorpus(store, digest, cfg, cache_chunks=3)
+    lazy.check_all(cfg.model.vocab_size)
+    assert lazy.reads == len(lazy.chunk_hashes) == 79 and len(lazy._cache) <= 3
+    with pytest.raises(DataError, match="token .bin has token id 199 >= model.vocab_size 199"):
+        StoredCorpus(store, digest, cfg).check_all(199)
+    last = store.path_of(lazy.chunk_hashes[-1])
+    last.write_bytes(last.read_bytes()[:-2])  # cut short: its hash fails
+    with pytest.raises(StoreError, match="is corrupt"):
+        StoredCorpus(store, digest, cfg).check_all(cfg.model.vocab_size)

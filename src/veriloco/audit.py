@@ -60,6 +60,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .config import config_from_dict
+from .data import DataError
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .hf import transformers_version
 from .ledger import Ledger, LedgerError, SqliteLedger
@@ -90,8 +91,8 @@ from .signing import check_signed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import (
     CorpusTask,
+    StoredCorpus,
     Task,
-    load_stored_corpus,
     model_init_hash,
     on_device,
     take_device,
@@ -488,13 +489,14 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
         _fail("manifest: the starting weights it names (initial_params) are not the model built from the config's seed")
 
     # 2. corpus
-    try:
-        corpus = load_stored_corpus(store, manifest["corpus_manifest"], cfg)
-    except (StoreError, KeyError) as e:
+    try:  # every chunk read once and checked, a cache's worth held at a time (StoredCorpus)
+        corpus = StoredCorpus(store, manifest["corpus_manifest"], cfg)
+        corpus.check_all(cfg.model.vocab_size)
+    except (StoreError, KeyError, DataError) as e:
         _fail(f"corpus: {e}")
     if corpus.root != manifest["corpus_root"]:
         _fail(f"corpus: Merkle root {corpus.root} is not the manifest's {manifest['corpus_root']}")
-    counts["corpus_chunks"] = len(corpus.chunks)
+    counts["corpus_chunks"] = len(corpus.chunk_hashes)
     if "tokenizer" in manifest:  # [data] tokenizer: the file is kept, not rerun (the text is not stored)
         try:
             store.get(manifest["tokenizer"])

@@ -166,6 +166,23 @@ class StoredCorpus:
         self._cache_chunks = cache_chunks
         self.reads = 0  # chunks read from the store (and hashed) so far
 
+    def check_all(self, vocab_size: int) -> None:
+        """Read every chunk once (each checked against its hash as it is read; at most the cache
+        held at a time) and check that every token id is below `vocab_size`: what the audit
+        checks of the whole corpus without holding it."""
+        from .data import DataError
+
+        if self.kind == "text":  # bytes: every id < 256 <= vocab_size (checked on opening)
+            for i in range(len(self.chunk_hashes)):
+                self.chunk(i)
+            return
+        step = max(1, self.chunk_bytes // self.dtype.itemsize) * 16
+        for a in range(0, len(self.tokens), step):
+            top = int(self.tokens[a:a + step].max())
+            if top >= vocab_size:
+                what = "token .bin" if self.kind == "bin" else "tokenized corpus"
+                raise DataError(f"{what} has token id {top} >= model.vocab_size {vocab_size}")
+
     def chunk(self, i: int) -> bytes:
         """Chunk `i`, checked against its hash (and its length) when read; kept in a small LRU."""
         data = self._cache.get(i)
