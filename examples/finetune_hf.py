@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 SIZES = ["--model.arch=qwen3", "--model.n_layer=2", "--model.d_model=64", "--model.n_head=4",
-         "--model.kv_heads=2", "--model.ctx=64", "--model.vocab_size=512"]
+         "--model.kv_heads=2", "--model.ctx=64", "--model.vocab_size=512", "--model.tie=true"]  # tied, as small Qwen3s are
 
 
 def make_base(base: Path) -> None:
