@@ -11,13 +11,17 @@ batches of worker 0 (the tiny config's batch: 4 sequences of 32 tokens) plus its
 Per way: the process's peak resident memory above what it held after its imports (VmHWM reset
 just before opening; the largest over the repeats), the time to open the corpus and the time per
 batch (medians), and how many chunks were read. Both ways must give the same batches (a hash of
-all of them is compared), or the bench fails. On the CPU.
+all of them is compared), or the bench fails. Then the prepare step's part, the same way: read
+the file, check it and put its chunks into a fresh store, whole (`load_corpus`, how the prepare
+step read a .bin before) or streamed (`data.prepare_corpus`: a chunk at a time, twice); both must
+make the same Merkle root. On the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +33,40 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 WAYS = ("whole", "stored")
+PREPARE = ("whole", "streamed")
+
+
+def prepare_child(spec: dict) -> dict:
+    """The prepare step's corpus work in this fresh interpreter: read, check and store the chunks."""
+    import resource
+    import time
+
+    from stage_build import reset_peak, status_kb
+
+    from veriloco.config import config_from_dict
+    from veriloco.data import load_corpus, prepare_corpus
+    from veriloco.store import LocalStore
+
+    cfg = config_from_dict(spec["config"])
+    store = LocalStore(spec["store"])
+    before = reset_peak()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    if spec["way"] == "whole":  # how the prepare step read it before: the whole file, its chunks put from memory
+        corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+        for chunk in corpus.chunks:
+            store.put(chunk)
+        root = corpus.root
+    else:
+        prepared = prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+        prepared.put_chunks(store.put)
+        root = prepared.root
+    seconds = time.perf_counter() - t0
+    if before is None:
+        before, peak = maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    else:
+        peak = status_kb("VmHWM")
+    return {"peak_mb": (peak - before) / 1024, "seconds": seconds, "root": root}
 
 
 def child(spec: dict) -> dict:
@@ -106,6 +144,18 @@ def main(argv: list[str] | None = None) -> dict:
                 if out.returncode:
                     raise SystemExit(f"a measurement failed: {out.stderr.strip().splitlines()[-1:]}")
                 runs[way].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        prep: dict[str, list[dict]] = {way: [] for way in PREPARE}
+        for k in range(args.repeats):
+            for way in PREPARE:
+                spec = {"config": cfg.to_dict(), "store": str(Path(tmp) / f"store-{way}-{k}"), "way": way}
+                out = subprocess.run([sys.executable, __file__, "--prepare", json.dumps(spec)], capture_output=True,
+                                     text=True, check=False)
+                if out.returncode:
+                    raise SystemExit(f"a prepare failed: {out.stderr.strip().splitlines()[-1:]}")
+                prep[way].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                shutil.rmtree(spec["store"])
+    if len({r["root"] for way in PREPARE for r in prep[way]} | {task.corpus.root}) != 1:
+        raise SystemExit("the two ways of preparing made different corpus roots")
     if len({r["batches_hash"] for way in WAYS for r in runs[way]}) != 1:
         raise SystemExit("the two ways drew different batches")
     rows = []
@@ -114,14 +164,22 @@ def main(argv: list[str] | None = None) -> dict:
                      "open_s": round(statistics.median(r["open_s"] for r in runs[way]), 3),
                      "batch_ms": round(statistics.median(r["batch_ms"] for r in runs[way]), 3),
                      "chunks_read": runs[way][0]["chunks_read"]})
+    prepare_rows = [{"way": way, "peak_mb": round(max(r["peak_mb"] for r in prep[way]), 1),
+                     "seconds": round(statistics.median(r["seconds"] for r in prep[way]), 3)} for way in PREPARE]
     result = {"corpus_mb": args.mb, "chunks": chunks, "steps": args.steps, "repeats": args.repeats, "rows": rows,
-              "peak_ratio": round(rows[1]["peak_mb"] / rows[0]["peak_mb"], 4) if rows[0]["peak_mb"] else None}
+              "peak_ratio": round(rows[1]["peak_mb"] / rows[0]["peak_mb"], 4) if rows[0]["peak_mb"] else None,
+              "prepare": prepare_rows}
     print(f"a {args.mb} MB token corpus in {chunks} chunks; {args.steps} batches and the eval batches, "
           f"{args.repeats} repeats; peak MB above the imports")
     print("| way | peak MB | open s | ms per batch | chunks read |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['way']} | {r['peak_mb']:.1f} | {r['open_s']:.3f} | {r['batch_ms']:.3f} | {r['chunks_read']} |")
+    print("\nthe prepare step's corpus work (read, check, put every chunk into a fresh store)")
+    print("| prepare | peak MB | s |")
+    print("|---|---|---|")
+    for r in prepare_rows:
+        print(f"| {r['way']} | {r['peak_mb']:.1f} | {r['seconds']:.2f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -130,5 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         print(json.dumps(child(json.loads(sys.argv[2]))))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--prepare":
+        print(json.dumps(prepare_child(json.loads(sys.argv[2]))))
     else:
         main()

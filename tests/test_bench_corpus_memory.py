@@ -17,6 +17,8 @@ def test_a_chunk_at_a_time_holds_less_than_the_corpus(tmp_path):
     assert whole["peak_mb"] > 16 and whole["chunks_read"] == 256  # the whole corpus, held
     assert stored["peak_mb"] < 0.6 * whole["peak_mb"] and stored["chunks_read"] < 200
     assert "| stored |" in p.stdout
+    whole, streamed = result["prepare"]
+    assert whole["way"] == "whole" and whole["peak_mb"] > 15 and streamed["peak_mb"] < 0.2 * whole["peak_mb"]
 
 
 def test_bad_arguments_exit_2():

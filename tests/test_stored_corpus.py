@@ -97,3 +97,37 @@ def test_the_audit_reads_every_chunk_once_without_holding_them(tmp_path):
     last.write_bytes(last.read_bytes()[:-2])  # cut short: its hash fails
     with pytest.raises(StoreError, match="is corrupt"):
         StoredCorpus(store, digest, cfg).check_all(cfg.model.vocab_size)
+
+
+@pytest.mark.parametrize("chunk_bytes, max_bytes", [(1025, 0), (4096, 0), (1025, 30001), (65536, 0)])
+def test_a_bin_is_prepared_a_chunk_at_a_time_as_if_read_whole(tmp_path, chunk_bytes, max_bytes):
+    from veriloco.data import load_corpus, prepare_corpus
+
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(3).integers(0, 256, 30000, dtype=np.uint16).tofile(path)
+    data = tiny(f"--data.source={path}", f"--data.chunk_bytes={chunk_bytes}", f"--data.max_bytes={max_bytes}").data
+    whole, streamed = load_corpus(data, 256, 32), prepare_corpus(data, 256, 32)
+    assert streamed.manifest_bytes() == whole.manifest_bytes() and streamed.root == whole.root
+    put: list[bytes] = []
+    streamed.put_chunks(lambda b: (put.append(bytes(b)), whole.chunk_hashes[len(put) - 1])[1])
+    assert put == [bytes(c) for c in whole.chunks]
+
+
+def test_a_streamed_bin_is_checked_as_a_whole_one(tmp_path):
+    from veriloco.data import prepare_corpus
+    from veriloco.hashing import sha256_hex
+
+    path = tmp_path / "tokens.bin"
+    np.arange(20000, dtype=np.uint16).tofile(path)  # ids up to 19999
+    data = tiny(f"--data.source={path}", "--data.chunk_bytes=1025", "--data.max_bytes=0").data
+    with pytest.raises(DataError, match="token .bin has token id 19999 >= model.vocab_size 256"):
+        prepare_corpus(data, 256, 32)
+    with pytest.raises(DataError, match="too small for ctx 8000"):
+        prepare_corpus(data, 20000, 8000)
+    prepared = prepare_corpus(data, 20000, 32)
+    path.write_bytes(path.read_bytes()[:1000] + b"\0\0" + path.read_bytes()[1002:])  # rewritten before its chunks are stored
+    with pytest.raises(DataError, match="corpus chunk 0 changed while the run was prepared"):
+        prepared.put_chunks(sha256_hex)
+    path.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(DataError, match="not a multiple of uint16"):
+        prepare_corpus(data, 20000, 32)

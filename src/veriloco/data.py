@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,18 +87,26 @@ class Corpus:
 
     def manifest(self) -> dict:
         """What the store keeps next to the chunks to rebuild this corpus."""
-        return {
-            "kind": self.kind,
-            "dtype": str(self.tokens.dtype),
-            "chunk_bytes": self.chunk_bytes,
-            "eval_fraction": self.eval_fraction,
-            "chunks": self.chunk_hashes,
-            "root": self.root,
-            "tokens": int(len(self.tokens)),
-        }
+        return corpus_manifest(self.kind, str(self.tokens.dtype), self.chunk_bytes, self.eval_fraction, self.chunk_hashes,
+                               self.root, len(self.tokens))
 
     def manifest_bytes(self) -> bytes:
         return canonical_json(self.manifest())
+
+
+def corpus_manifest(kind: str, dtype: str, chunk_bytes: int, eval_fraction: float, chunk_hashes: list[str], root: str,
+                    tokens: int) -> dict:
+    """The corpus manifest the run's store keeps next to the chunks (`Corpus.manifest`, `store_corpus`)."""
+    return {"kind": kind, "dtype": dtype, "chunk_bytes": chunk_bytes, "eval_fraction": eval_fraction,
+            "chunks": chunk_hashes, "root": root, "tokens": int(tokens)}
+
+
+def eval_start_of(n_tokens: int, eval_fraction: float, ctx: int) -> int:
+    """Where a corpus of `n_tokens` starts its held-out tail; DataError when it is too small for `ctx`."""
+    start = int(n_tokens * (1 - eval_fraction))
+    if start < 4 * (ctx + 1) or n_tokens - start < ctx + 2:
+        raise DataError(f"corpus of {n_tokens} tokens is too small for ctx {ctx} with eval_fraction {eval_fraction}")
+    return start
 
 
 KINDS = ("text", "bin", "tokenized")
@@ -237,13 +246,67 @@ def corpus_from_raw(raw: bytes, kind: str, cfg: DataConfig, vocab_size: int, ctx
         what = "token .bin" if kind == "bin" else "tokenized corpus"
         raise DataError(f"{what} has token id {int(tokens.max())} >= model.vocab_size {vocab_size}")
     corpus = Corpus(tokens, raw, kind, cfg.chunk_bytes, cfg.eval_fraction)
-    need = 4 * (ctx + 1)
-    if corpus.eval_start < need or len(tokens) - corpus.eval_start < ctx + 2:
-        raise DataError(
-            f"corpus of {len(tokens)} tokens is too small for ctx {ctx} with eval_fraction "
-            f"{cfg.eval_fraction}"
-        )
+    eval_start_of(len(tokens), cfg.eval_fraction, ctx)
     return corpus
+
+
+class PreparedCorpus:
+    """A corpus read and checked for a run (`prepare_corpus`): its Merkle root, its manifest, its
+    tokenizer file, and `put_chunks`, which writes its chunks into the run's store once the run's
+    directory is known (the run id covers the root)."""
+
+    def __init__(self, root: str, manifest: dict, tokenizer_json: bytes | None,
+                 chunks: Callable[[], Iterator[bytes]]) -> None:
+        self.root, self.manifest, self.tokenizer_json, self._chunks = root, manifest, tokenizer_json, chunks
+
+    def manifest_bytes(self) -> bytes:
+        return canonical_json(self.manifest)
+
+    def put_chunks(self, put: Callable[[bytes], str]) -> None:
+        """`put` every chunk; DataError if a streamed file's chunk is no longer what was hashed."""
+        for i, (chunk, digest) in enumerate(zip(self._chunks(), self.manifest["chunks"], strict=True)):
+            if put(chunk) != digest:
+                raise DataError(f"corpus chunk {i} changed while the run was prepared (its file was written to)")
+
+
+def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus:
+    """Read the corpus `cfg` names and check it fits the model. A token .bin (no tokenizer) is
+    streamed a chunk at a time, twice (hashed, then put into the store), so a corpus larger than
+    memory prepares in a chunk's worth of it; its chunks, manifest and root are those
+    `load_corpus` makes of the same file (tests/test_stored_corpus.py). Anything else is read
+    whole (`load_corpus`)."""
+    path = Path(cfg.source)
+    if cfg.source == "stdlib" or cfg.tokenizer or path.suffix != ".bin" or not path.is_file():
+        corpus = load_corpus(cfg, vocab_size, ctx)
+        return PreparedCorpus(corpus.root, corpus.manifest(), corpus.tokenizer_json, lambda: iter(corpus.chunks))
+    dtype = np.dtype(cfg.bin_dtype)
+    size = path.stat().st_size if not cfg.max_bytes else min(path.stat().st_size, cfg.max_bytes)
+    if not cfg.max_bytes and size % dtype.itemsize:
+        raise DataError(f"token .bin has {size} bytes, not a multiple of {dtype} ({dtype.itemsize})")
+    size -= size % dtype.itemsize
+    eval_start_of(size // dtype.itemsize, cfg.eval_fraction, ctx)
+
+    def chunks() -> Iterator[bytes]:
+        with path.open("rb") as f:
+            for at in range(0, size, cfg.chunk_bytes):
+                chunk = f.read(min(cfg.chunk_bytes, size - at))
+                if len(chunk) != min(cfg.chunk_bytes, size - at):
+                    raise DataError(f"token .bin {path} got shorter while it was read")
+                yield chunk
+
+    hashes, carry, top = [], b"", 0
+    for chunk in chunks():
+        hashes.append(sha256_hex(chunk))
+        data = carry + chunk  # a token may straddle two chunks
+        whole = len(data) - len(data) % dtype.itemsize
+        if whole:
+            top = max(top, int(np.frombuffer(data[:whole], dtype=dtype).max()))
+        carry = data[whole:]
+    if top >= vocab_size:
+        raise DataError(f"token .bin has token id {top} >= model.vocab_size {vocab_size}")
+    root = merkle_root([bytes.fromhex(h) for h in hashes]).hex()
+    manifest = corpus_manifest("bin", str(dtype), cfg.chunk_bytes, cfg.eval_fraction, hashes, root, size // dtype.itemsize)
+    return PreparedCorpus(root, manifest, None, chunks)
 
 
 def _offset(tag: str, n_positions: int) -> int:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
-from .data import load_corpus
+from .data import prepare_corpus
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .hf import transformers_version
 from .model import build_meta, build_model
@@ -53,7 +53,7 @@ def free_port() -> int:
 
 def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     """Load the corpus into the run's store, write the manifest; the run id is its hash."""
-    corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+    corpus = prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
     if cfg.model.init:  # start from weights on disk: read and checked once
         initial = read_init(cfg.model, build_meta(cfg.model))
     else:
@@ -79,8 +79,7 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
         raise RunDirError(f"{run.root} already holds a run; use --resume {run.root} or another --out")
     store = LocalStore(run.store_dir)
     store.put(canonical_json(manifest))  # named by its hash, the run id: a store says which runs it holds
-    for chunk in corpus.chunks:
-        store.put(chunk)
+    corpus.put_chunks(store.put)
     for blob in (corpus.tokenizer_json, g0):
         if blob is not None:
             store.put(blob)

@@ -136,7 +136,7 @@ class StoredCorpus:
 
         import numpy as np
 
-        from .data import KINDS, TOKENIZED_DTYPE, DataError
+        from .data import KINDS, TOKENIZED_DTYPE, DataError, eval_start_of
         from .ledger.merkle import root as merkle_root
 
         raw = store.get(manifest_digest, max_bytes=64 << 20)
@@ -158,10 +158,7 @@ class StoredCorpus:
         if kind == "text" and cfg.model.vocab_size < 256:
             raise DataError(f"a byte-level corpus needs model.vocab_size >= 256, got {cfg.model.vocab_size}")
         self.tokens = _ChunkedTokens(self, n)
-        self.eval_start = int(n * (1 - cfg.data.eval_fraction))
-        ctx = cfg.model.ctx
-        if self.eval_start < 4 * (ctx + 1) or n - self.eval_start < ctx + 2:
-            raise DataError(f"corpus of {n} tokens is too small for ctx {ctx} with eval_fraction {cfg.data.eval_fraction}")
+        self.eval_start = eval_start_of(n, cfg.data.eval_fraction, cfg.model.ctx)
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cache_chunks = cache_chunks
         self.reads = 0  # chunks read from the store (and hashed) so far
