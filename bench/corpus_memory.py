@@ -38,10 +38,9 @@ PREPARE = ("whole", "streamed")
 
 def prepare_child(spec: dict) -> dict:
     """The prepare step's corpus work in this fresh interpreter: read, check and store the chunks."""
-    import resource
     import time
 
-    from stage_build import reset_peak, status_kb
+    from stage_build import measured_peak
 
     from veriloco.config import config_from_dict
     from veriloco.data import load_corpus, prepare_corpus
@@ -49,33 +48,27 @@ def prepare_child(spec: dict) -> dict:
 
     cfg = config_from_dict(spec["config"])
     store = LocalStore(spec["store"])
-    before = reset_peak()
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
-    if spec["way"] == "whole":  # how the prepare step read it before: the whole file, its chunks put from memory
-        corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
-        for chunk in corpus.chunks:
-            store.put(chunk)
-        root = corpus.root
-    else:
-        prepared = prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
-        prepared.put_chunks(store.put)
-        root = prepared.root
-    seconds = time.perf_counter() - t0
-    if before is None:
-        before, peak = maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    else:
-        peak = status_kb("VmHWM")
-    return {"peak_mb": (peak - before) / 1024, "seconds": seconds, "root": root}
+    with measured_peak() as peak:
+        t0 = time.perf_counter()
+        if spec["way"] == "whole":  # how the prepare step read it before: the whole file, its chunks put from memory
+            corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+            for chunk in corpus.chunks:
+                store.put(chunk)
+            root = corpus.root
+        else:
+            prepared = prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
+            prepared.put_chunks(store.put)
+            root = prepared.root
+        seconds = time.perf_counter() - t0
+    return {"peak_mb": peak["peak_mb"], "seconds": seconds, "root": root}
 
 
 def child(spec: dict) -> dict:
     """One measurement in this fresh interpreter."""
     import hashlib
-    import resource
     import time
 
-    from stage_build import reset_peak, status_kb
+    from stage_build import measured_peak
 
     from veriloco.config import config_from_dict
     from veriloco.data import batch, eval_batches
@@ -84,28 +77,23 @@ def child(spec: dict) -> dict:
 
     cfg = config_from_dict(spec["config"])
     store = LocalStore(spec["store"])
-    before = reset_peak()
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
-    if spec["way"] == "whole":
-        corpus = load_stored_corpus(store, spec["digest"], cfg)
-    else:
-        corpus = StoredCorpus(store, spec["digest"], cfg)
-    opened = time.perf_counter() - t0
-    t, h = cfg.train, hashlib.sha256()
-    t0 = time.perf_counter()
-    for step in range(spec["steps"]):
-        x, y = batch(corpus, cfg.run.seed, 0, step // t.inner_steps, step % t.inner_steps, t.batch_size, cfg.model.ctx)
-        h.update(x.numpy().tobytes() + y.numpy().tobytes())
-    per_batch = (time.perf_counter() - t0) / spec["steps"]
-    for x, y in eval_batches(corpus, t.eval_batches, t.batch_size, cfg.model.ctx):
-        h.update(x.numpy().tobytes() + y.numpy().tobytes())
-    if before is None:
-        before, peak = maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    else:
-        peak = status_kb("VmHWM")
+    with measured_peak() as peak:
+        t0 = time.perf_counter()
+        if spec["way"] == "whole":
+            corpus = load_stored_corpus(store, spec["digest"], cfg)
+        else:
+            corpus = StoredCorpus(store, spec["digest"], cfg)
+        opened = time.perf_counter() - t0
+        t, h = cfg.train, hashlib.sha256()
+        t0 = time.perf_counter()
+        for step in range(spec["steps"]):
+            x, y = batch(corpus, cfg.run.seed, 0, step // t.inner_steps, step % t.inner_steps, t.batch_size, cfg.model.ctx)
+            h.update(x.numpy().tobytes() + y.numpy().tobytes())
+        per_batch = (time.perf_counter() - t0) / spec["steps"]
+        for x, y in eval_batches(corpus, t.eval_batches, t.batch_size, cfg.model.ctx):
+            h.update(x.numpy().tobytes() + y.numpy().tobytes())
     reads = getattr(corpus, "reads", len(getattr(corpus, "chunks", [])))
-    return {"peak_mb": (peak - before) / 1024, "open_s": opened, "batch_ms": per_batch * 1000, "chunks_read": reads,
+    return {"peak_mb": peak["peak_mb"], "open_s": opened, "batch_ms": per_batch * 1000, "chunks_read": reads,
             "batches_hash": h.hexdigest()}
 
 

@@ -25,6 +25,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,9 +52,24 @@ def reset_peak() -> int | None:
         return None
 
 
+@contextmanager
+def measured_peak() -> Iterator[dict]:
+    """Yields a dict whose "peak_mb", on leaving, is the process's peak resident MB above what it
+    held on entering (VmHWM reset on entry: `reset_peak`; elsewhere `ru_maxrss`, which keeps the
+    imports' peak)."""
+    import resource
+
+    out: dict = {}
+    before, maxrss = reset_peak(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield out
+    if before is None:
+        out["peak_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss) / 1024
+    else:
+        out["peak_mb"] = (status_kb("VmHWM") - before) / 1024
+
+
 def child(spec: dict) -> dict:
     """One build in this fresh interpreter: {peak_mb above the imports, seconds, params hash}."""
-    import resource
     import time
 
     import torch
@@ -67,18 +84,13 @@ def child(spec: dict) -> dict:
     cfg = load_config(ROOT / "configs" / "tiny.toml", spec["overrides"])
     if cfg.model.arch != "gpt":
         import transformers  # noqa: F401  (imported before the baseline, as a worker has it)
-    before = reset_peak()
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
-    params = StoredParams(LocalStore(spec["store"]), spec["digest"]) if spec["way"] == "stored" else None
-    model = build_stage_model(cfg.model, cfg.run.seed, spec["stage"], spec["stages"], params)
-    seconds = time.perf_counter() - t0
-    if before is None:
-        before, peak = maxrss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    else:
-        peak = status_kb("VmHWM")
+    with measured_peak() as peak:
+        t0 = time.perf_counter()
+        params = StoredParams(LocalStore(spec["store"]), spec["digest"]) if spec["way"] == "stored" else None
+        model = build_stage_model(cfg.model, cfg.run.seed, spec["stage"], spec["stages"], params)
+        seconds = time.perf_counter() - t0
     named = {k: p.detach() for k, p in model.named_parameters()}
-    return {"peak_mb": (peak - before) / 1024, "seconds": seconds, "params_hash": tensors_hash(named),
+    return {"peak_mb": peak["peak_mb"], "seconds": seconds, "params_hash": tensors_hash(named),
             "params": sum(p.numel() for p in named.values())}
 
 
