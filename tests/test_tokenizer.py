@@ -113,8 +113,8 @@ def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file, monkeypatch, 
         load_corpus(tiny(f"--data.tokenizer={bad}").data, 300, 32)
     tokens = tmp_path / "t.bin"
     np.arange(4096, dtype=np.uint16).tofile(tokens)
-    with pytest.raises(DataError, match="data.tokenizer is for text corpora"):
-        load_corpus(tiny(f"--data.source={tokens}", f"--data.tokenizer={tokenizer_file}").data, 5000, 32)
+    with pytest.raises(DataError, match="data.eos is for text sources that data.tokenizer tokenizes; .* is a token .bin already"):
+        load_corpus(tiny(f"--data.source={tokens}", f"--data.tokenizer={tokenizer_file}", "--data.eos=x").data, 5000, 32)
     # through the CLI: one line, exit 2, no run directory
     out = tmp_path / "run"
     code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), f"--data.tokenizer={bad}", "--out", str(out))
@@ -127,3 +127,41 @@ def test_a_stored_corpus_of_an_unknown_kind_is_refused():
 
     with pytest.raises(DataError, match="corpus kind 'pickle' is not one of text, bin, tokenized"):
         corpus_from_raw(b"\0" * 4096, "pickle", tiny().data, 256, 32)
+
+
+def test_a_big_text_source_is_tokenized_a_document_at_a_time_into_a_bin(tmp_path, tokenizer_file, monkeypatch, capsys):
+    """`veriloco tokenize`: the ids `[data] tokenizer` and `eos` would make in memory, as a .bin a run
+    streams; the tokenizer goes with the run (export, sample) without being rerun."""
+    from veriloco.sample import sample
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.txt").write_text(f"document number {i}\n" * 2000)
+    out = tmp_path / "docs.bin"
+    code, lines, stdout = cli(monkeypatch, capsys, "tokenize", str(docs), "--tokenizer", str(tokenizer_file), "--out",
+                              str(out), "--eos", "<|endoftext|>")
+    assert code == 0 and "as uint16" in stdout, lines
+    in_memory = load_corpus(tiny(f"--data.source={docs}", f"--data.tokenizer={tokenizer_file}", "--data.eos=<|endoftext|>",
+                                 "--data.max_bytes=0").data, 300, 32)
+    assert np.array_equal(np.fromfile(out, dtype=np.uint16), in_memory.tokens)
+    run, _ = train(tiny(f"--data.source={out}", "--data.bin_dtype=uint16", f"--data.tokenizer={tokenizer_file}",
+                        "--data.max_bytes=0", "--model.vocab_size=300", "--train.rounds=1"), str(tmp_path / "run"), quiet=True)
+    manifest = json.loads((run.root / "manifest.json").read_text())
+    assert manifest["tokenizer"] == sha256_hex(tokenizer_file.read_bytes())
+    assert audit_run(run.root).ok
+    export_run(run.root, tmp_path / "exported")
+    assert (tmp_path / "exported" / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
+    text, _ = sample(run.root, "document ", tokens=10, temperature=0)  # a .bin run without a tokenizer is refused
+    assert text
+
+    # bad input: one line, exit 2, nothing written
+    for args, message in [((str(docs), "--tokenizer", str(tokenizer_file), "--out", str(out)), "already exists"),
+                          ((str(docs), "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "x.txt")), "ends in .bin"),
+                          ((str(docs), "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "y.bin"), "--eos", "<nope>"),
+                           "is not a token of"),
+                          ((str(tmp_path / "none"), "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "z.bin")),
+                           "data.source not found")]:
+        code, lines, _ = cli(monkeypatch, capsys, "tokenize", *args)
+        assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".txt")) == ["docs.bin"]

@@ -11,6 +11,7 @@
     veriloco report RUN            # RUN/report.html: one self-contained page
     veriloco export RUN --out DIR  # the global params as a model directory (transformers archs: from_pretrained)
     veriloco sample RUN --prompt TEXT   # what the run's model writes after TEXT
+    veriloco tokenize SOURCE --tokenizer T --out X.bin [--eos TOKEN]   # a text source as a token .bin, a document at a time
     veriloco keygen --out DIR --workers N   # Ed25519 keys for [verify] key_dir
     veriloco config                # print the config reference (every section and key)
 
@@ -291,6 +292,27 @@ def sample_text(
     except USER_ERRORS as e:
         fail(str(e).splitlines()[0])
     typer.echo(prompt + text)
+
+
+@app.command()
+def tokenize(
+    source: str = typer.Argument(..., help="'stdlib', a text file, or a directory of text files"),
+    tokenizer: str = typer.Option(..., "--tokenizer", help="a tokenizers tokenizer.json (a local file)"),
+    out: str = typer.Option(..., "--out", help="the new token file (name ending in .bin)"),
+    eos: str = typer.Option("", "--eos", help="a token put after each document (each file), e.g. '<|endoftext|>'"),
+) -> None:
+    """Tokenize a text source into a token .bin, one document at a time.
+
+    For a corpus too large to tokenize in memory: train on it with --data.source=OUT
+    --data.bin_dtype=<the dtype printed> --data.tokenizer=T (kept with the run, not rerun)."""
+    from .data import tokenize_to_bin
+
+    try:
+        n, dtype = tokenize_to_bin(source, tokenizer, out, eos)
+    except USER_ERRORS as e:
+        fail(str(e).splitlines()[0])
+    typer.echo(f"wrote {out}: {n} tokens as {dtype} (train with --data.source={out} --data.bin_dtype={dtype} "
+               f"--data.tokenizer={tokenizer})")
 
 
 @app.command()

@@ -79,7 +79,9 @@ class DataConfig:
     bin_dtype: str = _f("uint16", "element type of a token .bin file: uint16 or uint32")
     tokenizer: str = _f(
         "", "a tokenizers tokenizer.json (a local file, nothing downloaded) that turns a text source into "
-        "token ids once, when the run is prepared; '' = bytes (data.py; pip install 'veriloco[hf]')",
+        "token ids once, when the run is prepared; with a token .bin source, the tokenizer that made its ids "
+        "(`veriloco tokenize`), kept with the run for export and sample, not rerun; '' = bytes (data.py; "
+        "pip install 'veriloco[hf]')",
     )
     eos: str = _f(
         "", "with data.tokenizer: a token of it (e.g. '<|endoftext|>') put after each document (each file of the "

@@ -14,7 +14,12 @@ file: nothing is downloaded). Then the text is tokenized once, when the run is p
 corpus the run commits to and stores is the token ids (kind "tokenized", uint32): the Merkle root
 names the tokens the workers trained on, and the run's store holds them, so an audit needs no
 tokenizer. The tokenizer file itself goes into the store and its hash into the manifest
-(`veriloco export` puts it beside the model).
+(`veriloco export` puts it beside the model). With a token .bin source, `[data] tokenizer` names
+the tokenizer that made its ids (`veriloco tokenize`, `tokenize_to_bin`: a text source tokenized a
+document at a time): it is kept the same way and not rerun.
+
+A token .bin is prepared a chunk at a time (`prepare_corpus`), so it may be larger than memory;
+workers read their batches from the store a chunk at a time too (`task.StoredCorpus`).
 
 The corpus is cut into `chunk_bytes` chunks whose sha256 hashes are the leaves of a Merkle tree
 (RFC 9162 hashing, the same as the ledger's); the root names the corpus in the manifest, and the
@@ -126,42 +131,60 @@ def _tokens_from(raw: bytes, kind: str, dtype: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)
 
 
-def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
-    """Read the corpus named by `cfg.source` and check it fits the model."""
-    src = cfg.source
-    docs: list[tuple[str, bytes]] = []  # a text source's documents: its files, or the one file
-    if src == "stdlib":
+def documents(source: str) -> list[tuple[str, Path]]:
+    """A text source's documents, (name, file), in corpus order: the embedded corpus's modules, a
+    directory's files (sorted by relative path), or the one file. DataError if there are none."""
+    if source == "stdlib":
         files = stdlib_files()
         if not files:
             raise DataError("no standard-library sources found through sysconfig")
-        docs = [(p.name, p.read_bytes()) for p in files]
-        raw, kind = _with_headers(docs), "text"
+        return [(p.name, p) for p in files]
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"data.source not found: {path}")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        if not files:
+            raise DataError(f"data.source directory {path} has no files")
+        return [(str(p.relative_to(path)), p) for p in files]
+    return [(path.name, path)]
+
+
+def _is_bin(source: str) -> bool:
+    return source != "stdlib" and Path(source).suffix == ".bin" and Path(source).is_file()
+
+
+def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
+    """`[data] tokenizer`'s file, checked (it loads; its vocabulary fits `vocab_size`), or None."""
+    if not cfg.tokenizer:
+        return None
+    if not Path(cfg.tokenizer).is_file():
+        raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
+    tokenizer_json = Path(cfg.tokenizer).read_bytes()
+    _tokenizer(tokenizer_json, vocab_size)
+    return tokenizer_json
+
+
+def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
+    """Read the corpus named by `cfg.source` and check it fits the model."""
+    src = cfg.source
+    if _is_bin(src):
+        if cfg.eos:
+            raise DataError(f"data.eos is for text sources that data.tokenizer tokenizes; {src} is a token .bin already")
+        raw, kind = Path(src).read_bytes(), "bin"
+        docs: list[tuple[str, bytes]] = []
     else:
-        path = Path(src)
-        if not path.exists():
-            raise DataError(f"data.source not found: {path}")
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
-            if not files:
-                raise DataError(f"data.source directory {path} has no files")
-            docs = [(str(p.relative_to(path)), p.read_bytes()) for p in files]
-            raw, kind = _with_headers(docs), "text"
-        elif path.suffix == ".bin":
-            raw, kind = path.read_bytes(), "bin"
-        else:
-            raw, kind = path.read_bytes(), "text"
-            docs = [(path.name, raw)]
+        docs = [(name, f.read_bytes()) for name, f in documents(src)]  # a text source's documents
+        raw, kind = (_with_headers(docs) if src == "stdlib" or Path(src).is_dir() else docs[0][1]), "text"
     if cfg.max_bytes:
         raw = raw[: cfg.max_bytes]
         if kind == "bin":
             raw = raw[: len(raw) - len(raw) % np.dtype(cfg.bin_dtype).itemsize]
-    if not cfg.tokenizer:
-        return corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
-    if kind == "bin":
-        raise DataError(f"data.tokenizer is for text corpora; {src} is a token .bin already")
-    if not Path(cfg.tokenizer).is_file():
-        raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
-    tokenizer_json = Path(cfg.tokenizer).read_bytes()
+    tokenizer_json = read_tokenizer(cfg, vocab_size)
+    if tokenizer_json is None or kind == "bin":  # a .bin's tokenizer is what made its ids: kept, not rerun
+        corpus = corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
+        corpus.tokenizer_json = tokenizer_json
+        return corpus
     if cfg.eos:  # each document on its own, then the end-of-text token; no file headers
         ids = tokenize_documents(_first_bytes([d for _, d in docs], cfg.max_bytes), tokenizer_json, vocab_size, cfg.eos)
     else:
@@ -237,6 +260,46 @@ def tokenize_documents(docs: list[bytes], tokenizer_json: bytes, vocab_size: int
     return np.asarray(ids, dtype=TOKENIZED_DTYPE).tobytes()
 
 
+def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: str = "") -> tuple[int, str]:
+    """Tokenize a text source into a token .bin at `out`, one document at a time (memory for one
+    document, not the source): each file of the source (`documents`) encoded as `[data] tokenizer`
+    encodes it, followed by the token `eos` when given (`[data] eos`'s layout: a run on the .bin
+    trains on the ids `--data.source=SOURCE --data.tokenizer=T --data.eos=EOS` would make). uint16
+    when the vocabulary fits, else uint32. Written whole or not at all; an existing `out` is
+    refused. Returns (tokens, dtype)."""
+    import os
+    import tempfile
+
+    out = Path(out)
+    if out.exists():
+        raise DataError(f"{out} already exists; tokenize writes a new file")
+    if out.suffix != ".bin":
+        raise DataError(f"{out}: a token file's name ends in .bin (what data.source takes as tokens)")
+    if not Path(tokenizer).is_file():
+        raise DataError(f"tokenizer not found: {tokenizer}")
+    tok = _tokenizer(Path(tokenizer).read_bytes(), 1 << 32)
+    eos_id = tok.token_to_id(eos) if eos else None
+    if eos and eos_id is None:
+        raise DataError(f"eos {eos!r:.60} is not a token of {tokenizer}")
+    dtype = "uint16" if tok.get_vocab_size() <= 1 << 16 else "uint32"
+    docs = documents(source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    n = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for _, path in docs:
+                ids = _encode(tok, path.read_bytes()) + ([eos_id] if eos_id is not None else [])
+                f.write(np.asarray(ids, dtype=dtype).tobytes())
+                n += len(ids)
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return n, dtype
+
+
 def corpus_from_raw(raw: bytes, kind: str, cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Build a Corpus from raw bytes (also how a stored corpus is rebuilt)."""
     tokens = _tokens_from(raw, kind, cfg.bin_dtype)
@@ -276,9 +339,12 @@ def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus
     `load_corpus` makes of the same file (tests/test_stored_corpus.py). Anything else is read
     whole (`load_corpus`)."""
     path = Path(cfg.source)
-    if cfg.source == "stdlib" or cfg.tokenizer or path.suffix != ".bin" or not path.is_file():
+    if not _is_bin(cfg.source):
         corpus = load_corpus(cfg, vocab_size, ctx)
         return PreparedCorpus(corpus.root, corpus.manifest(), corpus.tokenizer_json, lambda: iter(corpus.chunks))
+    if cfg.eos:
+        raise DataError(f"data.eos is for text sources that data.tokenizer tokenizes; {path} is a token .bin already")
+    tokenizer_json = read_tokenizer(cfg, vocab_size)
     dtype = np.dtype(cfg.bin_dtype)
     size = path.stat().st_size if not cfg.max_bytes else min(path.stat().st_size, cfg.max_bytes)
     if not cfg.max_bytes and size % dtype.itemsize:
@@ -306,7 +372,7 @@ def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus
         raise DataError(f"token .bin has token id {top} >= model.vocab_size {vocab_size}")
     root = merkle_root([bytes.fromhex(h) for h in hashes]).hex()
     manifest = corpus_manifest("bin", str(dtype), cfg.chunk_bytes, cfg.eval_fraction, hashes, root, size // dtype.itemsize)
-    return PreparedCorpus(root, manifest, None, chunks)
+    return PreparedCorpus(root, manifest, tokenizer_json, chunks)
 
 
 def _offset(tag: str, n_positions: int) -> int:
