@@ -124,8 +124,8 @@ def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> 
 class StoredCorpus:
     """The run's corpus as its store keeps it, read a chunk at a time when a batch needs it: a
     worker holds at most `cache_chunks` chunks (64 KiB each by default), not the corpus
-    (`load_stored_corpus` holds all of it, twice: what the audit reads, since it checks every
-    chunk). The corpus manifest's chunk hashes must make its Merkle root (checked here, no chunk
+    (`load_stored_corpus` holds all of it, twice while it reads it). The audit reads every chunk
+    through it once (`check_all`). The corpus manifest's chunk hashes must make its Merkle root (checked here, no chunk
     read), and each chunk is checked against its hash when it is read, so a batch is made only
     of the committed tokens. `tokens` and `eval_start` are what `data.batch` and
     `data.eval_batches` read, as of a `Corpus`; the batches are the same tokens bit for bit."""
@@ -302,7 +302,7 @@ class CorpusTask:
     @property
     def corpus(self) -> Corpus | StoredCorpus:
         """The run's corpus, read from the store a chunk at a time (`StoredCorpus`; the audit
-        presets `_corpus` with the whole corpus, which it checks)."""
+        presets `_corpus` with the one it has checked whole)."""
         if self._corpus is None:
             self._corpus = StoredCorpus(LocalStore(self.store_dir), self.corpus_manifest, self.cfg)
         return self._corpus
