@@ -2,7 +2,7 @@
 
 `[model] arch = "llama"` (or "mistral", "qwen2", "qwen3") trains that `transformers` architecture
 instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, head_dim,
-d_model, ffn, ctx, vocab_size, rope_theta, norm_eps). Nothing is fetched: the `transformers`
+d_model, ffn, ctx, vocab_size, rope_theta, rope_scaling, norm_eps, tie). Nothing is fetched: the `transformers`
 config is made from those fields (`hf_config`), the weights are initialised from `run.seed` (or
 read from `[model] init`: weights.py), and the tokens are the run's own (bytes, a .bin corpus's
 ids, or `[data] tokenizer`'s).
