@@ -101,7 +101,7 @@ class Corpus:
 
 def corpus_manifest(kind: str, dtype: str, chunk_bytes: int, eval_fraction: float, chunk_hashes: list[str], root: str,
                     tokens: int) -> dict:
-    """The corpus manifest the run's store keeps next to the chunks (`Corpus.manifest`, `store_corpus`)."""
+    """The corpus manifest the run's store keeps next to the chunks (`Corpus.manifest`, `prepare_corpus`)."""
     return {"kind": kind, "dtype": dtype, "chunk_bytes": chunk_bytes, "eval_fraction": eval_fraction,
             "chunks": chunk_hashes, "root": root, "tokens": int(tokens)}
 
@@ -118,17 +118,28 @@ KINDS = ("text", "bin", "tokenized")
 TOKENIZED_DTYPE = "uint32"
 
 
-def _tokens_from(raw: bytes, kind: str, dtype: str) -> np.ndarray:
+def dtype_of(kind: str, bin_dtype: str) -> np.dtype:
+    """The token element type of a corpus of `kind` (a .bin's is `[data] bin_dtype`)."""
     if kind not in KINDS:
         raise DataError(f"corpus kind {kind!r:.40} is not one of {', '.join(KINDS)}")
-    if kind == "text":
-        return np.frombuffer(raw, dtype=np.uint8)
-    if kind == "tokenized":
-        dtype = TOKENIZED_DTYPE
-    itemsize = np.dtype(dtype).itemsize
-    if len(raw) % itemsize:
-        raise DataError(f"token .bin has {len(raw)} bytes, not a multiple of {dtype} ({itemsize})")
-    return np.frombuffer(raw, dtype=dtype)
+    return np.dtype({"text": "uint8", "tokenized": TOKENIZED_DTYPE}.get(kind, bin_dtype))
+
+
+def check_ids(kind: str, top: int | None, vocab_size: int) -> None:
+    """DataError unless a corpus of `kind` whose largest token id is `top` (None: not known yet)
+    fits a model of `vocab_size` (a byte-level corpus needs 256)."""
+    if kind == "text" and vocab_size < 256:
+        raise DataError(f"a byte-level corpus needs model.vocab_size >= 256, got {vocab_size}")
+    if kind != "text" and top is not None and top >= vocab_size:
+        what = "token .bin" if kind == "bin" else "tokenized corpus"
+        raise DataError(f"{what} has token id {top} >= model.vocab_size {vocab_size}")
+
+
+def _tokens_from(raw: bytes, kind: str, dtype: str) -> np.ndarray:
+    dt = dtype_of(kind, dtype)
+    if len(raw) % dt.itemsize:
+        raise DataError(f"token .bin has {len(raw)} bytes, not a multiple of {dt} ({dt.itemsize})")
+    return np.frombuffer(raw, dtype=dt)
 
 
 def documents(source: str) -> list[tuple[str, Path]]:
@@ -150,8 +161,15 @@ def documents(source: str) -> list[tuple[str, Path]]:
     return [(path.name, path)]
 
 
-def _is_bin(source: str) -> bool:
-    return source != "stdlib" and Path(source).suffix == ".bin" and Path(source).is_file()
+def _bin_source(cfg: DataConfig) -> Path | None:
+    """The token .bin `[data] source` names, or None for a text source; DataError with `[data] eos`
+    (a tokenization setting, and a .bin is tokenized already)."""
+    path = Path(cfg.source)
+    if cfg.source == "stdlib" or path.suffix != ".bin" or not path.is_file():
+        return None
+    if cfg.eos:
+        raise DataError(f"data.eos is for text sources that data.tokenizer tokenizes; {path} is a token .bin already")
+    return path
 
 
 def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
@@ -161,17 +179,15 @@ def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
     if not Path(cfg.tokenizer).is_file():
         raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
     tokenizer_json = Path(cfg.tokenizer).read_bytes()
-    _tokenizer(tokenizer_json, vocab_size)
+    load_tokenizer(tokenizer_json, vocab_size)
     return tokenizer_json
 
 
 def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Read the corpus named by `cfg.source` and check it fits the model."""
-    src = cfg.source
-    if _is_bin(src):
-        if cfg.eos:
-            raise DataError(f"data.eos is for text sources that data.tokenizer tokenizes; {src} is a token .bin already")
-        raw, kind = Path(src).read_bytes(), "bin"
+    src, bin_path = cfg.source, _bin_source(cfg)
+    if bin_path is not None:
+        raw, kind = bin_path.read_bytes(), "bin"
         docs: list[tuple[str, bytes]] = []
     else:
         docs = [(name, f.read_bytes()) for name, f in documents(src)]  # a text source's documents
@@ -210,17 +226,20 @@ def _first_bytes(docs: list[bytes], limit: int) -> list[bytes]:
 TOKENIZE_PIECE = 1 << 18  # the text is tokenized in pieces of about this many bytes, cut after a newline
 
 
-def _tokenizer(tokenizer_json: bytes, vocab_size: int):
+def load_tokenizer(tokenizer_json: bytes, vocab_size: int | None = None, what: str = "data.tokenizer"):
+    """The `tokenizers` Tokenizer of a tokenizer.json's bytes; DataError (one line, naming the file
+    as `what`) if the package is missing, the file does not load, or its vocabulary is larger than
+    `vocab_size`."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise DataError("data.tokenizer needs the tokenizers package (pip install 'veriloco[hf]')") from None
+        raise DataError(f"{what} needs the tokenizers package (pip install 'veriloco[hf]')") from None
     try:
         tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
     except Exception as e:  # the library raises its own exception type for any bad file
-        raise DataError(f"data.tokenizer is not a tokenizers tokenizer.json: {str(e).splitlines()[0][:120]}") from None
-    if tok.get_vocab_size() > vocab_size:
-        raise DataError(f"data.tokenizer has {tok.get_vocab_size()} tokens > model.vocab_size {vocab_size}: "
+        raise DataError(f"{what} is not a tokenizers tokenizer.json: {str(e).splitlines()[0][:120]}") from None
+    if vocab_size is not None and tok.get_vocab_size() > vocab_size:
+        raise DataError(f"{what} has {tok.get_vocab_size()} tokens > model.vocab_size {vocab_size}: "
                         f"set model.vocab_size >= {tok.get_vocab_size()}")
     return tok
 
@@ -245,12 +264,12 @@ def _encode(tok, text: bytes) -> list[int]:
 def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:
     """`text` as uint32 token ids of the tokenizer in `tokenizer_json` (the `tokenizers`
     library's format): a pure function of the bytes and the tokenizer file."""
-    return np.asarray(_encode(_tokenizer(tokenizer_json, vocab_size), text), dtype=TOKENIZED_DTYPE).tobytes()
+    return np.asarray(_encode(load_tokenizer(tokenizer_json, vocab_size), text), dtype=TOKENIZED_DTYPE).tobytes()
 
 
 def tokenize_documents(docs: list[bytes], tokenizer_json: bytes, vocab_size: int, eos: str) -> bytes:
     """Each document's token ids (as `tokenize`), followed by the id of the token `eos`."""
-    tok = _tokenizer(tokenizer_json, vocab_size)
+    tok = load_tokenizer(tokenizer_json, vocab_size)
     eos_id = tok.token_to_id(eos)
     if eos_id is None:
         raise DataError(f"data.eos {eos!r:.60} is not a token of data.tokenizer")
@@ -277,7 +296,7 @@ def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: st
         raise DataError(f"{out}: a token file's name ends in .bin (what data.source takes as tokens)")
     if not Path(tokenizer).is_file():
         raise DataError(f"tokenizer not found: {tokenizer}")
-    tok = _tokenizer(Path(tokenizer).read_bytes(), 1 << 32)
+    tok = load_tokenizer(Path(tokenizer).read_bytes(), what=str(tokenizer))
     eos_id = tok.token_to_id(eos) if eos else None
     if eos and eos_id is None:
         raise DataError(f"eos {eos!r:.60} is not a token of {tokenizer}")
@@ -303,11 +322,7 @@ def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: st
 def corpus_from_raw(raw: bytes, kind: str, cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Build a Corpus from raw bytes (also how a stored corpus is rebuilt)."""
     tokens = _tokens_from(raw, kind, cfg.bin_dtype)
-    if kind == "text" and vocab_size < 256:
-        raise DataError(f"a byte-level corpus needs model.vocab_size >= 256, got {vocab_size}")
-    if kind != "text" and len(tokens) and int(tokens.max()) >= vocab_size:
-        what = "token .bin" if kind == "bin" else "tokenized corpus"
-        raise DataError(f"{what} has token id {int(tokens.max())} >= model.vocab_size {vocab_size}")
+    check_ids(kind, int(tokens.max()) if kind != "text" and len(tokens) else None, vocab_size)
     corpus = Corpus(tokens, raw, kind, cfg.chunk_bytes, cfg.eval_fraction)
     eval_start_of(len(tokens), cfg.eval_fraction, ctx)
     return corpus
@@ -333,17 +348,15 @@ class PreparedCorpus:
 
 
 def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus:
-    """Read the corpus `cfg` names and check it fits the model. A token .bin (no tokenizer) is
-    streamed a chunk at a time, twice (hashed, then put into the store), so a corpus larger than
+    """Read the corpus `cfg` names and check it fits the model. A token .bin is streamed a chunk
+    at a time, twice (hashed, then put into the store), so a corpus larger than
     memory prepares in a chunk's worth of it; its chunks, manifest and root are those
     `load_corpus` makes of the same file (tests/test_stored_corpus.py). Anything else is read
     whole (`load_corpus`)."""
-    path = Path(cfg.source)
-    if not _is_bin(cfg.source):
+    path = _bin_source(cfg)
+    if path is None:
         corpus = load_corpus(cfg, vocab_size, ctx)
         return PreparedCorpus(corpus.root, corpus.manifest(), corpus.tokenizer_json, lambda: iter(corpus.chunks))
-    if cfg.eos:
-        raise DataError(f"data.eos is for text sources that data.tokenizer tokenizes; {path} is a token .bin already")
     tokenizer_json = read_tokenizer(cfg, vocab_size)
     dtype = np.dtype(cfg.bin_dtype)
     size = path.stat().st_size if not cfg.max_bytes else min(path.stat().st_size, cfg.max_bytes)
@@ -368,8 +381,7 @@ def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus
         if whole:
             top = max(top, int(np.frombuffer(data[:whole], dtype=dtype).max()))
         carry = data[whole:]
-    if top >= vocab_size:
-        raise DataError(f"token .bin has token id {top} >= model.vocab_size {vocab_size}")
+    check_ids("bin", top, vocab_size)
     root = merkle_root([bytes.fromhex(h) for h in hashes]).hex()
     manifest = corpus_manifest("bin", str(dtype), cfg.chunk_bytes, cfg.eval_fraction, hashes, root, size // dtype.itemsize)
     return PreparedCorpus(root, manifest, tokenizer_json, chunks)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .data import DataError, load_tokenizer
 from .export import ExportError, Opened, open_round
 from .model import model_from
 from .store import StoreError
@@ -33,13 +34,9 @@ def _codec(opened: Opened):
         return (lambda text: list(text.encode("utf-8")),
                 lambda ids: bytes(ids).decode("utf-8", errors="replace"))
     try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ExportError("the run was tokenized: sampling needs the tokenizers package (pip install 'veriloco[hf]')") from None
-    try:
-        tok = Tokenizer.from_str(tokenizer.decode("utf-8"))
-    except Exception as e:  # the library raises its own exception type for any bad file
-        raise ExportError(f"the run's tokenizer does not load: {str(e).splitlines()[0][:120]}") from None
+        tok = load_tokenizer(tokenizer, what="the run's tokenizer")
+    except DataError as e:
+        raise ExportError(str(e)) from None
     return (lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids))
 
 

@@ -8,17 +8,21 @@ processes this project spawns itself (never to or from a peer).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from .config import Config
-from .data import Corpus, batch, corpus_from_raw, eval_batches
+from .data import Corpus, batch, check_ids, corpus_from_raw, dtype_of, eval_batches, eval_start_of
+from .ledger.merkle import root as merkle_root
 from .model import build_model, lm_loss, load_params, model_from
 from .store import LocalStore, StoreError
 
@@ -111,8 +115,6 @@ def _gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 
 def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> Corpus:
     """Rebuild the corpus from the run's store, checking every chunk and the Merkle root."""
-    import json
-
     man = json.loads(store.get(manifest_digest, max_bytes=64 << 20))
     raw = b"".join(store.get(h) for h in man["chunks"])
     corpus = corpus_from_raw(raw, man["kind"], cfg.data, cfg.model.vocab_size, cfg.model.ctx)
@@ -131,21 +133,11 @@ class StoredCorpus:
     `data.eval_batches` read, as of a `Corpus`; the batches are the same tokens bit for bit."""
 
     def __init__(self, store: LocalStore, manifest_digest: str, cfg: Config, cache_chunks: int = 256) -> None:
-        import json
-        from collections import OrderedDict
-
-        import numpy as np
-
-        from .data import KINDS, TOKENIZED_DTYPE, DataError, eval_start_of
-        from .ledger.merkle import root as merkle_root
-
         raw = store.get(manifest_digest, max_bytes=64 << 20)
         try:
             man = json.loads(raw)
             kind, chunks, n, root = man["kind"], list(man["chunks"]), int(man["tokens"]), man["root"]
-            if kind not in KINDS:
-                raise DataError(f"corpus kind {kind!r:.40} is not one of {', '.join(KINDS)}")
-            self.dtype = np.dtype("uint8" if kind == "text" else TOKENIZED_DTYPE if kind == "tokenized" else cfg.data.bin_dtype)
+            self.dtype = dtype_of(kind, cfg.data.bin_dtype)
             if merkle_root([bytes.fromhex(h) for h in chunks]).hex() != root:
                 raise StoreError(f"corpus root {root!r:.80} is not the root of the manifest's chunk hashes")
         except (KeyError, TypeError, ValueError) as e:
@@ -155,8 +147,7 @@ class StoredCorpus:
         if not chunks or not (len(chunks) - 1) * self.chunk_bytes < self.size <= len(chunks) * self.chunk_bytes:
             raise StoreError(f"corpus manifest {manifest_digest}: {n} tokens do not fill {len(chunks)} chunks of "
                              f"{self.chunk_bytes} bytes")
-        if kind == "text" and cfg.model.vocab_size < 256:
-            raise DataError(f"a byte-level corpus needs model.vocab_size >= 256, got {cfg.model.vocab_size}")
+        check_ids(kind, None, cfg.model.vocab_size)
         self.tokens = _ChunkedTokens(self, n)
         self.eval_start = eval_start_of(n, cfg.data.eval_fraction, cfg.model.ctx)
         self._cache: OrderedDict[int, bytes] = OrderedDict()
@@ -167,18 +158,13 @@ class StoredCorpus:
         """Read every chunk once (each checked against its hash as it is read; at most the cache
         held at a time) and check that every token id is below `vocab_size`: what the audit
         checks of the whole corpus without holding it."""
-        from .data import DataError
-
         if self.kind == "text":  # bytes: every id < 256 <= vocab_size (checked on opening)
             for i in range(len(self.chunk_hashes)):
                 self.chunk(i)
             return
         step = max(1, self.chunk_bytes // self.dtype.itemsize) * 16
         for a in range(0, len(self.tokens), step):
-            top = int(self.tokens[a:a + step].max())
-            if top >= vocab_size:
-                what = "token .bin" if self.kind == "bin" else "tokenized corpus"
-                raise DataError(f"{what} has token id {top} >= model.vocab_size {vocab_size}")
+            check_ids(self.kind, int(self.tokens[a:a + step].max()), vocab_size)
 
     def chunk(self, i: int) -> bytes:
         """Chunk `i`, checked against its hash (and its length) when read; kept in a small LRU."""
@@ -206,9 +192,7 @@ class _ChunkedTokens:
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, s: slice):
-        import numpy as np
-
+    def __getitem__(self, s: slice) -> np.ndarray:
         start, stop, step = s.indices(self.n)
         if step != 1:
             raise ValueError("StoredCorpus.tokens takes contiguous slices only")
@@ -230,8 +214,6 @@ class StoredParams(Mapping[str, torch.Tensor]):
     (safetensors' own `safe_open` maps the file, and every tensor read stays resident)."""
 
     def __init__(self, store: LocalStore, digest: str) -> None:
-        import json
-
         self._path = store.verified_path(digest)
         with self._path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
