@@ -58,7 +58,8 @@ class ModelConfig:
     tie: bool = _f(
         False,
         "the output head is the token embedding, one matrix (weight tying: GPT-2's, transformers' "
-        "tie_word_embeddings); needs topology.stages = 1",
+        "tie_word_embeddings); with topology.stages > 1 the first stage owns it and the last stage's "
+        "head uses a copy sent each step, its gradient sent back",
     )
     checkpoint: bool = _f(
         False,
@@ -511,8 +512,6 @@ def validate(cfg: Config) -> None:
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.batch_size % t.grad_accum == 0,
          f"train.batch_size ({t.batch_size}) must split into train.grad_accum ({t.grad_accum}) equal parts")
-    need(not m.tie or cfg.topology.stages == 1,
-         "model.tie needs topology.stages = 1 (the embedding is on the first stage, the head on the last)")
     need(t.grad_accum == 1 or cfg.topology.stages == 1,
          "train.grad_accum needs topology.stages = 1 (with stages, topology.microbatches splits a step)")
     need(0 <= t.round_warmup_steps <= t.inner_steps,

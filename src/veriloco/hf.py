@@ -148,6 +148,13 @@ class HFCausalLM(nn.Module):
             self.model.embed_tokens = None
         if not head:
             self.model.norm = self.lm_head = None
+        if self.cfg.tie and head and not embed:
+            from .model import head_copy
+
+            head_copy(self.lm_head)
+
+    def token_embedding(self) -> nn.Module | None:
+        return self.model.embed_tokens
 
     def retie(self) -> None:
         """`[model] tie`: the head's weight is the embedding's (`model.embed_tokens.weight`), as

@@ -98,6 +98,11 @@ class GPT(nn.Module):
             self.tok_emb = self.pos_emb = None
         if not head:
             self.ln_f = self.lm_head = None
+        if self.cfg.tie and head and not embed:
+            head_copy(self.lm_head)
+
+    def token_embedding(self) -> nn.Embedding | None:
+        return self.tok_emb
 
     def reset_buffers(self, device: torch.device | str) -> None:
         """The GPT holds no buffers (`model_from` calls this on every model it materialises)."""
@@ -112,6 +117,34 @@ class GPT(nn.Module):
         if self.lm_head is not None:
             x = self.lm_head(self.ln_f(x))
         return x
+
+
+def embedding_name(cfg: ModelConfig) -> str:
+    """The token embedding's parameter name (a tied model's head is named by it)."""
+    return "tok_emb.weight" if cfg.arch == "gpt" else "model.embed_tokens.weight"
+
+
+def head_copy(head: nn.Linear) -> None:
+    """`[model] tie` cut into pipeline stages: the last stage's head weight becomes a copy of the
+    first stage's embedding, held as a buffer (not a parameter, so not in the stage's deltas,
+    packets, checkpoints, optimizer or trace: the first stage owns the tensor). The pipeline
+    refreshes the copy before every step and eval and returns its gradient to the first stage,
+    which adds it to the embedding's (pipeline.TiedEnds); Megatron-LM ties across stages alike."""
+    weight = head.weight
+    del head.weight
+    head.register_buffer("weight", weight.detach().clone(), persistent=False)
+
+
+def tied_ends(model: nn.Module) -> tuple[nn.Parameter | None, torch.Tensor | None]:
+    """(the token embedding's weight, when `model` is the first stage of a tied model cut into
+    stages; the head's copy of it (`head_copy`), when it is the last stage). (None, None) for an
+    untied model, a middle stage, or the whole model (whose head is the embedding itself)."""
+    if not model.cfg.tie:
+        return None, None
+    embedding, head = model.token_embedding(), model.lm_head
+    if embedding is not None and head is not None:
+        return None, None
+    return (embedding.weight if embedding is not None else None), (head.weight if head is not None else None)
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
@@ -167,10 +200,14 @@ def build_meta(cfg: ModelConfig) -> nn.Module:
 
 
 def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
-    """Copy `params` (by name; a superset is fine) into `model`'s parameters, across devices."""
+    """Copy `params` (by name; a superset is fine) into `model`'s parameters, across devices; a
+    tied last stage's head copy (`head_copy`) from the embedding, when `params` holds it."""
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(params[k])
+        _, copy = tied_ends(model)
+        if copy is not None and embedding_name(model.cfg) in params:
+            copy.copy_(params[embedding_name(model.cfg)])
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from .config import TrainConfig
 from .inner import BatchFn, InnerLoop, InnerResult, Landing, lr_at, run_steps
-from .model import lm_loss
+from .model import lm_loss, tied_ends
 
+TIE_TAG = 17  # TiedEnds' messages, apart from the schedule's own (tag 0) between the same ranks
 OutputLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage output, targets)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -117,6 +118,49 @@ def _clip(cfg: TrainConfig, grads: list[torch.Tensor], stage_sq: list[float]) ->
             g.mul_(torch.tensor(coef, dtype=g.dtype))
 
 
+class TiedEnds:
+    """`[model] tie` across a worker's pipeline (Megatron-LM ties its embedding across stages
+    alike). The first stage owns the token embedding; the last stage's head holds a copy of it
+    (`model.head_copy`), which is no parameter of that stage. Before every step and eval the first
+    stage sends the embedding to the last (`refresh`); after every backward the last sends the
+    copy's gradient back (`return_grad`), divided by the micro-batches as the schedule divides the
+    parameters' gradients, and the first adds it to the embedding's gradient, before the
+    global-norm clip and the step. So the embedding's gradient is the tied model's (the
+    embedding's own plus the head's), one optimizer steps it, and its deltas, packets, checkpoints
+    and trace name it once, on the first stage. One message each way per step, the embedding's
+    size, between the worker's first and last stage; middle stages and untied models do nothing."""
+
+    def __init__(self, model: nn.Module, stages: int, group: dist.ProcessGroup) -> None:
+        self.embedding, self.copy = tied_ends(model)
+        self.stages, self.group = stages, group
+        if self.copy is not None:
+            self.copy.requires_grad_(True)  # the head's gradient is the copy's
+
+    def refresh(self) -> None:
+        if self.embedding is not None:
+            dist.send(self.embedding.detach(), group=self.group, group_dst=self.stages - 1, tag=TIE_TAG)
+        if self.copy is not None:
+            dist.recv(self.copy.detach(), group=self.group, group_src=0, tag=TIE_TAG)
+
+    def return_grad(self, microbatches: int) -> None:
+        if self.copy is not None:
+            dist.send(_take_grad(self.copy, microbatches), group=self.group, group_dst=0, tag=TIE_TAG)
+        if self.embedding is not None:
+            head = torch.empty_like(self.embedding)
+            dist.recv(head, group=self.group, group_src=self.stages - 1, tag=TIE_TAG)
+            self.embedding.grad.add_(head)
+
+
+def _take_grad(copy: torch.Tensor, microbatches: int) -> torch.Tensor:
+    """The head copy's gradient over the step's micro-batches, divided as `scale_grads` divides a
+    parameter's; the copy is left without one for the next step."""
+    grad = copy.grad
+    copy.grad = None
+    if microbatches != 1:
+        grad.div_(microbatches)
+    return grad
+
+
 def combine_stage_hashes(stage_hashes: list[str]) -> str:
     """One worker-wide trace entry from the per-stage state hashes, in stage order."""
     return hashlib.sha256(b"".join(bytes.fromhex(h) for h in stage_hashes)).hexdigest()
@@ -158,6 +202,7 @@ class PipelineInnerLoop(InnerLoop):
         self.stage, self.stages, self.group = stage, stages, group
         self.microbatches, self.schedule, self.device = microbatches, schedule, torch.device(device)
         self.sched = _make_schedule(model, stage, stages, group, schedule, microbatches, loss_fn, self.device)
+        self.tie = TiedEnds(model, stages, group)
 
     @property
     def is_last(self) -> bool:
@@ -171,8 +216,10 @@ class PipelineInnerLoop(InnerLoop):
             g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
         mb_losses: list[torch.Tensor] = []
+        self.tie.refresh()
         _pipe_step(self.sched, self.stage, self.stages, x.to(self.device), y.to(self.device), mb_losses,
                    forward_only=False)
+        self.tie.return_grad(self.microbatches)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         sq = _squared_norm(grads, self.device)
         loss = _step_loss(mb_losses) if self.is_last else torch.zeros_like(sq)
@@ -236,6 +283,9 @@ class EmulatedPipeline:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.models, self.cfg, self.microbatches, self.loss_fn = stage_models, cfg, microbatches, loss_fn
         self.loops = [InnerLoop(m, cfg, total_steps, None) for m in stage_models]  # each slice's AdamW
+        self.embedding, self.copy = tied_ends(stage_models[0])[0], tied_ends(stage_models[-1])[1]  # TiedEnds, in one process
+        if self.copy is not None:
+            self.copy.requires_grad_(True)
 
     # the LR schedule's clock, the same on every stage's loop: read from the first, set on all
     step_count = _EveryLoop()
@@ -253,6 +303,7 @@ class EmulatedPipeline:
             for g in loop.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, loop.step_count, loop.total_steps, loop.round_start)
             loop.opt.zero_grad(set_to_none=True)
+        self._refresh()
         mb_losses = []
         for xm, ym in zip(torch.tensor_split(x, self.microbatches), torch.tensor_split(y, self.microbatches),
                           strict=True):
@@ -272,12 +323,20 @@ class EmulatedPipeline:
         if self.microbatches != 1:  # scale_grads: a division, as the pipeline's stage does it
             for g in (g for gs in grads for g in gs):
                 g.div_(self.microbatches)
+        if self.copy is not None:  # TiedEnds.return_grad
+            self.embedding.grad.add_(_take_grad(self.copy, self.microbatches))
         stage_sq = [float(_squared_norm(gs, torch.device("cpu"))) for gs in grads]
         for loop, gs in zip(self.loops, grads, strict=True):
             _clip(self.cfg, gs, stage_sq)
             loop.opt.step()
             loop.step_count += 1
         return float(_step_loss(mb_losses))
+
+    def _refresh(self) -> None:
+        """TiedEnds.refresh: the last stage's head copy := the first stage's embedding."""
+        if self.copy is not None:
+            with torch.no_grad():
+                self.copy.copy_(self.embedding)
 
     def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
         """As `PipelineInnerLoop.run`: worker-wide trace entries every trace_every steps."""
@@ -298,6 +357,7 @@ class EmulatedPipeline:
         """`pipeline_eval_loss` of the stages' params, with the same arithmetic: per batch, the
         mean of the micro-batch losses, weighted by the batch's target tokens."""
         total = torch.zeros(2, dtype=torch.float64)  # [sum of loss * tokens, tokens]
+        self._refresh()
         with torch.no_grad():
             for x, y in batches:
                 _check_split(y.shape[0], self.microbatches)
@@ -323,9 +383,11 @@ class PipelineEval:
         self.group, self.stage, self.stages, self.microbatches = worker_group, stage, stages, microbatches
         self.device = torch.device(device)
         self.sched = _make_schedule(stage_model, stage, stages, worker_group, "gpipe", microbatches, loss_fn, self.device)
+        self.tie = TiedEnds(stage_model, stages, worker_group)
 
     def __call__(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of loss * tokens, tokens]
+        self.tie.refresh()
         with torch.no_grad():
             for x, y in batches:
                 _check_split(y.shape[0], self.microbatches)
@@ -356,4 +418,4 @@ def pipeline_eval_loss(
                         loss_fn=loss_fn, device=device)(batches)
 
 
-__all__ = ["EmulatedPipeline", "PipelineEval", "PipelineInnerLoop", "pipeline_eval_loss", "combine_stage_hashes", "SCHEDULES"]
+__all__ = ["EmulatedPipeline", "PipelineEval", "PipelineInnerLoop", "TiedEnds", "pipeline_eval_loss", "combine_stage_hashes", "SCHEDULES"]

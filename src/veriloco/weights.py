@@ -10,8 +10,9 @@ export` directory, or a transformers model directory, sharded or not). When the 
   without changing a shape (rope_theta, rms_norm_eps, head_dim, a rope scaling, the
   architecture) equal to `[model]`'s, one line naming each field to set; for the GPT, a
   `veriloco export`'s `model.json` likewise (n_head, which no shape shows);
-- a checkpoint with tied embeddings (no `lm_head.weight`) gets a copy of the embedding as its
-  head: veriloco's models do not tie, so from there on the two train apart.
+- a checkpoint with tied embeddings (no `lm_head.weight`) stays tied with `[model] tie`; without
+  it, the head becomes a copy of the embedding and from there on the two train apart. A
+  checkpoint with a head of its own under `[model] tie` is one line.
 
 The weights, as float32 under the model's names, become one canonical safetensors blob in the run's
 store; the manifest names it (`init`) and its model-init hash is the hash of those params, so
@@ -31,6 +32,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from .config import ConfigError, ModelConfig
+from .model import embedding_name
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved beside the weights
 
@@ -124,7 +126,7 @@ def read_init(m: ModelConfig, model: nn.Module) -> dict[str, torch.Tensor]:
     for name in [k for k in found if k.endswith(IGNORED_SUFFIXES)]:
         del found[name]
     expected = dict(model.named_parameters())
-    embedding = "tok_emb.weight" if m.arch == "gpt" else "model.embed_tokens.weight"
+    embedding = embedding_name(m)
     if m.tie and "lm_head.weight" in found and embedding in found:  # [model] tie: the head is the embedding
         if not torch.equal(found["lm_head.weight"], found[embedding]):
             raise ConfigError(f"model.init: {path} has a head of its own (lm_head.weight is not its embedding): "
