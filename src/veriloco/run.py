@@ -7,7 +7,9 @@ reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment torchru
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
 import sys
 import traceback
@@ -18,15 +20,15 @@ import torch.distributed as dist
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
 from .data import prepare_corpus
-from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
+from .hashing import canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_meta, build_model
 from .procs import start_workers
 from .records import RunDir, RunDirError
 from .round import init_distributed, state_history, train_worker
-from .store import LocalStore, run_ref
+from .store import LocalStore, StagedBlob, run_ref
 from .task import CorpusTask, Task, initial_digest
-from .weights import init_blob, read_init
+from .weights import read_init, write_initial
 
 
 def admitted_keys(cfg: Config) -> dict[str, str]:
@@ -52,40 +54,57 @@ def free_port() -> int:
 
 
 def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
-    """Load the corpus into the run's store, write the manifest; the run id is its hash."""
+    """Load the corpus into the run's store, write the manifest; the run id is its hash. G_0 is
+    written into the store one tensor at a time (from `[model] init`'s files, read a tensor at a
+    time, or from the seed's model), so this holds at most the model, never its bytes beside it."""
     corpus = prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
-    if cfg.model.init:  # start from weights on disk: read and checked once
+    if cfg.model.init:  # start from weights on disk: checked from their headers, read a tensor at a time
         initial = read_init(cfg.model, build_meta(cfg.model))
     else:
         initial = {k: p.detach() for k, p in build_model(cfg.model, cfg.run.seed).named_parameters()}
-    g0 = init_blob(initial)  # G_0, kept in the store: workers and stages read it (a stage its slice) instead of building it
-    manifest = {
-        "config": cfg.to_dict(),
-        "corpus_root": corpus.root,
-        "model_init_hash": tensors_hash(initial),
-        "initial_params": sha256_hex(g0),
-        "code_version": __version__,
-        "worker_keys": admitted_keys(cfg),
-    }
-    if cfg.model.arch != "gpt":  # its forward is transformers' code: replays reproduce under the same version
-        manifest["transformers_version"] = transformers_version()
-    if corpus.tokenizer_json is not None:  # what made the committed tokens (put into the store below)
-        manifest["tokenizer"] = sha256_hex(corpus.tokenizer_json)
-    if cfg.model.init:
-        manifest["init"] = manifest["initial_params"]  # G_0 is weights from disk, not the seed's
-    run_id = json_hash(manifest)
-    run = RunDir(out or Path("runs") / run_id[:16])
-    if run.rounds_path.exists() and run.rounds():
-        raise RunDirError(f"{run.root} already holds a run; use --resume {run.root} or another --out")
-    store = LocalStore(run.store_dir)
-    store.put(canonical_json(manifest))  # named by its hash, the run id: a store says which runs it holds
-    corpus.put_chunks(store.put)
-    for blob in (corpus.tokenizer_json, g0):
-        if blob is not None:
-            store.put(blob)
-    manifest["corpus_manifest"] = store.put(corpus.manifest_bytes())
-    manifest["run_id"] = run_id
-    run.write_manifest(manifest)
+    home = Path(out).parent if out else Path("runs")  # G_0 is staged beside the run directory it will name
+    made = [d for d in (home, *home.parents) if not d.exists()]
+    home.mkdir(parents=True, exist_ok=True)
+    run = None
+    try:
+        with StagedBlob(home) as g0:
+            init_hash = write_initial(g0, initial)  # G_0, kept in the store: workers and stages read it (a stage its slice)
+            del initial
+            manifest = {
+                "config": cfg.to_dict(),
+                "corpus_root": corpus.root,
+                "model_init_hash": init_hash,
+                "initial_params": g0.close(),
+                "code_version": __version__,
+                "worker_keys": admitted_keys(cfg),
+            }
+            if cfg.model.arch != "gpt":  # its forward is transformers' code: replays reproduce under the same version
+                manifest["transformers_version"] = transformers_version()
+            if corpus.tokenizer_json is not None:  # what made the committed tokens (put into the store below)
+                manifest["tokenizer"] = sha256_hex(corpus.tokenizer_json)
+            if cfg.model.init:
+                manifest["init"] = manifest["initial_params"]  # G_0 is weights from disk, not the seed's
+            run_id = json_hash(manifest)
+            run = RunDir(out or home / run_id[:16])
+            if run.rounds_path.exists() and run.rounds():
+                raise RunDirError(f"{run.root} already holds a run; use --resume {run.root} or another --out")
+            made += [run.root] if not run.root.exists() else []
+            store = LocalStore(run.store_dir)
+            store.put(canonical_json(manifest))  # named by its hash, the run id: a store says which runs it holds
+            corpus.put_chunks(store.put)
+            if corpus.tokenizer_json is not None:
+                store.put(corpus.tokenizer_json)
+            store.adopt(g0)
+        manifest["corpus_manifest"] = store.put(corpus.manifest_bytes())
+        manifest["run_id"] = run_id
+        run.write_manifest(manifest)
+    except BaseException:  # nothing half-written: a run directory this made goes, and the directories made for it
+        if run is not None and run.root in made:
+            shutil.rmtree(run.root, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest["initial_params"])
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,37 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class StagedBlob:
+    """A blob written as a stream to a private temporary file in `directory`, hashed as it is
+    written, for a store that does not exist yet (run.prepare_run writes G_0 before the run id,
+    which names the run directory, is known); `LocalStore.adopt` moves it in. As a context
+    manager, a blob that was not adopted is deleted on the way out."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-blob-")  # created 0600
+        self.path, self._f, self._h, self.digest = Path(tmp), os.fdopen(fd, "wb"), hashlib.sha256(), ""
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._h.update(data)
+        return self._f.write(data)
+
+    def close(self) -> str:
+        """Flush and fsync the file; its sha256."""
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            self.digest = self._h.hexdigest()
+        return self.digest
+
+    def __enter__(self) -> StagedBlob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+        self.path.unlink(missing_ok=True)
 
 
 class StoreError(Exception):
@@ -137,6 +169,18 @@ class LocalStore:
     def path_of(self, digest: str) -> Path:
         """Where blob `digest` lives on disk (for tests and tools that corrupt it on purpose)."""
         return self._path(digest)
+
+    def adopt(self, blob: StagedBlob) -> str:
+        """Move a `StagedBlob` in under its digest (a rename within one filesystem); return it."""
+        digest = blob.close()
+        path = self._path(digest)
+        if path.exists():
+            blob.path.unlink()
+            return digest
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(blob.path, 0o644)
+        shutil.move(blob.path, path)  # os.rename where it can, a copy across filesystems
+        return digest
 
     def put_ref(self, name: str, data: bytes) -> None:
         """Point ref `name` at `data` (atomically replacing what it held)."""

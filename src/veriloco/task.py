@@ -9,10 +9,9 @@ processes this project spawns itself (never to or from a peer).
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from .data import Corpus, batch, check_ids, corpus_from_raw, dtype_of, eval_batc
 from .ledger.merkle import root as merkle_root
 from .model import build_model, lm_loss, load_params, model_from
 from .store import LocalStore, StoreError
+from .tensorfile import FLOATS, TensorFile
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -203,58 +203,24 @@ class _ChunkedTokens:
         return np.frombuffer(b"".join(parts), dtype=c.dtype)
 
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-
-
-class StoredParams(Mapping[str, torch.Tensor]):
+class StoredParams(TensorFile):
     """The tensors of a safetensors blob in a local store, each read from the file when asked for
     (a stored G_0: a pipeline stage reads its slice and no more; `model.model_from`). The blob's
-    hash is checked, as a stream, when it is opened, and its header is validated; a tensor is
-    read with plain file reads, not a memory map, so a process holds only the tensors it asked for
-    (safetensors' own `safe_open` maps the file, and every tensor read stays resident)."""
+    hash is checked, as a stream, when it is opened, and its header is validated (float dtypes
+    only); a tensor is read with plain file reads, not a memory map, so a process holds only the
+    tensors it asked for (tensorfile.TensorFile). StoreError, one line, for anything amiss."""
 
     def __init__(self, store: LocalStore, digest: str) -> None:
-        self._path = store.verified_path(digest)
-        with self._path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or not 2 <= n <= min(size - 8, 64 << 20):
-                raise StoreError(f"blob {digest} is not a safetensors file: its header length is {n}")
-            try:
-                header = json.loads(f.read(n))
-            except (ValueError, UnicodeDecodeError):
-                raise StoreError(f"blob {digest} is not a safetensors file: its header is not JSON") from None
-        if not isinstance(header, dict):
-            raise StoreError(f"blob {digest} is not a safetensors file: its header is not an object")
-        data = size - 8 - n
-        self._index: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype, shape, (begin, end) = _DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
-                ok = (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(begin, int) and isinstance(end, int)
-                      and 0 <= begin <= end <= data and end - begin == math.prod(shape) * dtype.itemsize)
-            except (KeyError, TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise StoreError(f"blob {digest} is not a safetensors file veriloco reads: tensor {name!r:.60} is malformed")
-            self._index[name] = (dtype, shape, 8 + n + begin, end - begin)
+        try:
+            super().__init__(store.verified_path(digest), f"blob {digest}", FLOATS)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        dtype, shape, offset, nbytes = self._index[name]
-        buf = bytearray(nbytes)
-        with self._path.open("rb") as f:
-            f.seek(offset)
-            if f.readinto(buf) != nbytes:
-                raise StoreError(f"{self._path}: tensor {name} is cut short")
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._index))
-
-    def __len__(self) -> int:
-        return len(self._index)
+        try:
+            return super().__getitem__(name)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
 
 
 def initial_digest(manifest: dict) -> str | None:

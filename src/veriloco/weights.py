@@ -22,17 +22,19 @@ the run id covers them. Workers, the DDP baseline and the audit start from that 
 
 from __future__ import annotations
 
+import io
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-from safetensors.torch import save as st_save
 from torch import nn
 
 from .config import ConfigError, ModelConfig
+from .hashing import TensorsHasher
 from .model import embedding_name
+from .tensorfile import TensorFile, write_tensors
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved beside the weights
 
@@ -88,9 +90,10 @@ def _hf_settings(m: ModelConfig, config: dict) -> list[str]:
     return out
 
 
-def read_init(m: ModelConfig, model: nn.Module) -> dict[str, torch.Tensor]:
+def read_init(m: ModelConfig, model: nn.Module) -> InitParams:
     """The weights `[model] init` names, checked against `model` (the full model `[model]`
-    builds), as float32 under its parameter names. ConfigError (one line) for anything amiss."""
+    builds; its meta structure is enough) from the files' headers, as float32 under its parameter
+    names, each read when asked for (`InitParams`). ConfigError (one line) for anything amiss."""
     path = Path(m.init)
     files = _files(path)
     # the settings beside the weights: transformers' config.json, or a veriloco export's model.json (the GPT)
@@ -113,44 +116,95 @@ def read_init(m: ModelConfig, model: nn.Module) -> dict[str, torch.Tensor]:
                 raise ConfigError(f"model.init: {beside} has a setting veriloco cannot read: {str(e)[:80]}") from None
         if wrong:
             raise ConfigError(f"model.init: {beside}: {'; '.join(wrong)}")
-    found: dict[str, torch.Tensor] = {}
+    found: dict[str, tuple[TensorFile, str]] = {}  # name -> the file holding it, and its name there
     for f in files:
         try:
-            tensors = load_file(str(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ConfigError(f"model.init: {f} is not a safetensors file: {str(e).splitlines()[0][:100]}") from None
-        twice = sorted(set(tensors) & set(found))
+            tensors = TensorFile(f, str(f))  # the header now, each tensor when it is read
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.init: {str(e).splitlines()[0][:200]}") from None
+        twice = sorted(set(tensors.index) & set(found))
         if twice:
             raise ConfigError(f"model.init: {twice[0]} is in {f.name} and in another file")
-        found.update(tensors)
+        found.update((k, (tensors, k)) for k in tensors.index)
     for name in [k for k in found if k.endswith(IGNORED_SUFFIXES)]:
         del found[name]
-    expected = dict(model.named_parameters())
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     embedding = embedding_name(m)
     if m.tie and "lm_head.weight" in found and embedding in found:  # [model] tie: the head is the embedding
-        if not torch.equal(found["lm_head.weight"], found[embedding]):
+        if not torch.equal(_read(found["lm_head.weight"]), _read(found[embedding])):
             raise ConfigError(f"model.init: {path} has a head of its own (lm_head.weight is not its embedding): "
                               "set model.tie = false")
         del found["lm_head.weight"]  # a tied model's export writes the head too (GPT): the same matrix
     if "lm_head.weight" in expected and "lm_head.weight" not in found and embedding in found:
-        found["lm_head.weight"] = found[embedding].clone()  # tied embeddings, model.tie = false: untied from here on
+        found["lm_head.weight"] = found[embedding]  # tied embeddings, model.tie = false: untied from here on
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if missing or extra:
         what = [f"{word} {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
                 for word, names in (("missing", missing), ("unexpected", extra)) if names]
         raise ConfigError(f"model.init: {path} does not hold this [model]'s parameters: {'; '.join(what)}")
-    for name, p in expected.items():
-        if tuple(found[name].shape) != tuple(p.shape):
-            raise ConfigError(f"model.init: {name} has shape {tuple(found[name].shape)}, this [model] makes "
-                              f"{tuple(p.shape)}: set [model] to the checkpoint's sizes")
-        if not found[name].is_floating_point():
-            raise ConfigError(f"model.init: {name} is {found[name].dtype}, not a float tensor")
-    return {name: found[name].to(torch.float32).contiguous() for name in expected}
+    for name, shape in expected.items():
+        file, key = found[name]
+        dtype, theirs = file.index[key][:2]
+        if theirs != shape:
+            raise ConfigError(f"model.init: {name} has shape {theirs}, this [model] makes "
+                              f"{shape}: set [model] to the checkpoint's sizes")
+        if not dtype.is_floating_point:
+            raise ConfigError(f"model.init: {name} is {dtype}, not a float tensor")
+    return InitParams({name: found[name] for name in expected}, expected)
 
 
-def init_blob(params: dict[str, torch.Tensor]) -> bytes:
-    """The canonical safetensors bytes of `params` (sorted names, no metadata): what the store keeps."""
-    return st_save({k: params[k].contiguous() for k in sorted(params)})
+def _read(where: tuple[TensorFile, str]) -> torch.Tensor:
+    file, key = where
+    try:
+        return file[key]
+    except (OSError, ValueError) as e:  # the file changed since its header was read
+        raise ConfigError(f"model.init: {str(e).splitlines()[0][:200]}") from None
 
 
-__all__ = ["init_blob", "read_init"]
+class InitParams(Mapping[str, torch.Tensor]):
+    """The `[model] init` weights under the model's names, each read from its file as float32
+    when asked for (`read_init`): nothing is held, so run.prepare_run writes G_0 from a
+    checkpoint holding one tensor at a time. A tied checkpoint's head, untied, is read from the
+    embedding."""
+
+    def __init__(self, sources: dict[str, tuple[TensorFile, str]], shapes: dict[str, tuple[int, ...]]) -> None:
+        self._sources, self._shapes = sources, shapes
+
+    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: (torch.float32, shape) for name, shape in self._shapes.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _read(self._sources[name]).to(torch.float32).contiguous()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+def write_initial(f: BinaryIO, params: Mapping[str, torch.Tensor]) -> str:
+    """Write G_0's canonical blob (`init_blob`'s bytes) to `f`, reading one tensor of `params` at a
+    time (an `InitParams` or a model's params); returns the model-init hash, `tensors_hash(params)`,
+    computed on the way."""
+    layout = params.layout() if isinstance(params, InitParams) else {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
+    hasher = TensorsHasher()
+
+    def tensor_of(name: str) -> torch.Tensor:
+        t = params[name]
+        hasher.add(name, t)
+        return t
+
+    write_tensors(f, layout, tensor_of)
+    return hasher.hexdigest()
+
+
+def init_blob(params: Mapping[str, torch.Tensor]) -> bytes:
+    """The canonical safetensors bytes of `params` (sorted names, float32, no metadata): what the
+    store keeps as G_0. The same bytes as `safetensors.torch.save` (tests/test_tensorfile.py)."""
+    out = io.BytesIO()
+    write_initial(out, params)
+    return out.getvalue()
+
+
+__all__ = ["InitParams", "init_blob", "read_init", "write_initial"]

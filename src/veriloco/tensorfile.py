@@ -1,0 +1,115 @@
+"""safetensors files a tensor at a time: read (`TensorFile`) and written (`write_tensors`).
+
+A model's weights are the largest thing veriloco reads and writes: a 7B checkpoint is 14 GB in
+bf16 and its G_0 28 GB in fp32. `safetensors.torch.load_file` and `save` hold the whole file (and
+`save` its bytes beside the tensors), and `safe_open` maps the file, so every tensor read stays
+resident. Here a tensor is read with plain file reads when asked for, and the canonical G_0 blob
+is written one tensor at a time, so a reader or writer holds one tensor, not the model:
+
+- `TensorFile(path, label)`: the header is validated when the file is opened (the length, JSON,
+  every entry's dtype, shape and offsets inside the data, its byte count equal to its shape's);
+  `file[name]` reads that tensor. A dtype outside `dtypes` is malformed.
+- `write_tensors(f, layout, tensor_of)`: the bytes `safetensors.torch.save(tensors)` makes for
+  tensors of one dtype and no metadata (tests/test_tensorfile.py checks it byte for byte), which
+  is what the store keeps as G_0 (`weights.init_blob`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPES = {**FLOATS, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+          "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MAX_HEADER = 64 << 20  # bytes; larger is not a file veriloco reads (the format caps it at 100 MB)
+
+Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]  # name -> (dtype, shape)
+
+
+class TensorFile(Mapping[str, torch.Tensor]):
+    """The tensors of a safetensors file, each read when asked for (module docstring). ValueError,
+    one line starting with `label`, for a file that is not one."""
+
+    def __init__(self, path: str | os.PathLike[str], label: str, dtypes: Mapping[str, torch.dtype] = DTYPES) -> None:
+        self.path, self.label = Path(path), label
+        with self.path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or not 2 <= n <= min(size - 8, MAX_HEADER):
+                raise ValueError(f"{label} is not a safetensors file: its header length is {n}")
+            try:
+                header = json.loads(f.read(n))
+            except (ValueError, UnicodeDecodeError):
+                raise ValueError(f"{label} is not a safetensors file: its header is not JSON") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{label} is not a safetensors file: its header is not an object")
+        data = size - 8 - n
+        self.index: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}  # name -> dtype, shape, offset, bytes
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = dtypes[entry["dtype"]], entry["shape"], entry["data_offsets"]
+                ok = (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                      and isinstance(begin, int) and isinstance(end, int)
+                      and 0 <= begin <= end <= data and end - begin == math.prod(shape) * dtype.itemsize)
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"{label} is not a safetensors file veriloco reads: tensor {name!r:.60} is malformed")
+            self.index[name] = (dtype, tuple(shape), 8 + n + begin, end - begin)
+
+    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """name -> (dtype, shape) of every tensor, from the header alone."""
+        return {k: (dtype, shape) for k, (dtype, shape, _, _) in self.index.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, shape, offset, nbytes = self.index[name]
+        buf = bytearray(nbytes)
+        with self.path.open("rb") as f:
+            f.seek(offset)
+            if f.readinto(buf) != nbytes:
+                raise ValueError(f"{self.label}: tensor {name} is cut short")
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.index))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.Tensor]) -> int:
+    """Write a safetensors file of the tensors `layout` names (one dtype for all) to `f`, asking
+    `tensor_of(name)` for each in turn, in name order; returns the bytes written. The bytes equal
+    `safetensors.torch.save` of the same tensors (no metadata)."""
+    dtypes = {dtype for dtype, _ in layout.values()}
+    if len(dtypes) > 1:  # safetensors orders mixed dtypes by its own enum; G_0 is all float32
+        raise ValueError(f"write_tensors takes one dtype, got {sorted(map(str, dtypes))}")
+    header, offset = {}, 0
+    for name in sorted(layout):
+        dtype, shape = layout[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(len(raw).to_bytes(8, "little") + raw)
+    for name in sorted(layout):
+        t = tensor_of(name).detach()
+        if (t.dtype, tuple(t.shape)) != layout[name]:
+            raise ValueError(f"tensor {name} is {t.dtype} {tuple(t.shape)}, the layout says {layout[name]}")
+        if t.numel():
+            f.write(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+    return 8 + len(raw) + offset
+
+
+__all__ = ["DTYPES", "FLOATS", "Layout", "TensorFile", "write_tensors"]

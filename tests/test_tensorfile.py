@@ -1,0 +1,129 @@
+"""safetensors a tensor at a time (tensorfile.py): the canonical G_0 blob written tensor by tensor
+is safetensors' own bytes, a file is read by header and tensor, and the prepare step writes G_0
+without holding it twice."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from conftest import tiny
+from safetensors.torch import save as st_save
+
+from veriloco.hashing import TensorsHasher, tensors_hash
+from veriloco.model import build_model
+from veriloco.store import LocalStore, StagedBlob
+from veriloco.tensorfile import TensorFile, write_tensors
+from veriloco.weights import init_blob, write_initial
+
+
+def _layout(tensors):
+    return {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_written_tensor_by_tensor_is_safetensors_own_bytes(dtype):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.w": torch.randn(3, 5, generator=g), "a": torch.randn(7, generator=g), "empty": torch.zeros(0, 4),
+               "z.scalar": torch.tensor(2.5), "m": torch.randn(2, 3, 4, generator=g)}
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    out, asked = io.BytesIO(), []
+    n = write_tensors(out, _layout(tensors), lambda k: asked.append(k) or tensors[k])
+    assert out.getvalue() == st_save(tensors) and n == len(out.getvalue())
+    assert asked == sorted(tensors)  # one at a time, in name order
+
+
+def test_a_models_g0_blob_and_hash_are_what_they_were():
+    cfg = tiny()
+    params = {k: p.detach() for k, p in build_model(cfg.model, cfg.run.seed).named_parameters()}
+    assert init_blob(params) == st_save({k: params[k].contiguous() for k in sorted(params)})
+    f = io.BytesIO()
+    assert write_initial(f, params) == tensors_hash(params)
+    h = TensorsHasher()
+    h.add("b", torch.ones(1))
+    with pytest.raises(ValueError, match="sorted order"):
+        h.add("a", torch.ones(1))
+
+
+def test_write_tensors_refuses_what_it_cannot_write_exactly():
+    with pytest.raises(ValueError, match="one dtype"):
+        write_tensors(io.BytesIO(), {"a": (torch.float32, (1,)), "b": (torch.float16, (1,))}, lambda k: None)
+    with pytest.raises(ValueError, match=r"tensor a is torch.float32 \(2,\), the layout says"):
+        write_tensors(io.BytesIO(), {"a": (torch.float32, (3,))}, lambda k: torch.ones(2))
+
+
+def test_a_file_is_read_by_header_then_tensor_by_tensor(tmp_path):
+    tensors = {"x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "i": torch.arange(3), "e": torch.zeros(0)}
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(st_save(tensors, metadata={"format": "pt"}))
+    f = TensorFile(path, "t")
+    assert sorted(f) == ["e", "i", "x"] and f.layout()["x"] == (torch.bfloat16, (2, 3))
+    assert all(torch.equal(f[k], v) for k, v in tensors.items())
+
+    def bad(header, data=b"\0" * 16):
+        raw = json.dumps(header).encode()
+        path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+        return TensorFile(path, "t")
+
+    with pytest.raises(ValueError, match="t is not a safetensors file: its header length is"):
+        path.write_bytes(b"short")
+        TensorFile(path, "t")
+    with pytest.raises(ValueError, match="its header is not an object"):
+        bad([1, 2])
+    for entry in ({"dtype": "F32", "shape": [5], "data_offsets": [0, 20]},  # past the end of the data
+                  {"dtype": "U16", "shape": [8], "data_offsets": [0, 16]},  # a dtype it does not read
+                  {"dtype": "F32", "shape": [2, -2], "data_offsets": [0, 16]},
+                  {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]},
+                  {"dtype": "F32", "shape": [4], "data_offsets": [0]}):
+        with pytest.raises(ValueError, match="tensor 'w' is malformed"):
+            bad({"w": entry})
+
+
+def test_a_staged_blob_is_adopted_whole_or_left_nowhere(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    with StagedBlob(tmp_path) as blob:
+        blob.write(b"abc")
+        blob.write(memoryview(b"def"))
+        digest = store.adopt(blob)
+    assert store.get(digest) == b"abcdef" and digest == store.put(b"abcdef")
+    assert [p.name for p in tmp_path.iterdir()] == ["store"]  # the staged file moved in
+    with StagedBlob(tmp_path) as again:  # already there: the staged copy is dropped
+        again.write(b"abcdef")
+        assert store.adopt(again) == digest
+    with pytest.raises(RuntimeError), StagedBlob(tmp_path) as lost:
+        lost.write(b"half")
+        raise RuntimeError("the writer failed")
+    assert [p.name for p in tmp_path.iterdir()] == ["store"]  # not adopted: gone
+
+
+def test_the_prepare_step_reads_an_init_checkpoint_a_tensor_at_a_time(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from veriloco.model import build_meta
+    from veriloco.run import prepare_run
+    from veriloco.task import StoredParams
+    from veriloco.weights import read_init
+
+    cfg = tiny()
+    theirs = {k: p.detach().to(torch.bfloat16) for k, p in build_model(cfg.model, 1).named_parameters()}
+    save_file(theirs, str(tmp_path / "model.safetensors"))
+    cfg = tiny(f"--model.init={tmp_path / 'model.safetensors'}")
+    reads = []
+    read = TensorFile.__getitem__
+    monkeypatch.setattr(TensorFile, "__getitem__", lambda self, k: reads.append(k) or read(self, k))
+    assert len(read_init(cfg.model, build_meta(cfg.model))) == len(theirs) and reads == []  # checked from the header
+    run, _ = prepare_run(cfg, str(tmp_path / "run"))
+    assert sorted(reads) == sorted(theirs)  # each tensor read once, as G_0 was written
+    manifest = json.loads((run.root / "manifest.json").read_text())
+    g0 = StoredParams(LocalStore(run.store_dir), manifest["initial_params"])
+    assert all(torch.equal(g0[k], v.float()) for k, v in theirs.items())
+    assert manifest["model_init_hash"] == tensors_hash({k: v.float() for k, v in theirs.items()})
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]  # the staged blob moved into the store
+
+    # a prepare that fails after G_0 is staged leaves nothing: not the blob, not the directories made for it
+    monkeypatch.setattr(LocalStore, "adopt", lambda self, blob: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        prepare_run(cfg, str(tmp_path / "new" / "deeper" / "run"))
+    assert not (tmp_path / "new").exists()
