@@ -21,7 +21,12 @@ LLAMA3 = json.dumps({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1
 SMALL = ("--model.arch=llama", "--model.n_layer=3", "--model.d_model=64", "--model.n_head=4", "--model.kv_heads=2")
 
 
-@pytest.mark.parametrize("scaling", [LLAMA3, '{"rope_type": "linear", "factor": 4}'])
+YARN = json.dumps({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})  # Qwen3's, at ctx 32
+YARN_DEEPSEEK = json.dumps({"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+                            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "truncate": False})
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3, '{"rope_type": "linear", "factor": 4}', YARN, YARN_DEEPSEEK])
 def test_scaled_rotary_is_transformers_own_and_stages_chain(scaling):
     from veriloco.hf import hf_config
 
@@ -74,12 +79,16 @@ def test_a_llama_3_checkpoint_starts_a_run_as_it_is(tmp_path):
 
 @pytest.mark.parametrize("value, message", [
     ("{rope_type: llama3}", "model.rope_scaling is not JSON"),
-    ('{"rope_type": "yarn", "factor": 4.0}', "rope_type must be linear or llama3 (what veriloco runs), got 'yarn'"),
+    ('{"rope_type": "dynamic", "factor": 4.0}', "rope_type must be linear, llama3 or yarn (what veriloco runs), got 'dynamic'"),
+    ('{"rope_type": "yarn", "factor": 4.0}', "rope_type 'yarn' takes factor, original_max_position_embeddings and may "
+                                              "take attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate; got factor"),
+    ('{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "truncate": 1}',
+     "truncate must be true or false, got 1"),
     ('{"rope_type": "linear"}', "rope_type 'linear' takes factor; got nothing"),
     ('{"rope_type": "linear", "factor": -2}', "factor must be a number > 0, got -2"),
     ('{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, '
      '"original_max_position_embeddings": 8192.5}', "original_max_position_embeddings must be an integer > 0"),
-    ('["linear"]', "rope_type must be linear or llama3"),
+    ('["linear"]', "rope_type must be linear, llama3 or yarn"),
 ])
 def test_bad_scalings_are_one_line(value, message):
     with pytest.raises(ConfigError) as e:

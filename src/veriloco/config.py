@@ -44,7 +44,9 @@ class ModelConfig:
     rope_scaling: str = _f(
         "", "transformers archs: rotary scaling as JSON, config.json's rope_parameters less rope_theta: "
         "'{\"rope_type\": \"llama3\", \"factor\": 32.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
-        "\"original_max_position_embeddings\": 8192}' (Llama 3.1-3.3) or '{\"rope_type\": \"linear\", \"factor\": 2.0}'; "
+        "\"original_max_position_embeddings\": 8192}' (Llama 3.1-3.3), '{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+        "\"original_max_position_embeddings\": 32768}' (Qwen3's long context; attention_factor, beta_fast, beta_slow, "
+        "mscale, mscale_all_dim, truncate as transformers takes them) or '{\"rope_type\": \"linear\", \"factor\": 2.0}'; "
         "'' = none (hf.py)",
     )
     norm_eps: float = _f(1e-6, "transformers archs: RMSNorm epsilon (rms_norm_eps)")

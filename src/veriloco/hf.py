@@ -46,26 +46,41 @@ def transformers_version() -> str | None:
     return transformers.__version__
 
 
-ROPE_SCALINGS = {  # rope_type -> the numbers it takes (transformers' rope_parameters, less rope_theta)
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+ROPE_SCALINGS = {  # rope_type -> (the numbers it takes, those it may take): transformers' rope_parameters, less rope_theta
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    # YaRN (Peng et al. 2023, arXiv 2309.00071; Qwen3's long-context setting): static tables, and
+    # cos/sin scaled by attention_factor (by default from factor, or mscale / mscale_all_dim)
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
 }
 
 
 def check_rope_scaling(value: Any, where: str) -> dict[str, Any]:
     """`value` as a rope scaling veriloco runs ({"rope_type": ..., its numbers}), normalised
-    (floats; original_max_position_embeddings an int); ValueError, one line, naming `where`."""
+    (floats; original_max_position_embeddings an int; yarn's truncate a bool); ValueError, one
+    line, naming `where`."""
     if isinstance(value, dict) and "rope_type" not in value and "type" in value:  # transformers 4's spelling
         value = {("rope_type" if k == "type" else k): v for k, v in value.items()}
     kind = value.get("rope_type") if isinstance(value, dict) else None
     if kind not in ROPE_SCALINGS:
-        raise ValueError(f"{where}: rope_type must be {' or '.join(ROPE_SCALINGS)} (what veriloco runs), got {kind!r:.40}")
-    given, takes = sorted(set(value) - {"rope_type"}), sorted(ROPE_SCALINGS[kind])
-    if given != takes:
-        raise ValueError(f"{where}: rope_type {kind!r} takes {', '.join(takes)}; got {', '.join(given) or 'nothing'}")
+        names = list(ROPE_SCALINGS)
+        raise ValueError(f"{where}: rope_type must be {', '.join(names[:-1])} or {names[-1]} (what veriloco runs), "
+                         f"got {kind!r:.40}")
+    required, optional = ROPE_SCALINGS[kind]
+    given = set(value) - {"rope_type"}
+    if not set(required) <= given <= set(required) | set(optional):
+        also = f" and may take {', '.join(optional)}" if optional else ""
+        raise ValueError(f"{where}: rope_type {kind!r} takes {', '.join(sorted(required))}{also}; "
+                         f"got {', '.join(sorted(given)) or 'nothing'}")
     out: dict[str, Any] = {"rope_type": kind}
-    for key in takes:
+    for key in sorted(given):
         v = value[key]
+        if key == "truncate":
+            if not isinstance(v, bool):
+                raise ValueError(f"{where}: truncate must be true or false, got {v!r:.40}")
+            out[key] = v
+            continue
         integral = key == "original_max_position_embeddings"
         if isinstance(v, bool) or not isinstance(v, int if integral else (int, float)) or not v > 0:
             raise ValueError(f"{where}: {key} must be {'an integer' if integral else 'a number'} > 0, got {v!r:.40}")
@@ -103,7 +118,7 @@ def hf_config(m: ModelConfig) -> Any:
         extra["rope_theta"] = m.rope_theta
     else:  # [model] rope_scaling: transformers computes the scaled rotary tables (tests/test_rope_scaling.py)
         extra["rope_parameters"] = {**scaling, "rope_theta": m.rope_theta}
-        if scaling["rope_type"] == "llama3":  # the context the scaling stretches to (transformers wants it above the original)
+        if scaling["rope_type"] in ("llama3", "yarn"):  # the context the scaling stretches to (transformers wants it above the original)
             positions = max(m.ctx, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
     return AutoConfig.for_model(
         m.arch,
