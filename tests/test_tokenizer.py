@@ -113,7 +113,7 @@ def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file, monkeypatch, 
         load_corpus(tiny(f"--data.tokenizer={bad}").data, 300, 32)
     tokens = tmp_path / "t.bin"
     np.arange(4096, dtype=np.uint16).tofile(tokens)
-    with pytest.raises(DataError, match="data.eos is for text sources that data.tokenizer tokenizes; .* is a token .bin already"):
+    with pytest.raises(DataError, match="data.eos is for text sources that data.tokenizer tokenizes; .* holds token ids already"):
         load_corpus(tiny(f"--data.source={tokens}", f"--data.tokenizer={tokenizer_file}", "--data.eos=x").data, 5000, 32)
     # through the CLI: one line, exit 2, no run directory
     out = tmp_path / "run"

@@ -77,9 +77,10 @@ class DataConfig:
     source: str = _f(
         "stdlib",
         "'stdlib' (the embedded corpus: this Python's standard library source), "
-        "a text file, a directory of text files, or a nanoGPT-style token .bin file",
+        "a text file, a directory of text files, a token .bin file (flat, as nanoGPT's, or with llm.c's header), "
+        "or a directory of .bin shards (FineWeb's as llm.c and modded-nanogpt write them), read in name order",
     )
-    bin_dtype: str = _f("uint16", "element type of a token .bin file: uint16 or uint32")
+    bin_dtype: str = _f("uint16", "element type of token .bin files: uint16 or uint32 (an llm.c header must agree)")
     tokenizer: str = _f(
         "", "a tokenizers tokenizer.json (a local file, nothing downloaded) that turns a text source into "
         "token ids once, when the run is prepared; with a token .bin source, the tokenizer that made its ids "

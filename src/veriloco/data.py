@@ -6,8 +6,9 @@ name starts with `test` or `_test`; subpackages (and so `idlelib`, `test/`) are 
 Each file contributes `# file: <name>\\n` followed by its bytes, so the corpus exists on every
 machine with no download (its Merkle root differs between Python versions and is recorded in the
 run manifest). A user may instead point `[data] source` at a text file, a directory of text
-files (every regular file under it, sorted by relative path), or a nanoGPT-style token `.bin`
-(a flat array of uint16/uint32 token ids).
+files (every regular file under it, sorted by relative path), a nanoGPT-style token `.bin`
+(a flat array of uint16/uint32 token ids), or a directory of token `.bin` shards, flat or with
+llm.c's header (FineWeb shards as llm.c and modded-nanogpt write them: `token_shards`).
 
 A text corpus is bytes unless `[data] tokenizer` names a `tokenizers` tokenizer.json (a local
 file: nothing is downloaded). Then the text is tokenized once, when the run is prepared, and the
@@ -18,7 +19,7 @@ tokenizer. The tokenizer file itself goes into the store and its hash into the m
 the tokenizer that made its ids (`veriloco tokenize`, `tokenize_to_bin`: a text source tokenized a
 document at a time): it is kept the same way and not rerun.
 
-A token .bin is prepared a chunk at a time (`prepare_corpus`), so it may be larger than memory;
+Token .bin files are prepared a chunk at a time (`prepare_corpus`), so they may be larger than memory;
 workers read their batches from the store a chunk at a time too (`task.StoredCorpus`).
 
 The corpus is cut into `chunk_bytes` chunks whose sha256 hashes are the leaves of a Merkle tree
@@ -161,15 +162,95 @@ def documents(source: str) -> list[tuple[str, Path]]:
     return [(path.name, path)]
 
 
-def _bin_source(cfg: DataConfig) -> Path | None:
-    """The token .bin `[data] source` names, or None for a text source; DataError with `[data] eos`
-    (a tokenization setting, and a .bin is tokenized already)."""
+LLMC_HEADERS = {20240520: (1, "uint16"), 20240801: (7, "uint32")}  # llm.c's dev/data shards: magic -> version, tokens
+LLMC_HEADER_BYTES = 1024  # 256 int32: magic, version, token count, zeros
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One token file of a `[data] source`: its token bytes are `size` bytes from `start`."""
+
+    path: Path
+    start: int
+    size: int
+
+
+def token_shards(cfg: DataConfig) -> list[Shard] | None:
+    """The token files `[data] source` names, in corpus order, or None for a text source: a
+    `.bin` file, or a directory whose files are all `.bin` shards (sorted by relative path: the
+    corpus is their tokens one after another). A shard is a flat array of `[data] bin_dtype` ids
+    (nanoGPT's, `veriloco tokenize`'s) or has llm.c's 1024-byte header (FineWeb shards as llm.c
+    and modded-nanogpt write them: magic, version, token count), which is checked and skipped.
+    DataError, one line: a directory that mixes shards with other files, a header that disagrees
+    with its file or with `bin_dtype`, a flat file that is not whole tokens, or `[data] eos` (a
+    tokenization setting; the shards are tokenized already)."""
     path = Path(cfg.source)
-    if cfg.source == "stdlib" or path.suffix != ".bin" or not path.is_file():
+    if cfg.source == "stdlib":
+        return None
+    if path.is_file():
+        if path.suffix != ".bin":
+            return None
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        other = [p for p in files if p.suffix != ".bin"]
+        if len(other) == len(files):
+            return None
+        if other:
+            raise DataError(f"data.source directory {path} mixes token .bin shards with other files "
+                            f"({other[0].relative_to(path)}): point it at the shards alone, or at text alone")
+    else:
         return None
     if cfg.eos:
-        raise DataError(f"data.eos is for text sources that data.tokenizer tokenizes; {path} is a token .bin already")
-    return path
+        raise DataError(f"data.eos is for text sources that data.tokenizer tokenizes; {path} holds token ids already")
+    return [_shard(f, cfg.bin_dtype) for f in files]
+
+
+def _shard(path: Path, bin_dtype: str) -> Shard:
+    size, item = path.stat().st_size, np.dtype(bin_dtype).itemsize
+    with path.open("rb") as f:
+        head = f.read(12)
+    magic, version, count = (int.from_bytes(head[i:i + 4], "little", signed=True) for i in (0, 4, 8)) \
+        if len(head) == 12 else (None, None, None)
+    if magic in LLMC_HEADERS and version == LLMC_HEADERS[magic][0]:
+        dtype = LLMC_HEADERS[magic][1]
+        if dtype != bin_dtype:
+            raise DataError(f"{path} holds {dtype} tokens (its llm.c header says so) but data.bin_dtype = {bin_dtype}: "
+                            f"set data.bin_dtype = {dtype}")
+        held = (size - LLMC_HEADER_BYTES) / np.dtype(dtype).itemsize
+        if count < 0 or held != count:
+            raise DataError(f"{path}: its llm.c header says {count} tokens, the file holds {held:g}")
+        return Shard(path, LLMC_HEADER_BYTES, size - LLMC_HEADER_BYTES)
+    if size % item:
+        raise DataError(f"token .bin {path} has {size} bytes, not a multiple of {bin_dtype} ({item})")
+    return Shard(path, 0, size)
+
+
+def read_shards(shards: list[Shard], total: int, piece: int) -> Iterator[bytes]:
+    """The first `total` token bytes of `shards`, one after another, in pieces of `piece` bytes
+    (the last may be shorter), each read from its files when asked for; a piece may span shards.
+    DataError if a file got shorter since `token_shards` looked at it."""
+    parts: list[bytes] = []
+    need = piece
+    for shard in shards:
+        left = min(shard.size, total)
+        total -= left
+        with shard.path.open("rb") as f:
+            f.seek(shard.start)
+            while left:
+                n = min(need, left)
+                data = f.read(n)
+                if len(data) != n:
+                    raise DataError(f"token .bin {shard.path} got shorter while it was read")
+                parts.append(data)
+                need, left = need - n, left - n
+                if not need:
+                    yield b"".join(parts)
+                    parts, need = [], piece
+        if not total:
+            break
+    if parts:
+        yield b"".join(parts)
 
 
 def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
@@ -185,9 +266,10 @@ def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
 
 def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Read the corpus named by `cfg.source` and check it fits the model."""
-    src, bin_path = cfg.source, _bin_source(cfg)
-    if bin_path is not None:
-        raw, kind = bin_path.read_bytes(), "bin"
+    src, shards = cfg.source, token_shards(cfg)
+    if shards is not None:
+        size = sum(s.size for s in shards)
+        raw, kind = b"".join(read_shards(shards, size, max(size, 1))), "bin"
         docs: list[tuple[str, bytes]] = []
     else:
         docs = [(name, f.read_bytes()) for name, f in documents(src)]  # a text source's documents
@@ -353,25 +435,19 @@ def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus
     memory prepares in a chunk's worth of it; its chunks, manifest and root are those
     `load_corpus` makes of the same file (tests/test_stored_corpus.py). Anything else is read
     whole (`load_corpus`)."""
-    path = _bin_source(cfg)
-    if path is None:
+    shards = token_shards(cfg)
+    if shards is None:
         corpus = load_corpus(cfg, vocab_size, ctx)
         return PreparedCorpus(corpus.root, corpus.manifest(), corpus.tokenizer_json, lambda: iter(corpus.chunks))
     tokenizer_json = read_tokenizer(cfg, vocab_size)
     dtype = np.dtype(cfg.bin_dtype)
-    size = path.stat().st_size if not cfg.max_bytes else min(path.stat().st_size, cfg.max_bytes)
-    if not cfg.max_bytes and size % dtype.itemsize:
-        raise DataError(f"token .bin has {size} bytes, not a multiple of {dtype} ({dtype.itemsize})")
+    size = sum(s.size for s in shards)
+    size = min(size, cfg.max_bytes) if cfg.max_bytes else size
     size -= size % dtype.itemsize
     eval_start_of(size // dtype.itemsize, cfg.eval_fraction, ctx)
 
     def chunks() -> Iterator[bytes]:
-        with path.open("rb") as f:
-            for at in range(0, size, cfg.chunk_bytes):
-                chunk = f.read(min(cfg.chunk_bytes, size - at))
-                if len(chunk) != min(cfg.chunk_bytes, size - at):
-                    raise DataError(f"token .bin {path} got shorter while it was read")
-                yield chunk
+        return read_shards(shards, size, cfg.chunk_bytes)
 
     hashes, carry, top = [], b"", 0
     for chunk in chunks():
