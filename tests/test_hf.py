@@ -1,4 +1,4 @@
-"""`[model] arch`: transformers architectures (Llama, Mistral, Qwen2, Qwen3) built from the config.
+"""`[model] arch`: transformers architectures (Llama, Mistral, Qwen2, Qwen3, OLMo 2) built from the config.
 
 The model must compute exactly what `transformers` computes, cut into stages that chain to the
 whole model, train through every part of the engine (stages, replays, the audit), and come out as
@@ -51,6 +51,26 @@ def test_the_model_is_transformers_own_and_its_stages_chain_to_it(arch):
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each parameter in one stage
 
 
+def test_an_olmo2_checkpoint_starts_a_run_as_it_is(tmp_path):
+    """OLMo 2's layers norm after attention and MLP and norm q and k: a saved OLMo 2 (its own
+    config.json, save_pretrained) read by `[model] init` gives transformers' logits exactly."""
+    from veriloco.model import build_meta, model_from
+    from veriloco.weights import read_init
+
+    cfg = tiny("--model.arch=olmo2", *SMALL, "--model.rope_theta=500000", f"--model.init={tmp_path / 'olmo2'}")
+    theirs_cfg = hf_config(cfg.model)
+    torch.manual_seed(5)
+    theirs = transformers.AutoModelForCausalLM.from_config(theirs_cfg)
+    assert type(theirs).__name__ == "Olmo2ForCausalLM" and theirs_cfg.eos_token_id is None  # 50279 is outside 256 ids
+    theirs.save_pretrained(tmp_path / "olmo2")
+    ours = model_from(cfg.model, read_init(cfg.model, build_meta(cfg.model)))
+    x = torch.randint(0, 256, (2, cfg.model.ctx))
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(input_ids=x).logits)
+    with pytest.raises(ConfigError, match=r"config.json rope_theta = 500000.0 but model.rope_theta = 10000.0"):
+        read_init(tiny("--model.arch=olmo2", *SMALL, f"--model.init={tmp_path / 'olmo2'}").model, build_meta(cfg.model))
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for flag in ("false", "true"):
@@ -63,7 +83,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--model.arch=gpt2", "model.arch must be gpt, llama, mistral, qwen2, qwen3, got 'gpt2'"),
+    ("--model.arch=gpt2", "model.arch must be gpt, llama, mistral, qwen2, qwen3, olmo2, got 'gpt2'"),
     ("--model.norm_eps=1e-5", "model.kv_heads, model.head_dim, model.ffn, model.rope_theta, model.rope_scaling and model.norm_eps are for "
      "transformers archs"),
 ])

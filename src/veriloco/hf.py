@@ -1,6 +1,6 @@
-"""Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3) built from the run's config, no download.
+"""Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3, OLMo 2) built from the run's config, no download.
 
-`[model] arch = "llama"` (or "mistral", "qwen2", "qwen3") trains that `transformers` architecture
+`[model] arch = "llama"` (or "mistral", "qwen2", "qwen3", "olmo2") trains that `transformers` architecture
 instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, head_dim,
 d_model, ffn, ctx, vocab_size, rope_theta, rope_scaling, norm_eps, tie). Nothing is fetched: the `transformers`
 config is made from those fields (`hf_config`), the weights are initialised from `run.seed` (or
@@ -13,7 +13,8 @@ ids, or `[data] tokenizer`'s).
 other stages' parts deleted) line up with the whole model, and what lets `veriloco export` write
 a checkpoint that `AutoModelForCausalLM.from_pretrained` loads as it is (`save_hf`).
 
-Its forward is the decoder loop of `LlamaModel.forward`, written out so that a stage can run a
+Its forward is the decoder loop of `LlamaModel.forward` (and of the other archs', which is the
+same loop), written out so that a stage can run a
 slice of it: embed (first stage), rotary position embeddings (every stage: they hold no
 parameters), the held layers, the final norm and head (last stage). Attention is PyTorch's SDPA
 with `is_causal` (no padding: every sequence is a full window). `tests/test_hf.py` checks that
@@ -33,7 +34,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
-HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Each arch's model forward is embed -> rotary -> its decoder layers -> norm -> head, which
+# HFCausalLM.forward writes out (OLMo 2's post-norms and q/k norms are inside its layers);
+# tests/test_hf.py holds each to transformers' own logits.
+HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 TRANSFORMERS_NEEDED = "transformers>=5,<6"
 
 
@@ -106,9 +110,13 @@ def ffn_width(m: ModelConfig) -> int:
 
 def hf_config(m: ModelConfig) -> Any:
     """The `transformers` config of `[model]` (no file, no download)."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     extra: dict[str, Any] = {}
+    defaults = CONFIG_MAPPING[m.arch]()
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an arch's default outside this vocab (OLMo 2's eos 50279)
+        if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= m.vocab_size:
+            extra[key] = None
     if m.arch in ("mistral", "qwen2", "qwen3"):
         extra["sliding_window"] = None  # full causal attention over the window, as the GPT
     if m.arch in ("qwen2", "qwen3"):
