@@ -69,6 +69,11 @@ def test_an_olmo2_checkpoint_starts_a_run_as_it_is(tmp_path):
         assert torch.equal(ours(x), theirs(input_ids=x).logits)
     with pytest.raises(ConfigError, match=r"config.json rope_theta = 500000.0 but model.rope_theta = 10000.0"):
         read_init(tiny("--model.arch=olmo2", *SMALL, f"--model.init={tmp_path / 'olmo2'}").model, build_meta(cfg.model))
+    config = json.loads((tmp_path / "olmo2" / "config.json").read_text())
+    (tmp_path / "olmo2" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))  # a shape no check sees
+    with pytest.raises(ConfigError, match=r"config.json hidden_act = 'gelu' but veriloco's olmo2 has 'silu' "
+                                          r"\(no \[model\] key sets it\)"):
+        read_init(cfg.model, build_meta(cfg.model))
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

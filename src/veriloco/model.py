@@ -138,8 +138,9 @@ def head_copy(head: nn.Linear) -> None:
 def tied_ends(model: nn.Module) -> tuple[nn.Parameter | None, torch.Tensor | None]:
     """(the token embedding's weight, when `model` is the first stage of a tied model cut into
     stages; the head's copy of it (`head_copy`), when it is the last stage). (None, None) for an
-    untied model, a middle stage, or the whole model (whose head is the embedding itself)."""
-    if not model.cfg.tie:
+    untied model, a middle stage, the whole model (whose head is the embedding itself), or a
+    model of a user's own `Task` (which has no `[model] tie`)."""
+    if not getattr(getattr(model, "cfg", None), "tie", False) or not hasattr(model, "token_embedding"):
         return None, None
     embedding, head = model.token_embedding(), model.lm_head
     if embedding is not None and head is not None:

@@ -84,6 +84,14 @@ def _hf_settings(m: ModelConfig, config: dict) -> list[str]:
                 out.append(f"config.json's rope scaling is {json.dumps(theirs)} but model.rope_scaling = {m.rope_scaling!r}")
     elif ours is not None:
         out.append(f"config.json has no rope scaling but model.rope_scaling = {m.rope_scaling!r}")
+    from .hf import hf_config
+
+    ours = hf_config(m)  # settings no [model] key sets: the checkpoint's must be what veriloco builds
+    for key, default in (("hidden_act", None), ("attention_bias", False), ("mlp_bias", False),
+                         ("partial_rotary_factor", 1.0)):
+        if key in config and config[key] != getattr(ours, key, default):
+            out.append(f"config.json {key} = {config[key]!r} but veriloco's {m.arch} has {getattr(ours, key, default)!r} "
+                       "(no [model] key sets it)")
     if config.get("use_sliding_window") or (config.get("sliding_window") and m.arch == "mistral"
                                             and config["sliding_window"] < m.ctx):
         out.append("config.json uses sliding-window attention, which veriloco does not run")
