@@ -33,6 +33,9 @@ def test_written_tensor_by_tensor_is_safetensors_own_bytes(dtype):
     n = write_tensors(out, _layout(tensors), lambda k: asked.append(k) or tensors[k])
     assert out.getvalue() == st_save(tensors) and n == len(out.getvalue())
     assert asked == sorted(tensors)  # one at a time, in name order
+    out = io.BytesIO()
+    write_tensors(out, _layout(tensors), tensors.__getitem__, metadata={"format": "pt"})  # as export writes
+    assert out.getvalue() == st_save(tensors, metadata={"format": "pt"})
 
 
 def test_a_models_g0_blob_and_hash_are_what_they_were():
@@ -127,3 +130,22 @@ def test_the_prepare_step_reads_an_init_checkpoint_a_tensor_at_a_time(tmp_path, 
     with pytest.raises(OSError, match="disk full"):
         prepare_run(cfg, str(tmp_path / "new" / "deeper" / "run"))
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_reads_the_checkpoint_a_tensor_at_a_time(tmp_path, monkeypatch, tie):
+    from veriloco.export import export_run, run_params
+    from veriloco.run import train
+
+    run, _ = train(tiny("--train.rounds=1", f"--model.tie={str(tie).lower()}"), str(tmp_path / "run"), quiet=True)
+    _, params, _ = run_params(run.root)
+    whole = {k: params[k] for k in params}
+    reads = []
+    read = TensorFile.__getitem__
+    monkeypatch.setattr(TensorFile, "__getitem__", lambda self, k: reads.append(k) or read(self, k))
+    export_run(run.root, tmp_path / "out")
+    # each param read twice, one at a time: to check its stage's params hash, then to write it
+    assert sorted(reads) == sorted([f"param/{k}" for k in whole] * 2 + (["param/tok_emb.weight"] if tie else []))
+    if tie:  # the GPT's export repeats the tied head under its own name
+        whole["lm_head.weight"] = whole["tok_emb.weight"].clone()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == st_save(whole, metadata={"format": "pt"})

@@ -21,32 +21,77 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save_file
 
 from .config import Config, ConfigError, config_from_dict
-from .hashing import tensors_hash
+from .hashing import TensorsHasher
 from .records import RunDir
 from .store import LocalStore, StoreError
+from .tensorfile import TensorFile, write_tensors
 
 
 class ExportError(ValueError):
     """The run cannot be exported as asked: one line naming why."""
 
 
+class RoundParams(Mapping[str, torch.Tensor]):
+    """The global params after round `r`, read a tensor at a time from the round's checkpoints in
+    the store (a pipelined run's stage checkpoints, merged; `tensorfile.TensorFile` on each blob,
+    whose hash the store checks as a stream first), so export writes the model and sample builds
+    it without also holding the checkpoints. `check` holds each stage's params to the params hash
+    its record names. ExportError, one line, for a checkpoint that does not load or match."""
+
+    def __init__(self, store: LocalStore, parts: list[dict], r: int) -> None:
+        self._where: dict[str, tuple[TensorFile, str]] = {}  # name -> its checkpoint, and its key there
+        self._stages: list[tuple[list[str], str, str]] = []  # (names, params hash, what to call it)
+        for s, part in enumerate(parts):
+            label = f"round {r}: checkpoint of stage {s}"
+            try:
+                ckpt = TensorFile(store.verified_path(part["checkpoint"]), label)
+            except (StoreError, ValueError, OSError) as e:
+                raise ExportError(f"{label} does not load: {str(e).splitlines()[0]}") from None
+            names = sorted(k[len("param/"):] for k in ckpt.index if k.startswith("param/"))
+            self._where.update((n, (ckpt, f"param/{n}")) for n in names)
+            self._stages.append((names, part["params_hash"], label))
+
+    def check(self) -> None:
+        for names, params_hash, label in self._stages:
+            hasher = TensorsHasher()
+            for name in names:
+                hasher.add(name, self[name])
+            if hasher.hexdigest() != params_hash:
+                raise ExportError(f"{label} does not match its record's params hash")
+
+    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: ckpt.index[key][:2] for name, (ckpt, key) in self._where.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        ckpt, key = self._where[name]
+        try:
+            return ckpt[key]
+        except (ValueError, OSError) as e:  # the blob changed since its hash was checked
+            raise ExportError(str(e).splitlines()[0]) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
 class Opened(NamedTuple):
     """A run's round as export and sample read it: its manifest, its store, its config, and its
-    global params after `round` (each stage's checkpoint checked against its record)."""
+    global params after `round` (`RoundParams`: each stage's checkpoint checked against its
+    record, its tensors read when asked for)."""
 
     manifest: dict
     store: LocalStore
     cfg: Config
-    params: dict[str, torch.Tensor]
+    params: RoundParams
     round: int
 
     def tokenizer_json(self) -> bytes | None:
@@ -84,20 +129,12 @@ def open_round(run_dir: str | Path, round: int | None = None) -> Opened:
     if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("checkpoint"), str)
                                               and isinstance(p.get("params_hash"), str) for p in parts):
         raise ExportError(f"round {r}: its record does not name a checkpoint and params hash for every stage")
-    params: dict[str, torch.Tensor] = {}
-    for s, part in enumerate(parts):
-        try:
-            ckpt = st_load(store.get(part["checkpoint"]))
-        except (StoreError, SafetensorError, ValueError) as e:
-            raise ExportError(f"round {r}: checkpoint of stage {s} does not load: {str(e).splitlines()[0]}") from None
-        mine = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
-        if tensors_hash(mine) != part["params_hash"]:
-            raise ExportError(f"round {r}: checkpoint of stage {s} does not match its record's params hash")
-        params.update(mine)
+    params = RoundParams(store, parts, r)
+    params.check()
     return Opened(manifest, store, cfg, params, r)
 
 
-def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, dict[str, torch.Tensor], int]:
+def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, RoundParams, int]:
     """The run's config, its global params after `round` (default: the last recorded), and that
     round. Every checkpoint is checked against its record's params hash."""
     opened = open_round(run_dir, round)
@@ -122,10 +159,12 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
             except ValueError as e:
                 raise ExportError(str(e)) from None
         else:
+            layout = params.layout()
             if cfg.model.tie:  # GPT(...).load_state_dict wants the tied head's name too (safetensors keeps no aliases)
-                params = params | {"lm_head.weight": params["tok_emb.weight"].clone()}
-            save_file({k: v.contiguous() for k, v in params.items()}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
+                layout["lm_head.weight"] = layout["tok_emb.weight"]
+            with (tmp / "model.safetensors").open("wb") as f:  # a tensor at a time
+                write_tensors(f, layout, lambda k: params["tok_emb.weight" if k == "lm_head.weight" and cfg.model.tie else k],
+                              metadata={"format": "pt"})
             (tmp / "model.json").write_text(json.dumps(cfg.to_dict()["model"], indent=2, sort_keys=True) + "\n",
                                             encoding="utf-8")
         tokenizer = opened.tokenizer_json()
@@ -142,4 +181,4 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
     return out, r
 
 
-__all__ = ["ExportError", "Opened", "export_run", "open_round", "run_params"]
+__all__ = ["ExportError", "Opened", "RoundParams", "export_run", "open_round", "run_params"]

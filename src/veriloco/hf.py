@@ -25,6 +25,7 @@ full model.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -222,13 +223,13 @@ def build_hf(m: ModelConfig) -> HFCausalLM:
     return HFCausalLM(m, AutoModelForCausalLM.from_config(hf_config(m), dtype=torch.float32))
 
 
-def save_hf(params: dict[str, torch.Tensor], m: ModelConfig, directory: Path) -> None:
-    """Write `params` (the full model's, under HFCausalLM's names) into `directory` as a
-    `transformers` model: config.json and model.safetensors, which
-    `AutoModelForCausalLM.from_pretrained(directory)` loads (`veriloco export`, export.py)."""
-    from safetensors.torch import save_file
-
+def save_hf(params: Mapping[str, torch.Tensor], m: ModelConfig, directory: Path) -> None:
+    """Write `params` (the full model's, under HFCausalLM's names; a lazy mapping is read a tensor
+    at a time: export.RoundParams) into `directory` as a `transformers` model: config.json and
+    model.safetensors, which `AutoModelForCausalLM.from_pretrained(directory)` loads (`veriloco
+    export`, export.py)."""
     from .model import build_meta
+    from .tensorfile import layout_of, write_tensors
 
     expected = {name for name, _ in build_meta(m).named_parameters()}
     missing, extra = sorted(expected - params.keys()), sorted(params.keys() - expected)
@@ -238,8 +239,9 @@ def save_hf(params: dict[str, torch.Tensor], m: ModelConfig, directory: Path) ->
     config = hf_config(m)
     config.architectures = [_causal_lm_name(config)]
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    save_file({k: v.detach().contiguous().float() for k, v in params.items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
+    layout = {k: (torch.float32, shape) for k, (_, shape) in layout_of(params).items()}
+    with (directory / "model.safetensors").open("wb") as f:
+        write_tensors(f, layout, lambda k: params[k].detach().float(), metadata={"format": "pt"})
 
 
 def _causal_lm_name(config: Any) -> str:

@@ -9,9 +9,9 @@ is written one tensor at a time, so a reader or writer holds one tensor, not the
 - `TensorFile(path, label)`: the header is validated when the file is opened (the length, JSON,
   every entry's dtype, shape and offsets inside the data, its byte count equal to its shape's);
   `file[name]` reads that tensor. A dtype outside `dtypes` is malformed.
-- `write_tensors(f, layout, tensor_of)`: the bytes `safetensors.torch.save(tensors)` makes for
-  tensors of one dtype and no metadata (tests/test_tensorfile.py checks it byte for byte), which
-  is what the store keeps as G_0 (`weights.init_blob`).
+- `write_tensors(f, layout, tensor_of, metadata)`: the bytes `safetensors.torch.save(tensors,
+  metadata)` makes for tensors of one dtype (tests/test_tensorfile.py checks it byte for byte):
+  what the store keeps as G_0 (`weights.init_blob`) and what `veriloco export` writes.
 """
 
 from __future__ import annotations
@@ -87,14 +87,22 @@ class TensorFile(Mapping[str, torch.Tensor]):
         return len(self.index)
 
 
-def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.Tensor]) -> int:
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape): a lazy mapping's own `layout()` (nothing read), else the tensors'."""
+    layout = getattr(tensors, "layout", None)
+    return layout() if callable(layout) else {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+
+
+def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.Tensor],
+                  metadata: dict[str, str] | None = None) -> int:
     """Write a safetensors file of the tensors `layout` names (one dtype for all) to `f`, asking
     `tensor_of(name)` for each in turn, in name order; returns the bytes written. The bytes equal
-    `safetensors.torch.save` of the same tensors (no metadata)."""
+    `safetensors.torch.save` of the same tensors and `metadata`."""
     dtypes = {dtype for dtype, _ in layout.values()}
     if len(dtypes) > 1:  # safetensors orders mixed dtypes by its own enum; G_0 is all float32
         raise ValueError(f"write_tensors takes one dtype, got {sorted(map(str, dtypes))}")
-    header, offset = {}, 0
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for name in sorted(layout):
         dtype, shape = layout[name]
         nbytes = math.prod(shape) * dtype.itemsize
@@ -112,4 +120,4 @@ def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.
     return 8 + len(raw) + offset
 
 
-__all__ = ["DTYPES", "FLOATS", "Layout", "TensorFile", "write_tensors"]
+__all__ = ["DTYPES", "FLOATS", "Layout", "TensorFile", "layout_of", "write_tensors"]

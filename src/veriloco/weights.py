@@ -34,7 +34,7 @@ from torch import nn
 from .config import ConfigError, ModelConfig
 from .hashing import TensorsHasher
 from .model import embedding_name
-from .tensorfile import TensorFile, write_tensors
+from .tensorfile import TensorFile, layout_of, write_tensors
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved beside the weights
 
@@ -195,7 +195,7 @@ def write_initial(f: BinaryIO, params: Mapping[str, torch.Tensor]) -> str:
     """Write G_0's canonical blob (`init_blob`'s bytes) to `f`, reading one tensor of `params` at a
     time (an `InitParams` or a model's params); returns the model-init hash, `tensors_hash(params)`,
     computed on the way."""
-    layout = params.layout() if isinstance(params, InitParams) else {k: (v.dtype, tuple(v.shape)) for k, v in params.items()}
+    layout = layout_of(params)
     hasher = TensorsHasher()
 
     def tensor_of(name: str) -> torch.Tensor:
