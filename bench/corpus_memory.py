@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
+from stage_build import entry, write_result  # noqa: E402
 
 WAYS = ("whole", "stored")
 PREPARE = ("whole", "streamed")
@@ -175,15 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("|---|---|---|")
         for r in prepare_rows:
             print(f"| {r['way']} | {r['peak_mb']:.1f} | {r['seconds']:.2f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(json.loads(sys.argv[2]))))
-    elif len(sys.argv) == 3 and sys.argv[1] == "--prepare":
-        print(json.dumps(prepare_child(json.loads(sys.argv[2]))))
-    else:
-        main()
+    entry(main, child=child, prepare=prepare_child)

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,6 +66,22 @@ def measured_peak() -> Iterator[dict]:
         out["peak_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - maxrss) / 1024
     else:
         out["peak_mb"] = (status_kb("VmHWM") - before) / 1024
+
+
+def write_result(out: str, result: dict) -> dict:
+    """A memory bench's JSON, written to `out`; returned."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def entry(main: Callable[[], object], **children: Callable[[dict], dict]) -> None:
+    """A memory bench's `__main__`: `--NAME SPEC` runs children[NAME] on the JSON SPEC in this
+    fresh interpreter and prints its JSON result (what the parent reads back); else `main()`."""
+    if len(sys.argv) == 3 and sys.argv[1][2:] in children and sys.argv[1].startswith("--"):
+        print(json.dumps(children[sys.argv[1][2:]](json.loads(sys.argv[2]))))
+    else:
+        main()
 
 
 def child(spec: dict) -> dict:
@@ -168,13 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"| {r['stage']} | {r['params'] / 1e6:.1f}M | {r['seed_peak_mb']:.0f} | {r['stored_peak_mb']:.0f} | "
               f"{r['peak_ratio']}x | {r['seed_s']:.2f} | {r['stored_s']:.2f} | {r['time_ratio']}x |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(json.loads(sys.argv[2]))))
-    else:
-        main()
+    entry(main, child=child)

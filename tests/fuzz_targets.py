@@ -18,6 +18,7 @@ from veriloco.ledger.entry import LedgerError, make_entry, parse_entry
 from veriloco.packet import PacketError, decode_bundle, decode_packet, encode_bundle, encode_packet
 from veriloco.records import RunDir, RunDirError
 from veriloco.store import LocalStore, StoreError
+from veriloco.tensorfile import TensorFile
 from veriloco.verify.commitment import (
     Commitment,
     CommitmentError,
@@ -103,6 +104,22 @@ def store_target(data: bytes) -> None:
         raise AssertionError("a replaced blob was returned as data")
 
 
+def valid_tensor_file() -> bytes:
+    from safetensors.torch import save
+
+    return save({"w": torch.arange(6.0).reshape(2, 3), "h": torch.ones(4, dtype=torch.bfloat16),
+                 "n": torch.arange(3)}, metadata={"format": "pt"})
+
+
+def tensor_file_target(data: bytes) -> None:
+    """A checkpoint or G_0 blob from outside: its header is validated, then every tensor read."""
+    path = _TMP / "t.safetensors"
+    path.write_bytes(data)
+    f = TensorFile(path, "t")
+    for name in f:
+        f[name]
+
+
 TARGETS = {
     # name: (decoder, exceptions it may raise, seed inputs)
     "packet": (decode_packet_target, (PacketError,), valid_packets()),
@@ -112,6 +129,7 @@ TARGETS = {
     "ledger_entry": (entry_target, (LedgerError,), [valid_entry()]),
     "round_record": (records_target, (RunDirError,), [valid_record()]),
     "store_blob": (store_target, (StoreError,), [b"the real blob"]),
+    "tensor_file": (tensor_file_target, (ValueError,), [valid_tensor_file()]),
 }
 
 

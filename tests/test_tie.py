@@ -77,11 +77,12 @@ def test_a_tied_run_trains_replays_audits_and_exports(tmp_path, stages):
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=x).logits, ours(x))
 
+    if stages > 1:  # starting from an export is the same for either (below, unsplit)
+        return
     # the export starts a tied run where this one ended (tests/test_init.py unties a tied checkpoint)
     then, _ = train(tiny(*LLAMA, "--model.tie=true", "--train.rounds=1", f"--model.init={tmp_path / 'out'}"),
                     str(tmp_path / "then"), quiet=True)
-    # (an unsplit run: the pipeline's eval sums its micro-batches' losses, which rounds differently)
-    assert rounds_of(then.root)[0]["eval_loss_start"] == pytest.approx(rounds[-1]["eval_loss"], rel=0 if stages == 1 else 1e-6)
+    assert rounds_of(then.root)[0]["eval_loss_start"] == rounds[-1]["eval_loss"]
 
 
 def test_a_tied_gpt_export_loads_as_the_docs_say(tmp_path):

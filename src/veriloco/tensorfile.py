@@ -58,8 +58,8 @@ class TensorFile(Mapping[str, torch.Tensor]):
                 continue
             try:
                 dtype, shape, (begin, end) = dtypes[entry["dtype"]], entry["shape"], entry["data_offsets"]
-                ok = (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                      and isinstance(begin, int) and isinstance(end, int)
+                ok = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)  # not bools
+                      and type(begin) is int and type(end) is int
                       and 0 <= begin <= end <= data and end - begin == math.prod(shape) * dtype.itemsize)
             except (KeyError, TypeError, ValueError):
                 ok = False
