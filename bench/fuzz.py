@@ -3,8 +3,8 @@
     python bench/fuzz.py [--n 100000] [--out bench/results/fuzz.json]
 
 Inputs are random bytes and mutations (bit flips, insertions, deletions, truncations) of valid
-packets (every codec), bundles, signed commitments, ledger entries, round records and store
-blobs (tests/fuzz_targets.py). Each input must be either accepted or rejected with the decoder's
+packets (every codec), bundles, signed commitments, ledger entries, round records, store
+blobs and safetensors files (tests/fuzz_targets.py). Each input must be either accepted or rejected with the decoder's
 own error type; anything else is a crash. The slowest single input and the peak RSS show there
 is no hang and no unbounded allocation (size limits are checked before allocating).
 """
