@@ -129,7 +129,7 @@ def head_copy(head: nn.Linear) -> None:
     first stage's embedding, held as a buffer (not a parameter, so not in the stage's deltas,
     packets, checkpoints, optimizer or trace: the first stage owns the tensor). The pipeline
     refreshes the copy before every step and eval and returns its gradient to the first stage,
-    which adds it to the embedding's (pipeline.TiedEnds); Megatron-LM ties across stages alike."""
+    which adds it to the embedding's (pipeline.TiedEnds)."""
     weight = head.weight
     del head.weight
     head.register_buffer("weight", weight.detach().clone(), persistent=False)

@@ -119,16 +119,18 @@ def _clip(cfg: TrainConfig, grads: list[torch.Tensor], stage_sq: list[float]) ->
 
 
 class TiedEnds:
-    """`[model] tie` across a worker's pipeline (Megatron-LM ties its embedding across stages
-    alike). The first stage owns the token embedding; the last stage's head holds a copy of it
-    (`model.head_copy`), which is no parameter of that stage. Before every step and eval the first
-    stage sends the embedding to the last (`refresh`); after every backward the last sends the
-    copy's gradient back (`return_grad`), divided by the micro-batches as the schedule divides the
-    parameters' gradients, and the first adds it to the embedding's gradient, before the
-    global-norm clip and the step. So the embedding's gradient is the tied model's (the
-    embedding's own plus the head's), one optimizer steps it, and its deltas, packets, checkpoints
-    and trace name it once, on the first stage. One message each way per step, the embedding's
-    size, between the worker's first and last stage; middle stages and untied models do nothing."""
+    """`[model] tie` across a worker's pipeline. The first stage owns the token embedding; the last
+    stage's head holds a copy of it (`model.head_copy`), which is no parameter of that stage.
+    Before every step and eval the first stage sends the embedding to the last (`refresh`); after
+    every backward the last sends the copy's gradient back (`return_grad`), divided by the
+    micro-batches as the schedule divides the parameters' gradients, and the first adds it to the
+    embedding's gradient, before the global-norm clip and the step. So the embedding's gradient
+    is the tied model's (the embedding's own plus the head's), one optimizer steps it, and its
+    deltas, packets, checkpoints and trace name it once, on the first stage. One message each way
+    per step, the embedding's size, between the worker's first and last stage; middle stages and
+    untied models do nothing. (Megatron-LM instead keeps the parameter, with its own optimizer
+    state, on both ends and all-reduces their gradients: the same bytes per step, the state
+    twice.)"""
 
     def __init__(self, model: nn.Module, stages: int, group: dist.ProcessGroup) -> None:
         self.embedding, self.copy = tied_ends(model)
