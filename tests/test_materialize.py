@@ -154,3 +154,17 @@ def test_the_run_keeps_g0_and_the_audit_holds_it_to_the_seed(tmp_path):
     assert report.first_failure == ("manifest: the starting weights it names (initial_params) are not the model "
                                     "built from the config's seed")
     assert json.loads(run.manifest_path.read_text())["initial_params"] == manifest["initial_params"]
+
+
+def test_a_replay_builds_its_model_at_the_start_not_from_g0(tmp_path, monkeypatch):
+    """verify.replay.plain_replayer with `build`: the built-in task's replays make the model at the
+    segment's start (model_from), without reading G_0 and building a second model first."""
+    from veriloco.task import CorpusTask, corpus_task_of, on_device
+
+    cfg = tiny("--train.rounds=1", "--train.inner_state=reset", "--verify.replay_probability=1.0", "--verify.trace_every=5")
+    run, _ = train(cfg, out=str(tmp_path / "run"), quiet=True)
+    task = CorpusTask(cfg, run.store_dir, "0" * 64).as_task()
+    assert corpus_task_of(task) is not None and corpus_task_of(on_device(task, "cpu", "bf16")) is not None
+    monkeypatch.setattr(CorpusTask, "make_model", lambda self: (_ for _ in ()).throw(AssertionError("G_0 read")))
+    report = audit_run(run.root, replay=100)
+    assert report.ok and report.checked["replays"] == cfg.topology.workers, report.first_failure

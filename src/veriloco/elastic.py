@@ -800,13 +800,13 @@ class _NetnsHost:
         from . import netns
         from .config import ConfigError
         from .link import parse_bandwidth
-        from .task import CorpusTask
+        from .task import corpus_task_of
 
         what = "link.shaping = 'kernel'" if cfg.link.shaping == "kernel" else "partition faults"
         ok, why = netns.available()
         if not ok:
             raise ConfigError(f"{what} need network namespaces: {why}")
-        if not isinstance(getattr(task.make_model, "__self__", None), CorpusTask):
+        if corpus_task_of(task) is None:
             raise ConfigError(f"{what} run workers as separate programs: only the built-in GPT task can")
         self.cfg, self.run, W = cfg, run, cfg.topology.workers
         # [link] shaping = "kernel": every port shaped to the link's bandwidth (tc tbf), the

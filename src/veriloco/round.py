@@ -90,14 +90,15 @@ from .ledger import Ledger, SqliteLedger
 from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
 from .link import Link, pace
 from .membership import GroupComm, PgComm
+from .model import model_from
 from .outer import OuterOptimizer
 from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import (
-    CorpusTask,
     Task,
+    corpus_task_of,
     load_params,
     on_device,
     process_device,
@@ -322,7 +323,7 @@ class DeltaEncoder:
 
 def check_splittable(task: Task, stages: int) -> None:
     """Only the built-in task's model ([model]) can be cut into pipeline stages; say so before anything starts."""
-    if stages > 1 and not isinstance(getattr(task.make_model, "__self__", None), CorpusTask):
+    if stages > 1 and corpus_task_of(task) is None:
         raise ValueError(
             f"topology.stages = {stages}: a custom Task's model cannot be split into pipeline stages "
             "(only the built-in task's [model] can); set topology.stages = 1"
@@ -338,7 +339,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     topo = Topology(cfg.topology.workers, cfg.topology.stages, world)
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
     check_splittable(task, stages)
-    source = getattr(task.make_model, "__self__", None)  # the built-in task: G_0 may be weights from its store
+    source = corpus_task_of(task)  # the built-in task: G_0 may be weights from its store
     device = process_device(cfg, rank)
     take_device(device, cfg.verify.replay_match == "exact")
     task = on_device(task, device, cfg.train.precision)
@@ -974,7 +975,9 @@ def replayer_of(w: Worker) -> Replayer:
     stages made it, and no process needs memory for more than its slice."""
     cfg, total = w.cfg, w.cfg.train.rounds * w.cfg.train.inner_steps
     if w.topo.stages == 1:
-        return plain_replayer(w.task.make_model, w.task.loss, cfg.train, total)
+        built_in = corpus_task_of(w.task) is not None  # then the model is built at the start (no G_0 read)
+        return plain_replayer(w.task.make_model, w.task.loss, cfg.train, total,
+                              (lambda start: model_from(cfg.model, start, w.device)) if built_in else None)
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[torch.nn.Module, PipelineInnerLoop]:
         model = stage_model(cfg, w.stage, w.topo.stages, w.device, start)

@@ -272,6 +272,13 @@ class CorpusTask:
         return eval_batches(self.corpus, t.eval_batches, t.batch_size, self.cfg.model.ctx)
 
 
+def corpus_task_of(task: Task) -> CorpusTask | None:
+    """The built-in task behind `task` (also through `on_device`), or None for a user's own."""
+    make = getattr(task.make_model, "make_model", task.make_model)  # on_device's _ModelOn wraps it
+    source = getattr(make, "__self__", None)
+    return source if isinstance(source, CorpusTask) else None
+
+
 def model_init_hash(model: nn.Module) -> str:
     """sha256 of the initial params (goes into the run manifest)."""
     from .hashing import tensors_hash
@@ -279,5 +286,5 @@ def model_init_hash(model: nn.Module) -> str:
     return tensors_hash(dict(model.named_parameters()))  # a tied head is the embedding: named once
 
 
-__all__ = ["Task", "CorpusTask", "StoredCorpus", "StoredParams", "initial_digest", "load_params", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",
+__all__ = ["Task", "CorpusTask", "StoredCorpus", "corpus_task_of", "StoredParams", "initial_digest", "load_params", "load_stored_corpus", "model_init_hash", "on_device", "process_device", "require_gpu",
            "take_device"]

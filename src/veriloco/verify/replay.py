@@ -171,14 +171,20 @@ def plan_audits(seed_material: str, accepted: list[int], members: list[int], seg
 Replayer = Callable[[dict[str, torch.Tensor], int], tuple[Any, Any]]
 
 
-def plain_replayer(make_model: Callable[[], nn.Module], loss_fn, cfg: TrainConfig, total_steps: int) -> Replayer:
-    """The replayer of a worker that is one process (`[topology] stages = 1`)."""
+def plain_replayer(make_model: Callable[[], nn.Module], loss_fn, cfg: TrainConfig, total_steps: int,
+                   build: Callable[[dict[str, torch.Tensor]], nn.Module] | None = None) -> Replayer:
+    """The replayer of a worker that is one process (`[topology] stages = 1`). `build(start)`,
+    when given, makes the model at `start` directly (the built-in task: `model.model_from`, no
+    G_0 read and no second model); else `make_model()` and then `start` copied in."""
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[nn.Module, InnerLoop]:
-        model = make_model()
-        with torch.no_grad():
-            for k, p in model.named_parameters():
-                p.copy_(start[k])
+        if build is not None:
+            model = build(start)
+        else:
+            model = make_model()
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_(start[k])
         inner = InnerLoop(model, cfg, total_steps, loss_fn)
         inner.step_count = steps_before
         return model, inner
