@@ -269,6 +269,7 @@ def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     src, shards = cfg.source, token_shards(cfg)
     if shards is not None:
         size = sum(s.size for s in shards)
+        size = min(size, cfg.max_bytes) if cfg.max_bytes else size  # read no more than is used
         raw, kind = b"".join(read_shards(shards, size, max(size, 1))), "bin"
         docs: list[tuple[str, bytes]] = []
     else:
