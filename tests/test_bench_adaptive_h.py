@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import bench_arguments, run_bench, set_args
+from conftest import bench_arguments, set_args
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32", "train.batch_size=4",
         "train.eval_batches=2", "topology.workers=2", "train.warmup_steps=5"]
@@ -14,7 +14,7 @@ TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32",
 def test_adaptive_h_on_a_tiny_model(tmp_path):
     out = tmp_path / "ah.json"
     sets = set_args(TINY)
-    p = run_bench("adaptive_h.py", "--rounds", "4", "--inner-steps", "5", "--bandwidth", "2mbit", "--max", "20",
+    p = bench_arguments("adaptive_h.py", "--rounds", "4", "--inner-steps", "5", "--bandwidth", "2mbit", "--max", "20",
                   *sets, "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from conftest import bench_arguments, run_bench
+from conftest import bench_arguments
 
 
 def test_one_freeze_trial(tmp_path):
     out = tmp_path / "freeze.json"
-    p = run_bench("elastic_freeze.py", "--freezes", "3", "--trials", "1", "--delays", "0", "--rounds", "6",
+    p = bench_arguments("elastic_freeze.py", "--freezes", "3", "--trials", "1", "--delays", "0", "--rounds", "6",
                   "--out", str(out))
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())

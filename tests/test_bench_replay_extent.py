@@ -8,7 +8,7 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, bench_arguments, run_bench
+from conftest import ROOT, bench_arguments
 
 sys.path.insert(0, str(ROOT / "bench"))
 import replay_extent  # noqa: E402
@@ -37,7 +37,7 @@ def test_tally_prices_a_replay_from_the_rounds_that_convicted_no_one():
 
 def test_replay_extent_on_a_tiny_run(tmp_path):
     out = tmp_path / "re.json"
-    p = run_bench("replay_extent.py", "--seeds", "1", "--rounds", "3", "--inner-steps", "4", "--trace-every", "2",
+    p = bench_arguments("replay_extent.py", "--seeds", "1", "--rounds", "3", "--inner-steps", "4", "--trace-every", "2",
                   "--replay", "1.0", "--out", str(out))
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import bench_arguments, run_bench, set_args
+from conftest import bench_arguments, set_args
 
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32", "train.batch_size=4",
         "train.eval_batches=2"]
@@ -14,7 +14,7 @@ TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.ctx=32",
 def test_reset_ramp_on_a_tiny_model(tmp_path):
     out = tmp_path / "rr.json"
     sets = set_args(TINY)
-    p = run_bench("reset_ramp.py", "--rounds", "2", "--inner-steps", "6", "--ramps", "2,3", *sets, "--out", str(out))
+    p = bench_arguments("reset_ramp.py", "--rounds", "2", "--inner-steps", "6", "--ramps", "2,3", *sets, "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [(r["name"], r["inner_state"], r["round_warmup_steps"]) for r in rows] == [

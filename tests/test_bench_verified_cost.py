@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import ROOT, bench_arguments, run_bench, set_args
+from conftest import ROOT, bench_arguments, set_args
 
 from veriloco.config import load_config
 
@@ -31,7 +31,7 @@ def test_the_verified_config_turns_every_layer_on():
 def test_verified_cost_on_a_tiny_model(tmp_path):
     out = tmp_path / "vc.json"
     sets = set_args(TINY)
-    p = run_bench("verified_cost.py", "--rounds", "2", *sets, "--out", str(out))
+    p = bench_arguments("verified_cost.py", "--rounds", "2", *sets, "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["plain", "reset", "reset+ramp", "keep+ramp", "verified"]

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from veriloco.config import ModelConfig, TrainConfig
 from veriloco.inner import InnerLoop
 from veriloco.model import build_model, lm_loss
 from veriloco.pipeline import EmulatedPipeline, PipelineInnerLoop, pipeline_eval_loss
+from veriloco.procs import start_workers
 from veriloco.topology import Topology, build_stage_model, layers_of_stage
 
 MODEL = ModelConfig(n_layer=2, n_head=2, d_model=32, ctx=16)
@@ -130,6 +130,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawned(fn, nprocs: int, tmp_path: Path) -> list[dict]:
+    """Run fn(rank, port, out) in `nprocs` processes (veriloco's own: from its forkserver, torch
+    preloaded); what each saved as rank<r>.pt, in rank order."""
+    start_workers(fn, (_free_port(), str(tmp_path)), nprocs)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(nprocs)]
+
+
 def _init(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -167,8 +174,7 @@ def _one_worker_two_stages(rank: int, port: int, out: str) -> None:
 
 
 def test_two_stage_pipeline_matches_unsplit_inner_loop(tmp_path):
-    mp.spawn(_one_worker_two_stages, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    got = _spawned(_one_worker_two_stages, 2, tmp_path)
     ref_losses, ref_params = unsplit_run(worker=0)
 
     # the global-norm clip is exercised: the unsplit grad norm at step 0 is above grad_clip
@@ -247,8 +253,7 @@ def _two_workers_two_stages(rank: int, port: int, out: str) -> None:
 
 
 def test_two_workers_two_stages_groups_and_steps(tmp_path):
-    mp.spawn(_two_workers_two_stages, args=(_free_port(), str(tmp_path)), nprocs=4, join=True)
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    got = _spawned(_two_workers_two_stages, 4, tmp_path)
     topo = Topology(2, 2)
     for rank, g in enumerate(got):
         worker, stage = topo.worker_of(rank), topo.stage_of(rank)
@@ -301,8 +306,7 @@ def _one_worker_three_tied_stages(rank: int, port: int, out: str) -> None:
 
 
 def test_tied_embeddings_across_three_stages_train_as_the_whole_model(tmp_path):
-    mp.spawn(_one_worker_three_tied_stages, args=(_free_port(), str(tmp_path)), nprocs=3, join=True)
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
+    got = _spawned(_one_worker_three_tied_stages, 3, tmp_path)
     names = [sorted(n for n in g["1f1b"]["params"] if not n.startswith("blocks.")) for g in got]
     assert names == [["pos_emb.weight", "tok_emb.weight"], [], ["ln_f.bias", "ln_f.weight"]]  # the head is named once
 
