@@ -76,6 +76,39 @@ def test_an_olmo2_checkpoint_starts_a_run_as_it_is(tmp_path):
         read_init(cfg.model, build_meta(cfg.model))
 
 
+def test_mistrals_sliding_window_is_transformers_own(tmp_path):
+    """`[model] sliding_window` (Mistral 7B v0.1's 4096, here 8 of a 32-token context): the logits
+    equal transformers' own, three stages chain to them, and a saved Mistral with its window
+    starts a run only with the same window."""
+    from veriloco.model import build_meta
+    from veriloco.weights import read_init
+
+    cfg = tiny("--model.arch=mistral", *SMALL, "--model.sliding_window=8")
+    model = build_model(cfg.model, cfg.run.seed)
+    reference = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
+    assert reference.config.sliding_window == 8
+    reference.load_state_dict(model.state_dict())
+    x = torch.randint(0, 256, (2, cfg.model.ctx))
+    full = tiny("--model.arch=mistral", *SMALL)
+    with torch.no_grad():
+        logits = model(x)
+        assert torch.equal(logits, reference(input_ids=x).logits)
+        assert not torch.equal(logits, build_model(full.model, cfg.run.seed)(x))  # the window changes them
+        h = x
+        for s in range(3):
+            h = build_stage_model(cfg.model, cfg.run.seed, s, 3)(h)
+    assert torch.equal(h, logits)
+    reference.save_pretrained(tmp_path / "mistral")
+    init = f"--model.init={tmp_path / 'mistral'}"
+    assert len(read_init(tiny("--model.arch=mistral", *SMALL, "--model.sliding_window=8", init).model, build_meta(cfg.model)))
+    with pytest.raises(ConfigError, match=r"config.json sliding_window = 8 but model.sliding_window = 0 \(at model.ctx = 32\)"):
+        read_init(tiny("--model.arch=mistral", *SMALL, init).model, build_meta(cfg.model))
+    with pytest.raises(ConfigError, match=r"model.sliding_window is for arch mistral \(its every layer\); model.arch is 'llama'"):
+        tiny(*SMALL, "--model.arch=llama", "--model.sliding_window=8")
+    with pytest.raises(ConfigError, match=r"model.sliding_window must be >= 0, got -1"):
+        tiny("--model.arch=mistral", *SMALL, "--model.sliding_window=-1")
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for flag in ("false", "true"):

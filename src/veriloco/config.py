@@ -63,6 +63,10 @@ class ModelConfig:
         "tie_word_embeddings); with topology.stages > 1 the first stage owns it and the last stage's "
         "head uses a copy sent each step, its gradient sent back",
     )
+    sliding_window: int = _f(
+        0, "arch mistral: each token attends to the last this many tokens only (config.json's sliding_window, "
+        "Mistral 7B v0.1's 4096); 0 = the whole context (hf.py)",
+    )
     checkpoint: bool = _f(
         False,
         "activation checkpointing: keep only each block's input for the backward and recompute the rest "
@@ -622,6 +626,9 @@ def _check_arch(m: ModelConfig) -> None:
     need(m.kv_heads >= 0 and m.ffn >= 0 and m.head_dim >= 0,
          f"model.kv_heads, model.ffn and model.head_dim must be >= 0, got {m.kv_heads}, {m.ffn} and {m.head_dim}")
     need(m.rope_theta > 0 and m.norm_eps > 0, f"model.rope_theta and model.norm_eps must be > 0, got {m.rope_theta} and {m.norm_eps}")
+    need(m.sliding_window >= 0, f"model.sliding_window must be >= 0, got {m.sliding_window}")
+    need(not m.sliding_window or m.arch == "mistral",
+         f"model.sliding_window is for arch mistral (its every layer); model.arch is {m.arch!r}")
     if m.arch == "gpt":
         need(not (m.kv_heads or m.ffn or m.head_dim or m.rope_theta != 10000.0 or m.norm_eps != 1e-6 or m.rope_scaling),
              "model.kv_heads, model.head_dim, model.ffn, model.rope_theta, model.rope_scaling and model.norm_eps are for "

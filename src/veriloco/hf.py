@@ -2,7 +2,7 @@
 
 `[model] arch = "llama"` (or "mistral", "qwen2", "qwen3", "olmo2") trains that `transformers` architecture
 instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, head_dim,
-d_model, ffn, ctx, vocab_size, rope_theta, rope_scaling, norm_eps, tie). Nothing is fetched: the `transformers`
+d_model, ffn, ctx, vocab_size, rope_theta, rope_scaling, norm_eps, tie, sliding_window). Nothing is fetched: the `transformers`
 config is made from those fields (`hf_config`), the weights are initialised from `run.seed` (or
 read from `[model] init`: weights.py), and the tokens are the run's own (bytes, a .bin corpus's
 ids, or `[data] tokenizer`'s).
@@ -17,7 +17,8 @@ Its forward is the decoder loop of `LlamaModel.forward` (and of the other archs'
 same loop), written out so that a stage can run a
 slice of it: embed (first stage), rotary position embeddings (every stage: they hold no
 parameters), the held layers, the final norm and head (last stage). Attention is PyTorch's SDPA
-with `is_causal` (no padding: every sequence is a full window). `tests/test_hf.py` checks that
+with `is_causal` (no padding: every sequence is a full window), or with Mistral's sliding-window
+mask (`window_mask`) when `[model] sliding_window` is shorter than the sequence. `tests/test_hf.py` checks that
 the full model's logits equal `transformers`' own forward and that the stages chained equal the
 full model.
 """
@@ -118,8 +119,8 @@ def hf_config(m: ModelConfig) -> Any:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an arch's default outside this vocab (OLMo 2's eos 50279)
         if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= m.vocab_size:
             extra[key] = None
-    if m.arch in ("mistral", "qwen2", "qwen3"):
-        extra["sliding_window"] = None  # full causal attention over the window, as the GPT
+    if m.arch in ("mistral", "qwen2", "qwen3"):  # [model] sliding_window (mistral), else full causal attention
+        extra["sliding_window"] = (m.sliding_window or None) if m.arch == "mistral" else None
     if m.arch in ("qwen2", "qwen3"):
         extra["use_sliding_window"] = False
     scaling, positions = rope_scaling(m), m.ctx
@@ -199,19 +200,31 @@ class HFCausalLM(nn.Module):
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         rope = self.model.rotary_emb(h, position_ids=pos)
+        mask = window_mask(h.shape[1], self.cfg.sliding_window, h.device)
         recompute = self.cfg.checkpoint and torch.is_grad_enabled()  # [model] checkpoint
         for layer in self.model.layers.values():
             if recompute:
-                h = checkpoint(_run_layer, layer, h, pos, rope, use_reentrant=False)
+                h = checkpoint(_run_layer, layer, h, pos, rope, mask, use_reentrant=False)
             else:
-                h = _run_layer(layer, h, pos, rope)
+                h = _run_layer(layer, h, pos, rope, mask)
         if self.lm_head is not None:
             h = self.lm_head(self.model.norm(h))
         return h
 
 
-def _run_layer(layer: nn.Module, h: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=rope)
+def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """`[model] sliding_window`: the boolean attention mask [1, 1, length, length] that lets a token
+    see itself and the `window` - 1 before it (transformers' sliding-window causal mask), or None
+    (SDPA's `is_causal`) when the window covers the sequence."""
+    if not window or window >= length:
+        return None
+    q, k = torch.arange(length, device=device)[:, None], torch.arange(length, device=device)[None, :]
+    return ((k <= q) & (q - k < window))[None, None]
+
+
+def _run_layer(layer: nn.Module, h: torch.Tensor, pos: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope)
     return out[0] if isinstance(out, tuple) else out
 
 

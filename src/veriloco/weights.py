@@ -26,7 +26,7 @@ import io
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -92,9 +92,15 @@ def _hf_settings(m: ModelConfig, config: dict) -> list[str]:
         if key in config and config[key] != getattr(ours, key, default):
             out.append(f"config.json {key} = {config[key]!r} but veriloco's {m.arch} has {getattr(ours, key, default)!r} "
                        "(no [model] key sets it)")
-    if config.get("use_sliding_window") or (config.get("sliding_window") and m.arch == "mistral"
-                                            and config["sliding_window"] < m.ctx):
-        out.append("config.json uses sliding-window attention, which veriloco does not run")
+    def window(w: Any) -> Any:  # the window as it acts on model.ctx tokens (None: full attention)
+        return w if isinstance(w, int) and not isinstance(w, bool) and 0 < w < m.ctx else None
+
+    if config.get("use_sliding_window"):
+        out.append("config.json uses sliding-window attention on some layers (use_sliding_window), which veriloco "
+                   "does not run")
+    elif m.arch == "mistral" and window(config.get("sliding_window")) != window(m.sliding_window):
+        out.append(f"config.json sliding_window = {config.get('sliding_window')!r} but model.sliding_window = "
+                   f"{m.sliding_window!r} (at model.ctx = {m.ctx})")
     return out
 
 
