@@ -933,8 +933,10 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
             if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
                 _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
     t = task.computed
-    build = lambda start: model_from(cfg.model, start, task.device)  # noqa: E731  (the model at the start: no G_0 read)
-    replayer = plain_replayer(t.make_model, t.loss, cfg.train, total, build) if stages == 1 else _emulated_replayer(cfg, total)
+    if stages == 1:  # the model built at the segment's start (no G_0 read)
+        replayer = plain_replayer(t.make_model, t.loss, cfg.train, total, lambda start: model_from(cfg.model, start, task.device))
+    else:
+        replayer = _emulated_replayer(cfg, total)
     back = r - 1 - cfg.outer.delay
     land = None
     if cfg.outer.overlap_steps:  # round r-1's update landed inside round r, before this step

@@ -34,7 +34,9 @@ so anyone holding the corpus can recompute exactly which tokens a worker trained
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,11 +157,16 @@ def documents(source: str) -> list[tuple[str, Path]]:
     if not path.exists():
         raise DataError(f"data.source not found: {path}")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+        files = files_under(path)
         if not files:
             raise DataError(f"data.source directory {path} has no files")
         return [(str(p.relative_to(path)), p) for p in files]
     return [(path.name, path)]
+
+
+def files_under(directory: Path) -> list[Path]:
+    """Every regular file under `directory`, sorted by path: a directory source's corpus order."""
+    return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
 LLMC_HEADERS = {20240520: (1, "uint16"), 20240801: (7, "uint32")}  # llm.c's dev/data shards: magic -> version, tokens
@@ -192,7 +199,7 @@ def token_shards(cfg: DataConfig) -> list[Shard] | None:
             return None
         files = [path]
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
+        files = files_under(path)
         other = [p for p in files if p.suffix != ".bin"]
         if len(other) == len(files):
             return None
@@ -224,6 +231,14 @@ def _shard(path: Path, bin_dtype: str) -> Shard:
     if size % item:
         raise DataError(f"token .bin {path} has {size} bytes, not a multiple of {bin_dtype} ({item})")
     return Shard(path, 0, size)
+
+
+def used_bytes(shards: list[Shard], cfg: DataConfig) -> int:
+    """How many token bytes of `shards` the corpus holds: all of them, or the first
+    `[data] max_bytes` cut to whole tokens."""
+    size = sum(s.size for s in shards)
+    size = min(size, cfg.max_bytes) if cfg.max_bytes else size
+    return size - size % np.dtype(cfg.bin_dtype).itemsize
 
 
 def read_shards(shards: list[Shard], total: int, piece: int) -> Iterator[bytes]:
@@ -268,17 +283,14 @@ def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Read the corpus named by `cfg.source` and check it fits the model."""
     src, shards = cfg.source, token_shards(cfg)
     if shards is not None:
-        size = sum(s.size for s in shards)
-        size = min(size, cfg.max_bytes) if cfg.max_bytes else size  # read no more than is used
+        size = used_bytes(shards, cfg)  # read no more than is used
         raw, kind = b"".join(read_shards(shards, size, max(size, 1))), "bin"
         docs: list[tuple[str, bytes]] = []
     else:
         docs = [(name, f.read_bytes()) for name, f in documents(src)]  # a text source's documents
         raw, kind = (_with_headers(docs) if src == "stdlib" or Path(src).is_dir() else docs[0][1]), "text"
-    if cfg.max_bytes:
-        raw = raw[: cfg.max_bytes]
-        if kind == "bin":
-            raw = raw[: len(raw) - len(raw) % np.dtype(cfg.bin_dtype).itemsize]
+        if cfg.max_bytes:
+            raw = raw[: cfg.max_bytes]
     tokenizer_json = read_tokenizer(cfg, vocab_size)
     if tokenizer_json is None or kind == "bin":  # a .bin's tokenizer is what made its ids: kept, not rerun
         corpus = corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
@@ -369,9 +381,6 @@ def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: st
     trains on the ids `--data.source=SOURCE --data.tokenizer=T --data.eos=EOS` would make). uint16
     when the vocabulary fits, else uint32. Written whole or not at all; an existing `out` is
     refused. Returns (tokens, dtype)."""
-    import os
-    import tempfile
-
     out = Path(out)
     if out.exists():
         raise DataError(f"{out} already exists; tokenize writes a new file")
@@ -442,9 +451,7 @@ def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus
         return PreparedCorpus(corpus.root, corpus.manifest(), corpus.tokenizer_json, lambda: iter(corpus.chunks))
     tokenizer_json = read_tokenizer(cfg, vocab_size)
     dtype = np.dtype(cfg.bin_dtype)
-    size = sum(s.size for s in shards)
-    size = min(size, cfg.max_bytes) if cfg.max_bytes else size
-    size -= size % dtype.itemsize
+    size = used_bytes(shards, cfg)
     eval_start_of(size // dtype.itemsize, cfg.eval_fraction, ctx)
 
     def chunks() -> Iterator[bytes]:

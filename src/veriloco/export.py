@@ -21,24 +21,21 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
-
-import torch
 
 from .config import Config, ConfigError, config_from_dict
 from .hashing import TensorsHasher
 from .records import RunDir
 from .store import LocalStore, StoreError
-from .tensorfile import TensorFile, write_tensors
+from .tensorfile import FileTensors, TensorFile, write_tensors
 
 
 class ExportError(ValueError):
     """The run cannot be exported as asked: one line naming why."""
 
 
-class RoundParams(Mapping[str, torch.Tensor]):
+class RoundParams(FileTensors):
     """The global params after round `r`, read a tensor at a time from the round's checkpoints in
     the store (a pipelined run's stage checkpoints, merged; `tensorfile.TensorFile` on each blob,
     whose hash the store checks as a stream first), so export writes the model and sample builds
@@ -46,7 +43,7 @@ class RoundParams(Mapping[str, torch.Tensor]):
     its record names. ExportError, one line, for a checkpoint that does not load or match."""
 
     def __init__(self, store: LocalStore, parts: list[dict], r: int) -> None:
-        self._where: dict[str, tuple[TensorFile, str]] = {}  # name -> its checkpoint, and its key there
+        where: dict[str, tuple[TensorFile, str]] = {}  # name -> its checkpoint, and its key there
         self._stages: list[tuple[list[str], str, str]] = []  # (names, params hash, what to call it)
         for s, part in enumerate(parts):
             label = f"round {r}: checkpoint of stage {s}"
@@ -55,8 +52,9 @@ class RoundParams(Mapping[str, torch.Tensor]):
             except (StoreError, ValueError, OSError) as e:
                 raise ExportError(f"{label} does not load: {str(e).splitlines()[0]}") from None
             names = sorted(k[len("param/"):] for k in ckpt.index if k.startswith("param/"))
-            self._where.update((n, (ckpt, f"param/{n}")) for n in names)
+            where.update((n, (ckpt, f"param/{n}")) for n in names)
             self._stages.append((names, part["params_hash"], label))
+        super().__init__(where, ExportError)  # a blob changed since its hash was checked: one line
 
     def check(self) -> None:
         for names, params_hash, label in self._stages:
@@ -65,22 +63,6 @@ class RoundParams(Mapping[str, torch.Tensor]):
                 hasher.add(name, self[name])
             if hasher.hexdigest() != params_hash:
                 raise ExportError(f"{label} does not match its record's params hash")
-
-    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {name: ckpt.index[key][:2] for name, (ckpt, key) in self._where.items()}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        ckpt, key = self._where[name]
-        try:
-            return ckpt[key]
-        except (ValueError, OSError) as e:  # the blob changed since its hash was checked
-            raise ExportError(str(e).splitlines()[0]) from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._where))
-
-    def __len__(self) -> int:
-        return len(self._where)
 
 
 class Opened(NamedTuple):

@@ -87,6 +87,33 @@ class TensorFile(Mapping[str, torch.Tensor]):
         return len(self.index)
 
 
+class FileTensors(Mapping[str, torch.Tensor]):
+    """Tensors under names of the caller's, each read when asked for from the `TensorFile` that
+    holds it, under its key there: `where` = {name: (file, key)} (several files merged, a
+    checkpoint's tensors renamed). A file that changed since its header was read raises `error`
+    (the caller's one-line error type), its message prefixed with `prefix`."""
+
+    def __init__(self, where: dict[str, tuple[TensorFile, str]], error: type[Exception] = ValueError,
+                 prefix: str = "") -> None:
+        self.where, self._error, self._prefix = where, error, prefix
+
+    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: file.index[key][:2] for name, (file, key) in self.where.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, key = self.where[name]
+        try:
+            return file[key]
+        except (ValueError, OSError) as e:
+            raise self._error(f"{self._prefix}{str(e).splitlines()[0][:200]}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.where))
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
 def layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """name -> (dtype, shape): a lazy mapping's own `layout()` (nothing read), else the tensors'."""
     layout = getattr(tensors, "layout", None)
@@ -120,4 +147,4 @@ def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.
     return 8 + len(raw) + offset
 
 
-__all__ = ["DTYPES", "FLOATS", "Layout", "TensorFile", "layout_of", "write_tensors"]
+__all__ = ["DTYPES", "FLOATS", "FileTensors", "Layout", "TensorFile", "layout_of", "write_tensors"]

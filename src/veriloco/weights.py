@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -34,7 +34,7 @@ from torch import nn
 from .config import ConfigError, ModelConfig
 from .hashing import TensorsHasher
 from .model import embedding_name
-from .tensorfile import TensorFile, layout_of, write_tensors
+from .tensorfile import FileTensors, TensorFile, layout_of, write_tensors
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved beside the weights
 
@@ -145,7 +145,8 @@ def read_init(m: ModelConfig, model: nn.Module) -> InitParams:
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     embedding = embedding_name(m)
     if m.tie and "lm_head.weight" in found and embedding in found:  # [model] tie: the head is the embedding
-        if not torch.equal(_read(found["lm_head.weight"]), _read(found[embedding])):
+        read = FileTensors(found, ConfigError, "model.init: ")
+        if not torch.equal(read["lm_head.weight"], read[embedding]):
             raise ConfigError(f"model.init: {path} has a head of its own (lm_head.weight is not its embedding): "
                               "set model.tie = false")
         del found["lm_head.weight"]  # a tied model's export writes the head too (GPT): the same matrix
@@ -164,37 +165,23 @@ def read_init(m: ModelConfig, model: nn.Module) -> InitParams:
                               f"{shape}: set [model] to the checkpoint's sizes")
         if not dtype.is_floating_point:
             raise ConfigError(f"model.init: {name} is {dtype}, not a float tensor")
-    return InitParams({name: found[name] for name in expected}, expected)
+    return InitParams({name: found[name] for name in expected})
 
 
-def _read(where: tuple[TensorFile, str]) -> torch.Tensor:
-    file, key = where
-    try:
-        return file[key]
-    except (OSError, ValueError) as e:  # the file changed since its header was read
-        raise ConfigError(f"model.init: {str(e).splitlines()[0][:200]}") from None
-
-
-class InitParams(Mapping[str, torch.Tensor]):
+class InitParams(FileTensors):
     """The `[model] init` weights under the model's names, each read from its file as float32
     when asked for (`read_init`): nothing is held, so run.prepare_run writes G_0 from a
     checkpoint holding one tensor at a time. A tied checkpoint's head, untied, is read from the
     embedding."""
 
-    def __init__(self, sources: dict[str, tuple[TensorFile, str]], shapes: dict[str, tuple[int, ...]]) -> None:
-        self._sources, self._shapes = sources, shapes
+    def __init__(self, where: dict[str, tuple[TensorFile, str]]) -> None:
+        super().__init__(where, ConfigError, "model.init: ")
 
     def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {name: (torch.float32, shape) for name, shape in self._shapes.items()}
+        return {name: (torch.float32, shape) for name, (_, shape) in super().layout().items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return _read(self._sources[name]).to(torch.float32).contiguous()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._shapes)
-
-    def __len__(self) -> int:
-        return len(self._shapes)
+        return super().__getitem__(name).to(torch.float32).contiguous()
 
 
 def write_initial(f: BinaryIO, params: Mapping[str, torch.Tensor]) -> str:
