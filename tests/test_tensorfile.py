@@ -101,6 +101,51 @@ def test_a_staged_blob_is_adopted_whole_or_left_nowhere(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["store"]  # not adopted: gone
 
 
+def _staging(directory, then) -> tuple[int, str]:
+    """A forked process that stages a blob in `directory`, says where, then runs `then`: (pid, path)."""
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            blob = StagedBlob(directory)
+            blob.write(b"x")
+            os.write(write, str(blob.path).encode())
+            then()
+        finally:
+            os._exit(1)
+    os.close(write)
+    path = os.read(read, 4096).decode()
+    os.close(read)
+    return pid, path
+
+
+def test_a_staged_file_a_killed_process_left_is_removed_by_the_next(tmp_path):
+    """kill -9 during the prepare step leaves its staged G_0 (no cleanup runs); the next staged
+    blob in that directory removes it, and spares one whose process is still writing it."""
+    import os
+    import signal
+    import time
+
+    dead, left = _staging(tmp_path, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    assert os.waitpid(dead, 0)[1] == signal.SIGKILL and os.path.exists(left)
+    live, live_path = _staging(tmp_path, lambda: time.sleep(60))
+    try:
+        fresh = tmp_path / ".tmp-blob-fresh"  # made a moment ago, not locked yet: spared
+        fresh.write_bytes(b"")
+        with StagedBlob(tmp_path):
+            assert os.path.exists(left)  # written less than a minute ago: its process may not have locked it yet
+        old = time.time() - 120
+        for path in (left, live_path):
+            os.utime(path, (old, old))
+        with StagedBlob(tmp_path) as blob:
+            assert {p.name for p in tmp_path.iterdir()} == {os.path.basename(live_path), fresh.name, blob.path.name}
+    finally:
+        os.kill(live, signal.SIGKILL)
+        os.waitpid(live, 0)
+
+
 def test_the_prepare_step_reads_an_init_checkpoint_a_tensor_at_a_time(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 

@@ -165,3 +165,99 @@ def test_a_big_text_source_is_tokenized_a_document_at_a_time_into_a_bin(tmp_path
         code, lines, _ = cli(monkeypatch, capsys, "tokenize", *args)
         assert code == 2 and len(lines) == 1 and message in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".txt")) == ["docs.bin"]
+
+
+def _pieces_cut_whole(text: bytes, piece: int) -> list[str]:
+    """How the text was cut for the tokenizer when it was held whole: after the first newline past
+    every `piece` bytes."""
+    out, start = [], 0
+    while start < len(text):
+        cut = text.find(b"\n", start + piece)
+        end = len(text) if cut < 0 else cut + 1
+        out.append(text[start:end].decode("utf-8", errors="replace"))
+        start = end
+    return out
+
+
+def test_text_read_in_blocks_is_cut_into_the_pieces_of_the_whole(monkeypatch):
+    """What the tokenizer sees depends on the pieces (a tokenizer may mark each piece's start), so
+    a text read in blocks of any size is cut where the whole text was."""
+    from veriloco import data
+
+    monkeypatch.setattr(data, "TOKENIZE_PIECE", 50)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        text = bytes(rng.choice(np.frombuffer(b"ab \n\xc3\xa9", dtype=np.uint8), int(rng.integers(0, 700))))
+        cuts = sorted(rng.integers(0, len(text) + 1, int(rng.integers(0, 12))))
+        blocks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert list(data._pieces_of(blocks)) == _pieces_cut_whole(text, 50)
+
+
+@pytest.mark.parametrize("max_bytes", [0, 5001])
+@pytest.mark.parametrize("mode", ["bytes", "tokens", "eos"])
+def test_text_is_prepared_as_a_stream_as_if_read_whole(tmp_path, tokenizer_file, monkeypatch, mode, max_bytes):
+    """The prepare step reads a text source a block at a time and tokenizes it a few pieces at a
+    time, into an unnamed scratch file: the chunks and root are those of the text held whole (the
+    oracle here, written out plainly), and the tokenizer runs once."""
+    from veriloco import data
+
+    monkeypatch.setattr(data, "TOKENIZE_PIECE", 97)  # small pieces, blocks and batches: every boundary is crossed
+    monkeypatch.setattr(data, "READ_BLOCK", 61)
+    monkeypatch.setattr(data, "ENCODE_BATCH", 3)
+    docs = tmp_path / "docs"
+    (docs / "b").mkdir(parents=True)
+    files = {"a.txt": "".join(f"ligne {i} é ✓ {'x' * (i % 150)}\n" for i in range(120)).encode(),
+             "b/c.txt": b"\xff\xfe no newline, not UTF-8 " * 40, "b/empty.txt": b"", "d.txt": b"last\n" * 30}
+    for name, text in files.items():
+        (docs / name).write_bytes(text)
+    args = [f"--data.source={docs}", "--data.chunk_bytes=1027", f"--data.max_bytes={max_bytes}"]
+    if mode != "bytes":
+        args += [f"--data.tokenizer={tokenizer_file}", "--model.vocab_size=300"]
+    if mode == "eos":
+        args += ["--data.eos=<|endoftext|>"]
+    cfg = tiny(*args)
+    tok, names = tokenizers.Tokenizer.from_file(str(tokenizer_file)), sorted(files)
+
+    def ids_of(text: bytes) -> list[int]:
+        return [i for e in tok.encode_batch(_pieces_cut_whole(text, 97), add_special_tokens=False) for i in e.ids]
+
+    if mode == "eos":  # each document, cut to max_bytes in all, then the eos token
+        ids, left = [], max_bytes or sum(map(len, files.values()))
+        for name in names:
+            if left <= 0:
+                break
+            ids += [*ids_of(files[name][:left]), tok.token_to_id("<|endoftext|>")]
+            left -= len(files[name])
+        expected = np.asarray(ids, dtype=np.uint32).tobytes()
+    else:  # the documents with their headers, cut to max_bytes, as one text
+        text = b"".join(f"# file: {n}\n".encode() + files[n] + b"\n" for n in names)[: max_bytes or None]
+        expected = text if mode == "bytes" else np.asarray(ids_of(text), dtype=np.uint32).tobytes()
+    whole = data.corpus_from_raw(expected, "text" if mode == "bytes" else "tokenized", cfg.data, 300, 32)
+    (tmp_path / "scratch").mkdir()
+    prepared = data.prepare_corpus(cfg.data, 300, 32, scratch=tmp_path / "scratch")
+    assert prepared.manifest_bytes() == whole.manifest_bytes()
+    assert list((tmp_path / "scratch").iterdir()) == []  # the scratch file has no name: nothing to leave behind
+    assert data.load_corpus(cfg.data, 300, 32).manifest_bytes() == whole.manifest_bytes()
+    monkeypatch.setattr(data, "_encoded", None)  # storing the chunks does not tokenize again
+    put: list[bytes] = []
+    with prepared:
+        prepared.put_chunks(lambda b: (put.append(bytes(b)), whole.chunk_hashes[len(put) - 1])[1])
+    assert put == [bytes(c) for c in whole.chunks]
+
+
+def test_text_that_changes_while_the_run_is_prepared_is_refused(tmp_path):
+    from veriloco.data import prepare_corpus
+    from veriloco.hashing import sha256_hex
+
+    text = tmp_path / "text.txt"
+    data = tiny(f"--data.source={text}", "--data.chunk_bytes=4096", "--data.max_bytes=0").data
+    whole = b"line of text\n" * 630 + b"xx"  # 8192 bytes: 2 whole chunks
+    for changed, chunk in [(whole + b"\n" * 10, 2),  # grown: a chunk more than was hashed
+                           (whole[:4096], 1),  # shorter: a chunk missing
+                           (b"X" + whole[1:], 0)]:  # rewritten
+        text.write_bytes(whole)
+        prepared = prepare_corpus(data, 256, 32)
+        assert len(prepared.manifest["chunks"]) == 2
+        text.write_bytes(changed)
+        with pytest.raises(DataError, match=f"corpus chunk {chunk} changed while the run was prepared"):
+            prepared.put_chunks(sha256_hex)

@@ -19,8 +19,10 @@ tokenizer. The tokenizer file itself goes into the store and its hash into the m
 the tokenizer that made its ids (`veriloco tokenize`, `tokenize_to_bin`: a text source tokenized a
 document at a time): it is kept the same way and not rerun.
 
-Token .bin files are prepared a chunk at a time (`prepare_corpus`), so they may be larger than memory;
-workers read their batches from the store a chunk at a time too (`task.StoredCorpus`).
+Every source is prepared as a stream (`prepare_corpus`: token files and text a chunk or block at a
+time, text that a tokenizer tokenizes a few pieces at a time into a scratch file), so a corpus may be
+larger than memory; workers read their batches from the store a chunk at a time too
+(`task.StoredCorpus`).
 
 The corpus is cut into `chunk_bytes` chunks whose sha256 hashes are the leaves of a Merkle tree
 (RFC 9162 hashing, the same as the ledger's); the root names the corpus in the manifest, and the
@@ -34,10 +36,11 @@ so anyone holding the corpus can recompute exactly which tokens a worker trained
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sysconfig
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,16 +65,6 @@ def stdlib_files() -> list[Path]:
         if p.is_file() and not p.name.startswith(("test", "_test"))
     ]
     return sorted(files, key=lambda p: p.name)
-
-
-def _with_headers(docs: list[tuple[str, bytes]]) -> bytes:
-    """The byte-level corpus of several files: each one as `# file: <name>\\n`, its bytes, `\\n`."""
-    parts = []
-    for name, data in docs:
-        parts.append(f"# file: {name}\n".encode())
-        parts.append(data)
-        parts.append(b"\n")
-    return b"".join(parts)
 
 
 @dataclass
@@ -280,42 +273,86 @@ def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
 
 
 def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
-    """Read the corpus named by `cfg.source` and check it fits the model."""
-    src, shards = cfg.source, token_shards(cfg)
-    if shards is not None:
+    """Read the corpus named by `cfg.source` whole and check it fits the model (the prepare step
+    streams it instead, to the same chunks: `prepare_corpus`)."""
+    shards = token_shards(cfg)
+    tokenizer_json = read_tokenizer(cfg, vocab_size)
+    if shards is not None:  # a .bin's tokenizer is what made its ids: kept, not rerun
         size = used_bytes(shards, cfg)  # read no more than is used
         raw, kind = b"".join(read_shards(shards, size, max(size, 1))), "bin"
-        docs: list[tuple[str, bytes]] = []
+    elif tokenizer_json is None:
+        raw, kind = b"".join(text_blocks(cfg.source, cfg.max_bytes)), "text"
     else:
-        docs = [(name, f.read_bytes()) for name, f in documents(src)]  # a text source's documents
-        raw, kind = (_with_headers(docs) if src == "stdlib" or Path(src).is_dir() else docs[0][1]), "text"
-        if cfg.max_bytes:
-            raw = raw[: cfg.max_bytes]
-    tokenizer_json = read_tokenizer(cfg, vocab_size)
-    if tokenizer_json is None or kind == "bin":  # a .bin's tokenizer is what made its ids: kept, not rerun
-        corpus = corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
-        corpus.tokenizer_json = tokenizer_json
-        return corpus
-    if cfg.eos:  # each document on its own, then the end-of-text token; no file headers
-        ids = tokenize_documents(_first_bytes([d for _, d in docs], cfg.max_bytes), tokenizer_json, vocab_size, cfg.eos)
-    else:
-        ids = tokenize(raw, tokenizer_json, vocab_size)
-    corpus = corpus_from_raw(ids, "tokenized", cfg, vocab_size, ctx)
+        raw, kind = b"".join(a.tobytes() for a in text_ids(cfg, tokenizer_json, vocab_size)), "tokenized"
+    corpus = corpus_from_raw(raw, kind, cfg, vocab_size, ctx)
     corpus.tokenizer_json = tokenizer_json
     return corpus
 
 
-def _first_bytes(docs: list[bytes], limit: int) -> list[bytes]:
-    """The documents cut to `limit` bytes in all (0: no limit), the last one cut short."""
-    if not limit:
-        return docs
-    out, left = [], limit
-    for d in docs:
-        if left <= 0:
+READ_BLOCK = 1 << 20  # a text file is read in blocks of this many bytes
+
+
+def _file_blocks(path: Path, limit: int = 0) -> Iterator[bytes]:
+    """The bytes of the file at `path` (its first `limit`, if > 0), a block at a time."""
+    with path.open("rb") as f:
+        left = limit or -1
+        while left and (block := f.read(READ_BLOCK if left < 0 else min(READ_BLOCK, left))):
+            left -= len(block) if left > 0 else 0
+            yield block
+
+
+def text_blocks(source: str, max_bytes: int = 0) -> Iterator[bytes]:
+    """A text source's byte-level corpus, a block at a time: a file's bytes, or for a directory
+    (and the embedded corpus) each file as `# file: <name>\\n`, its bytes, `\\n`, in corpus order;
+    its first `max_bytes` (0: all)."""
+    headers = source == "stdlib" or Path(source).is_dir()
+    left = max_bytes or -1
+    for name, path in documents(source):
+        parts = [f"# file: {name}\n".encode(), _file_blocks(path), b"\n"] if headers else [_file_blocks(path)]
+        for block in itertools.chain.from_iterable([p] if isinstance(p, bytes) else p for p in parts):
+            if left >= 0:
+                block, left = block[:left], left - min(left, len(block))
+            if block:
+                yield block
+            if not left:
+                return
+
+
+def text_ids(cfg: DataConfig, tokenizer_json: bytes, vocab_size: int) -> Iterator[np.ndarray]:
+    """The token ids `[data] tokenizer` makes of the text source, a batch of pieces at a time
+    (uint32 arrays): the byte-level corpus (`text_blocks`, file headers and `max_bytes` cut
+    included) encoded as one text, or with `[data] eos` each document on its own (no headers)
+    followed by the eos token, the documents cut to `max_bytes` in all. DataError (one line) if
+    the tokenizer does not load or fit, or eos is not one of its tokens."""
+    tok = load_tokenizer(tokenizer_json, vocab_size)
+    if not cfg.eos:
+        return _encoded(tok, text_blocks(cfg.source, cfg.max_bytes))
+    eos_id = tok.token_to_id(cfg.eos)
+    if eos_id is None:
+        raise DataError(f"data.eos {cfg.eos!r:.60} is not a token of data.tokenizer")
+    return document_ids(tok, documents(cfg.source), eos_id, cfg.max_bytes)
+
+
+def document_ids(tok, docs: list[tuple[str, Path]], eos_id: int | None, max_bytes: int = 0) -> Iterator[np.ndarray]:
+    """Each document's token ids (`_encoded`, a document at a time, without headers), followed by
+    `eos_id` (None: nothing); the documents cut to `max_bytes` in all (0: no cut), the last one
+    cut short, as uint32 arrays."""
+    left = max_bytes
+    for _, path in docs:
+        if max_bytes and left <= 0:
             break
-        out.append(d[:left])
-        left -= len(d)
-    return out
+        read = [0]
+        yield from _encoded(tok, _counted(_file_blocks(path, left if max_bytes else 0), read))
+        if eos_id is not None:
+            yield np.asarray([eos_id], dtype=TOKENIZED_DTYPE)
+        left -= read[0]
+
+
+def _counted(blocks: Iterable[bytes], count: list[int]) -> Iterator[bytes]:
+    """`blocks`, adding their lengths to count[0] on the way."""
+    for block in blocks:
+        count[0] += len(block)
+        yield block
 
 
 TOKENIZE_PIECE = 1 << 18  # the text is tokenized in pieces of about this many bytes, cut after a newline
@@ -342,41 +379,48 @@ def load_tokenizer(tokenizer_json: bytes, vocab_size: int | None = None, what: s
 def _pieces(text: bytes) -> list[str]:
     """`text` cut after the first newline past every TOKENIZE_PIECE bytes, each piece decoded
     (UTF-8; undecodable bytes become U+FFFD)."""
-    pieces, start = [], 0
-    while start < len(text):
-        cut = text.find(b"\n", start + TOKENIZE_PIECE)
-        end = len(text) if cut < 0 else cut + 1
-        pieces.append(text[start:end].decode("utf-8", errors="replace"))
-        start = end
-    return pieces
+    return list(_pieces_of([text]))
 
 
-def _encode(tok, text: bytes) -> list[int]:
-    """The token ids of `text`: its pieces (`_pieces`), each encoded on its own, without special tokens."""
-    return [i for enc in tok.encode_batch(_pieces(text), add_special_tokens=False) for i in enc.ids]
+def _pieces_of(blocks: Iterable[bytes]) -> Iterator[str]:
+    """`_pieces` of the bytes `blocks` make one after another, as they come: it holds one piece
+    (and the block that ends it), not the text."""
+    buf, scanned = bytearray(), TOKENIZE_PIECE
+    for block in blocks:
+        buf += block
+        while (cut := buf.find(b"\n", scanned)) >= 0:
+            yield buf[: cut + 1].decode("utf-8", errors="replace")
+            del buf[: cut + 1]
+            scanned = TOKENIZE_PIECE
+        scanned = max(TOKENIZE_PIECE, len(buf))
+    if buf:
+        yield buf.decode("utf-8", errors="replace")
+
+
+# pieces the tokenizer encodes at once, on its threads: one per core, up to 16 (each piece's encoding
+# holds tens of MB while it is made, so this bounds the prepare step's memory)
+ENCODE_BATCH = max(1, min(16, os.cpu_count() or 1))
+
+
+def _encoded(tok, blocks: Iterable[bytes]) -> Iterator[np.ndarray]:
+    """The token ids of the bytes `blocks` make (each of its `_pieces` encoded on its own, without
+    special tokens), a batch of pieces at a time, as uint32 arrays. `encode_batch_fast` (tokenizers
+    >= 0.21) makes the same ids without character offsets: 3-4x faster here."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    pieces = _pieces_of(blocks)
+    while batch := list(itertools.islice(pieces, ENCODE_BATCH)):
+        yield np.concatenate([np.asarray(e.ids, dtype=TOKENIZED_DTYPE) for e in encode(batch, add_special_tokens=False)])
 
 
 def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:
     """`text` as uint32 token ids of the tokenizer in `tokenizer_json` (the `tokenizers`
     library's format): a pure function of the bytes and the tokenizer file."""
-    return np.asarray(_encode(load_tokenizer(tokenizer_json, vocab_size), text), dtype=TOKENIZED_DTYPE).tobytes()
-
-
-def tokenize_documents(docs: list[bytes], tokenizer_json: bytes, vocab_size: int, eos: str) -> bytes:
-    """Each document's token ids (as `tokenize`), followed by the id of the token `eos`."""
-    tok = load_tokenizer(tokenizer_json, vocab_size)
-    eos_id = tok.token_to_id(eos)
-    if eos_id is None:
-        raise DataError(f"data.eos {eos!r:.60} is not a token of data.tokenizer")
-    ids: list[int] = []
-    for doc in docs:
-        ids += [*_encode(tok, doc), eos_id]
-    return np.asarray(ids, dtype=TOKENIZED_DTYPE).tobytes()
+    return b"".join(a.tobytes() for a in _encoded(load_tokenizer(tokenizer_json, vocab_size), [text]))
 
 
 def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: str = "") -> tuple[int, str]:
-    """Tokenize a text source into a token .bin at `out`, one document at a time (memory for one
-    document, not the source): each file of the source (`documents`) encoded as `[data] tokenizer`
+    """Tokenize a text source into a token .bin at `out`, streamed (memory for a batch of pieces,
+    not the source nor a document): each file of the source (`documents`) encoded as `[data] tokenizer`
     encodes it, followed by the token `eos` when given (`[data] eos`'s layout: a run on the .bin
     trains on the ids `--data.source=SOURCE --data.tokenizer=T --data.eos=EOS` would make). uint16
     when the vocabulary fits, else uint32. Written whole or not at all; an existing `out` is
@@ -399,9 +443,8 @@ def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: st
     n = 0
     try:
         with os.fdopen(fd, "wb") as f:
-            for _, path in docs:
-                ids = _encode(tok, path.read_bytes()) + ([eos_id] if eos_id is not None else [])
-                f.write(np.asarray(ids, dtype=dtype).tobytes())
+            for ids in document_ids(tok, docs, eos_id):
+                f.write(ids.astype(dtype).tobytes())
                 n += len(ids)
         os.chmod(tmp, 0o644)
         os.rename(tmp, out)
@@ -423,52 +466,106 @@ def corpus_from_raw(raw: bytes, kind: str, cfg: DataConfig, vocab_size: int, ctx
 class PreparedCorpus:
     """A corpus read and checked for a run (`prepare_corpus`): its Merkle root, its manifest, its
     tokenizer file, and `put_chunks`, which writes its chunks into the run's store once the run's
-    directory is known (the run id covers the root)."""
+    directory is known (the run id covers the root). `close` lets go of a tokenized corpus's
+    scratch file (also as a context manager)."""
 
     def __init__(self, root: str, manifest: dict, tokenizer_json: bytes | None,
-                 chunks: Callable[[], Iterator[bytes]]) -> None:
+                 chunks: Callable[[], Iterator[bytes]], close: Callable[[], None] = lambda: None) -> None:
         self.root, self.manifest, self.tokenizer_json, self._chunks = root, manifest, tokenizer_json, chunks
+        self.close = close
+
+    def __enter__(self) -> PreparedCorpus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def manifest_bytes(self) -> bytes:
         return canonical_json(self.manifest)
 
     def put_chunks(self, put: Callable[[bytes], str]) -> None:
         """`put` every chunk; DataError if a streamed file's chunk is no longer what was hashed."""
-        for i, (chunk, digest) in enumerate(zip(self._chunks(), self.manifest["chunks"], strict=True)):
-            if put(chunk) != digest:
-                raise DataError(f"corpus chunk {i} changed while the run was prepared (its file was written to)")
+        digests, n = self.manifest["chunks"], 0
+        for chunk in self._chunks():
+            if n >= len(digests) or put(chunk) != digests[n]:
+                break
+            n += 1
+        else:
+            if n == len(digests):
+                return
+        raise DataError(f"corpus chunk {n} changed while the run was prepared (its file was written to)")
 
 
-def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> PreparedCorpus:
-    """Read the corpus `cfg` names and check it fits the model. A token .bin is streamed a chunk
-    at a time, twice (hashed, then put into the store), so a corpus larger than
-    memory prepares in a chunk's worth of it; its chunks, manifest and root are those
-    `load_corpus` makes of the same file (tests/test_stored_corpus.py). Anything else is read
-    whole (`load_corpus`)."""
+def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int, scratch: str | os.PathLike[str] | None = None,
+                   ) -> PreparedCorpus:
+    """Read the corpus `cfg` names and check it fits the model, streamed, so a corpus larger than
+    memory prepares in a chunk's worth of it (a batch of tokenizer pieces for text that
+    `[data] tokenizer` tokenizes). Token .bin shards and byte-level text are read twice, a chunk
+    at a time (hashed, then put into the store); text that is tokenized is tokenized once, into an
+    unnamed scratch file in `scratch` (None: the system's temporary directory; it goes when closed
+    or when the process ends, however), whose chunks are then hashed and put. The chunks,
+    manifest and root are those `load_corpus` makes of the same source (tests/test_stored_corpus.py)."""
     shards = token_shards(cfg)
-    if shards is None:
-        corpus = load_corpus(cfg, vocab_size, ctx)
-        return PreparedCorpus(corpus.root, corpus.manifest(), corpus.tokenizer_json, lambda: iter(corpus.chunks))
     tokenizer_json = read_tokenizer(cfg, vocab_size)
-    dtype = np.dtype(cfg.bin_dtype)
-    size = used_bytes(shards, cfg)
-    eval_start_of(size // dtype.itemsize, cfg.eval_fraction, ctx)
+    if shards is not None:
+        size = used_bytes(shards, cfg)
+        eval_start_of(size // np.dtype(cfg.bin_dtype).itemsize, cfg.eval_fraction, ctx)  # before reading it all
+        return _prepared("bin", cfg, vocab_size, ctx, tokenizer_json, lambda: read_shards(shards, size, cfg.chunk_bytes))
+    if tokenizer_json is None:
+        return _prepared("text", cfg, vocab_size, ctx, None, lambda: _rechunk(text_blocks(cfg.source, cfg.max_bytes),
+                                                                                cfg.chunk_bytes))
+    f = tempfile.TemporaryFile(dir=scratch)
+    try:
+        for ids in text_ids(cfg, tokenizer_json, vocab_size):
+            f.write(ids.tobytes())
+        f.flush()
+        return _prepared("tokenized", cfg, vocab_size, ctx, tokenizer_json,
+                         lambda: _file_chunks(f.fileno(), cfg.chunk_bytes), f.close)
+    except BaseException:
+        f.close()
+        raise
 
-    def chunks() -> Iterator[bytes]:
-        return read_shards(shards, size, cfg.chunk_bytes)
 
-    hashes, carry, top = [], b"", 0
+def _prepared(kind: str, cfg: DataConfig, vocab_size: int, ctx: int, tokenizer_json: bytes | None,
+              chunks: Callable[[], Iterator[bytes]], close: Callable[[], None] = lambda: None) -> PreparedCorpus:
+    """The PreparedCorpus of the chunks `chunks()` makes, read once here to hash them and check
+    their ids (a token may straddle two chunks) and size."""
+    dtype = dtype_of(kind, cfg.bin_dtype)
+    hashes, carry, top, size = [], b"", 0, 0
     for chunk in chunks():
         hashes.append(sha256_hex(chunk))
-        data = carry + chunk  # a token may straddle two chunks
-        whole = len(data) - len(data) % dtype.itemsize
-        if whole:
-            top = max(top, int(np.frombuffer(data[:whole], dtype=dtype).max()))
-        carry = data[whole:]
-    check_ids("bin", top, vocab_size)
+        size += len(chunk)
+        if kind != "text":
+            data = carry + chunk
+            whole = len(data) - len(data) % dtype.itemsize
+            if whole:
+                top = max(top, int(np.frombuffer(data[:whole], dtype=dtype).max()))
+            carry = data[whole:]
+    check_ids(kind, top if kind != "text" else None, vocab_size)
+    eval_start_of(size // dtype.itemsize, cfg.eval_fraction, ctx)
     root = merkle_root([bytes.fromhex(h) for h in hashes]).hex()
-    manifest = corpus_manifest("bin", str(dtype), cfg.chunk_bytes, cfg.eval_fraction, hashes, root, size // dtype.itemsize)
-    return PreparedCorpus(root, manifest, tokenizer_json, chunks)
+    manifest = corpus_manifest(kind, str(dtype), cfg.chunk_bytes, cfg.eval_fraction, hashes, root, size // dtype.itemsize)
+    return PreparedCorpus(root, manifest, tokenizer_json, chunks, close)
+
+
+def _rechunk(blocks: Iterable[bytes], size: int) -> Iterator[bytes]:
+    """The bytes `blocks` make, in pieces of `size` bytes (the last may be shorter)."""
+    buf = bytearray()
+    for block in blocks:
+        buf += block
+        while len(buf) >= size:
+            yield bytes(buf[:size])
+            del buf[:size]
+    if buf:
+        yield bytes(buf)
+
+
+def _file_chunks(fd: int, size: int) -> Iterator[bytes]:
+    """The bytes of the open file `fd` from its start, in pieces of `size` bytes (positioned reads)."""
+    offset = 0
+    while chunk := os.pread(fd, size, offset):
+        yield chunk
+        offset += len(chunk)
 
 
 def _offset(tag: str, n_positions: int) -> int:

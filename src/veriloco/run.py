@@ -57,17 +57,16 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     """Load the corpus into the run's store, write the manifest; the run id is its hash. G_0 is
     written into the store one tensor at a time (from `[model] init`'s files, read a tensor at a
     time, or from the seed's model), so this holds at most the model, never its bytes beside it."""
-    corpus = prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx)
-    if cfg.model.init:  # start from weights on disk: checked from their headers, read a tensor at a time
-        initial = read_init(cfg.model, build_meta(cfg.model))
-    else:
-        initial = {k: p.detach() for k, p in build_model(cfg.model, cfg.run.seed).named_parameters()}
-    home = Path(out).parent if out else Path("runs")  # G_0 is staged beside the run directory it will name
+    home = Path(out).parent if out else Path("runs")  # G_0 (and tokenized text) is staged beside the run directory
     made = [d for d in (home, *home.parents) if not d.exists()]
     home.mkdir(parents=True, exist_ok=True)
     run = None
     try:
-        with StagedBlob(home) as g0:
+        with prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx, scratch=home) as corpus, StagedBlob(home) as g0:
+            if cfg.model.init:  # start from weights on disk: checked from their headers, read a tensor at a time
+                initial = read_init(cfg.model, build_meta(cfg.model))
+            else:
+                initial = {k: p.detach() for k, p in build_model(cfg.model, cfg.run.seed).named_parameters()}
             init_hash = write_initial(g0, initial)  # G_0, kept in the store: workers and stages read it (a stage its slice)
             del initial
             manifest = {

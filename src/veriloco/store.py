@@ -13,11 +13,13 @@ one checks what it says (a signature, the digests it lists) before trusting it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from .hashing import sha256_hex
@@ -45,15 +47,47 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -
         raise
 
 
+STAGED_PREFIX = ".tmp-blob-"
+LEFTOVER_AGE_S = 60.0  # a staged file this old whose lock is free was left by a process that died
+
+
+def remove_leftovers(directory: Path, exclude: Path | None = None) -> list[Path]:
+    """Delete the `StagedBlob` files in `directory` that a killed process left (SIGKILL, power
+    loss: no cleanup ran): those whose lock is free and that were not written for LEFTOVER_AGE_S
+    (a file just created, before its owner locks it, is spared). Returns what it deleted."""
+    gone = []
+    for path in directory.glob(f"{STAGED_PREFIX}*"):
+        if path == exclude:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if time.time() - os.fstat(fd).st_mtime > LEFTOVER_AGE_S:
+                path.unlink(missing_ok=True)
+                gone.append(path)
+        except OSError:
+            pass  # locked: its process is staging it now
+        finally:
+            os.close(fd)
+    return gone
+
+
 class StagedBlob:
     """A blob written as a stream to a private temporary file in `directory`, hashed as it is
     written, for a store that does not exist yet (run.prepare_run writes G_0 before the run id,
     which names the run directory, is known); `LocalStore.adopt` moves it in. As a context
-    manager, a blob that was not adopted is deleted on the way out."""
+    manager, a blob that was not adopted is deleted on the way out. The file is locked (flock)
+    while its process lives, so the next StagedBlob in the directory deletes one a killed process
+    left (`remove_leftovers`)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-blob-")  # created 0600
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=STAGED_PREFIX)  # created 0600
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while this process lives: how a later one tells a leftover
         self.path, self._f, self._h, self.digest = Path(tmp), os.fdopen(fd, "wb"), hashlib.sha256(), ""
+        remove_leftovers(Path(directory), exclude=self.path)
 
     def write(self, data: bytes | memoryview) -> int:
         self._h.update(data)
