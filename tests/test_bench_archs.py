@@ -37,4 +37,4 @@ def test_archs_on_a_tiny_model(tmp_path, archs):
 def test_an_unknown_arch_exits_2_with_one_line(archs, capsys):
     with pytest.raises(SystemExit) as e:
         archs.main(["--archs", "gpt,bert"])
-    assert e.value.code == 2 and "model.arch must be gpt, llama, mistral, qwen2, qwen3, olmo2, got 'bert'" in capsys.readouterr().err
+    assert e.value.code == 2 and "model.arch must be gpt, llama, mistral, qwen2, qwen3, olmo2, smollm3, got 'bert'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`[model] arch`: transformers architectures (Llama, Mistral, Qwen2, Qwen3, OLMo 2) built from the config.
+"""`[model] arch`: transformers architectures (Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3) built from the config.
 
 The model must compute exactly what `transformers` computes, cut into stages that chain to the
 whole model, train through every part of the engine (stages, replays, the audit), and come out as
@@ -26,13 +26,14 @@ from veriloco.topology import build_stage_model
 transformers = pytest.importorskip("transformers")
 
 SMALL = ("--model.n_layer=3", "--model.d_model=32", "--model.n_head=4", "--model.kv_heads=2")
+SIZES = {"smollm3": ("--model.n_layer=4",)}  # SmolLM3's 4th layer is its first without rotary (NoPE)
 REPLAYED = ("--train.inner_state=reset", "--verify.replay_probability=1.0", "--verify.trace_every=5",
             "--verify.loss_gain_batches=1")
 
 
 @pytest.mark.parametrize("arch", HF_ARCHS)
 def test_the_model_is_transformers_own_and_its_stages_chain_to_it(arch):
-    cfg = tiny(f"--model.arch={arch}", *SMALL)
+    cfg = tiny(f"--model.arch={arch}", *SMALL, *SIZES.get(arch, ()))
     model = build_model(cfg.model, cfg.run.seed)
     reference = transformers.AutoModelForCausalLM.from_config(hf_config(cfg.model))
     reference.load_state_dict(model.state_dict())  # strict: the same names and shapes as transformers'
@@ -73,6 +74,62 @@ def test_an_olmo2_checkpoint_starts_a_run_as_it_is(tmp_path):
     (tmp_path / "olmo2" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))  # a shape no check sees
     with pytest.raises(ConfigError, match=r"config.json hidden_act = 'gelu' but veriloco's olmo2 has 'silu' "
                                           r"\(no \[model\] key sets it\)"):
+        read_init(cfg.model, build_meta(cfg.model))
+
+
+def test_smollm3s_nope_layers_export_and_start_a_run_as_they_are(tmp_path):
+    """SmolLM3 attends without rotary in every 4th layer (NoPE; transformers' default
+    no_rope_layers): veriloco's export is a SmolLM3 that from_pretrained loads with the same logits,
+    it starts a run as it is, and a config.json with other NoPE layers (or sliding layers) is one line."""
+    from veriloco.hf import save_hf
+    from veriloco.model import build_meta, model_from
+    from veriloco.weights import read_init
+
+    cfg = tiny("--model.arch=smollm3", *SMALL, "--model.n_layer=4", f"--model.init={tmp_path / 'smol'}")
+    ours = build_model(cfg.model, cfg.run.seed)
+    (tmp_path / "smol").mkdir()
+    save_hf(dict(ours.named_parameters()), cfg.model, tmp_path / "smol")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "smol")
+    assert type(theirs).__name__ == "SmolLM3ForCausalLM" and theirs.config.no_rope_layers == [1, 1, 1, 0]
+    x = torch.randint(0, 256, (2, cfg.model.ctx))
+    with torch.no_grad():
+        logits = ours(x)
+        assert torch.equal(theirs(input_ids=x).logits, logits)
+        assert torch.equal(model_from(cfg.model, read_init(cfg.model, build_meta(cfg.model)))(x), logits)
+        all_rope = transformers.AutoModelForCausalLM.from_config(
+            type(theirs.config)(**{**theirs.config.to_dict(), "no_rope_layers": [1, 1, 1, 1]}))
+        all_rope.load_state_dict(theirs.state_dict())
+        assert not torch.equal(all_rope(input_ids=x).logits, logits)  # the NoPE layer computes another thing
+    config = json.loads((tmp_path / "smol" / "config.json").read_text())
+    for change, message in (
+        ({"no_rope_layers": [1, 1, 1, 1]}, r"config.json no_rope_layers has NoPE layers \[\] but veriloco's smollm3 "
+                                           r"has \[3\] \(no \[model\] key sets them\)$"),
+        ({"no_rope_layers": None, "no_rope_layer_interval": 2}, r"no_rope_layers has NoPE layers \[1, 3\] but"),
+        ({"layer_types": ["sliding_attention"] * 4, "sliding_window": 8},
+         r"config.json layer_types has sliding_attention layers, which veriloco's smollm3 does not run"),
+    ):
+        (tmp_path / "smol" / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match=message) as e:
+            read_init(cfg.model, build_meta(cfg.model))
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_qwen_checkpoint_with_sliding_layers_is_one_line(tmp_path, arch):
+    """Qwen's attention takes each layer's window from config.json's layer_types, whatever
+    use_sliding_window says: a checkpoint with sliding layers computes what veriloco does not."""
+    from veriloco.hf import save_hf
+    from veriloco.model import build_meta
+    from veriloco.weights import read_init
+
+    cfg = tiny(f"--model.arch={arch}", *SMALL, f"--model.init={tmp_path}")
+    save_hf(dict(build_model(cfg.model, cfg.run.seed).named_parameters()), cfg.model, tmp_path)
+    read_init(cfg.model, build_meta(cfg.model))  # as exported: full attention in every layer
+    config = json.loads((tmp_path / "config.json").read_text())
+    sliding = ["full_attention", "sliding_attention"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": sliding, "sliding_window": 8}))
+    with pytest.raises(ConfigError, match=f"config.json layer_types has sliding_attention layers, which veriloco's "
+                                          f"{arch} does not run \\(full_attention only\\)$"):
         read_init(cfg.model, build_meta(cfg.model))
 
 
@@ -121,7 +178,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--model.arch=gpt2", "model.arch must be gpt, llama, mistral, qwen2, qwen3, olmo2, got 'gpt2'"),
+    ("--model.arch=gpt2", "model.arch must be gpt, llama, mistral, qwen2, qwen3, olmo2, smollm3, got 'gpt2'"),
     ("--model.norm_eps=1e-5", "model.kv_heads, model.head_dim, model.ffn, model.rope_theta, model.rope_scaling and model.norm_eps are for "
      "transformers archs"),
 ])

@@ -33,7 +33,7 @@ class ModelConfig:
     arch: str = _f(
         "gpt",
         "'gpt' (the built-in GPT, model.py) or a transformers architecture built from these fields, "
-        "nothing downloaded: 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2' (hf.py; pip install 'veriloco[hf]')",
+        "nothing downloaded: 'llama', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3' (hf.py; pip install 'veriloco[hf]')",
     )
     n_layer: int = _f(4, "number of transformer blocks")
     n_head: int = _f(4, "attention heads per block")

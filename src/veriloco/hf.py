@@ -1,6 +1,6 @@
-"""Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3, OLMo 2) built from the run's config, no download.
+"""Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3) built from the run's config, no download.
 
-`[model] arch = "llama"` (or "mistral", "qwen2", "qwen3", "olmo2") trains that `transformers` architecture
+`[model] arch = "llama"` (or "mistral", "qwen2", "qwen3", "olmo2", "smollm3") trains that `transformers` architecture
 instead of the built-in GPT, at the sizes `[model]` gives (n_layer, n_head, kv_heads, head_dim,
 d_model, ffn, ctx, vocab_size, rope_theta, rope_scaling, norm_eps, tie, sliding_window). Nothing is fetched: the `transformers`
 config is made from those fields (`hf_config`), the weights are initialised from `run.seed` (or
@@ -16,7 +16,8 @@ a checkpoint that `AutoModelForCausalLM.from_pretrained` loads as it is (`save_h
 Its forward is the decoder loop of `LlamaModel.forward` (and of the other archs', which is the
 same loop), written out so that a stage can run a
 slice of it: embed (first stage), rotary position embeddings (every stage: they hold no
-parameters), the held layers, the final norm and head (last stage). Attention is PyTorch's SDPA
+parameters; SmolLM3's NoPE layers, every 4th, are handed them and skip them inside their
+attention), the held layers, the final norm and head (last stage). Attention is PyTorch's SDPA
 with `is_causal` (no padding: every sequence is a full window), or with Mistral's sliding-window
 mask (`window_mask`) when `[model] sliding_window` is shorter than the sequence. `tests/test_hf.py` checks that
 the full model's logits equal `transformers`' own forward and that the stages chained equal the
@@ -37,9 +38,10 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 
 # Each arch's model forward is embed -> rotary -> its decoder layers -> norm -> head, which
-# HFCausalLM.forward writes out (OLMo 2's post-norms and q/k norms are inside its layers);
-# tests/test_hf.py holds each to transformers' own logits.
-HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+# HFCausalLM.forward writes out (OLMo 2's post-norms and q/k norms are inside its layers, and so is
+# SmolLM3's choice of which layers apply the rotary tables); tests/test_hf.py holds each to
+# transformers' own logits.
+HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3")
 TRANSFORMERS_NEEDED = "transformers>=5,<6"
 
 
@@ -119,10 +121,13 @@ def hf_config(m: ModelConfig) -> Any:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an arch's default outside this vocab (OLMo 2's eos 50279)
         if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= m.vocab_size:
             extra[key] = None
-    if m.arch in ("mistral", "qwen2", "qwen3"):  # [model] sliding_window (mistral), else full causal attention
+    if m.arch in ("mistral", "qwen2", "qwen3", "smollm3"):  # [model] sliding_window (mistral), else full causal attention
         extra["sliding_window"] = (m.sliding_window or None) if m.arch == "mistral" else None
-    if m.arch in ("qwen2", "qwen3"):
+    if m.arch in ("qwen2", "qwen3", "smollm3"):
         extra["use_sliding_window"] = False
+    # smollm3's NoPE layers are transformers' default, no_rope_layers from no_rope_layer_interval = 4
+    # (layers 3, 7, ... attend without rotary); no [model] key sets them, weights.py holds a
+    # checkpoint's config.json to them
     scaling, positions = rope_scaling(m), m.ctx
     if scaling is None:
         extra["rope_theta"] = m.rope_theta

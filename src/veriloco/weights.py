@@ -8,8 +8,8 @@ export` directory, or a transformers model directory, sharded or not). When the 
   that differs);
 - with a transformers `config.json` beside them, every setting that changes the computation
   without changing a shape (rope_theta, rms_norm_eps, head_dim, a rope scaling, the
-  architecture) equal to `[model]`'s, one line naming each field to set; for the GPT, a
-  `veriloco export`'s `model.json` likewise (n_head, which no shape shows);
+  architecture, SmolLM3's NoPE layers) equal to `[model]`'s, one line naming each field to set;
+  for the GPT, a `veriloco export`'s `model.json` likewise (n_head, which no shape shows);
 - a checkpoint with tied embeddings (no `lm_head.weight`) stays tied with `[model] tie`; without
   it, the head becomes a copy of the embedding and from there on the two train apart. A
   checkpoint with a head of its own under `[model] tie` is one line.
@@ -101,6 +101,32 @@ def _hf_settings(m: ModelConfig, config: dict) -> list[str]:
     elif m.arch == "mistral" and window(config.get("sliding_window")) != window(m.sliding_window):
         out.append(f"config.json sliding_window = {config.get('sliding_window')!r} but model.sliding_window = "
                    f"{m.sliding_window!r} (at model.ctx = {m.ctx})")
+    layer_types = config.get("layer_types") or []  # qwen2, qwen3, smollm3: each layer's attention
+    if not isinstance(layer_types, list):
+        raise ValueError(f"layer_types = {layer_types!r:.40}")
+    kinds = sorted(set(map(str, layer_types)) - {"full_attention"})
+    if kinds:
+        out.append(f"config.json layer_types has {', '.join(kinds)} layers, which veriloco's {m.arch} does not run "
+                   "(full_attention only)")
+    if m.arch == "smollm3":
+        out += _smollm3_settings(m, config, ours)
+    return out
+
+
+def _smollm3_settings(m: ModelConfig, config: dict, ours: Any) -> list[str]:
+    """SmolLM3's layers that attend without rotary (NoPE), which change the computation and no
+    shape: a checkpoint's must be those veriloco builds."""
+    out = []
+    interval = config.get("no_rope_layer_interval", 4)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"no_rope_layer_interval = {interval!r:.20}")
+    # as transformers reads them: the list if given, else every interval-th layer without rotary
+    theirs = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(m.n_layer)]
+    if [bool(r) for r in theirs[:m.n_layer]] != [bool(r) for r in ours.no_rope_layers]:
+        nope = [i for i, rope in enumerate(theirs[:m.n_layer]) if not rope]
+        short = f", {len(theirs)} entries for {m.n_layer} layers" if len(theirs) < m.n_layer else ""
+        out.append(f"config.json no_rope_layers has NoPE layers {nope}{short} but veriloco's smollm3 has "
+                   f"{[i for i, rope in enumerate(ours.no_rope_layers) if not rope]} (no [model] key sets them)")
     return out
 
 
