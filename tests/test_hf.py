@@ -77,6 +77,20 @@ def test_an_olmo2_checkpoint_starts_a_run_as_it_is(tmp_path):
         read_init(cfg.model, build_meta(cfg.model))
 
 
+@pytest.mark.parametrize("arch", HF_ARCHS)
+def test_every_token_of_the_vocabulary_trains(arch):
+    """No padding row: OLMo 2's default pad id (1) and SmolLM3's would leave that row of the
+    embedding zero and without gradient, though it is a real token of the run's vocabulary."""
+    from veriloco.model import lm_loss
+
+    cfg = tiny(f"--model.arch={arch}", *SMALL)
+    model = build_model(cfg.model, cfg.run.seed)
+    x = torch.arange(256).reshape(8, 32)  # every byte once
+    lm_loss(model(x), x.roll(-1, 1)).backward()
+    embedding = model.get_submodule("model.embed_tokens").weight
+    assert embedding.abs().sum(1).min() > 0 and embedding.grad.abs().sum(1).min() > 0
+
+
 def test_smollm3s_nope_layers_export_and_start_a_run_as_they_are(tmp_path):
     """SmolLM3 attends without rotary in every 4th layer (NoPE; transformers' default
     no_rope_layers): veriloco's export is a SmolLM3 that from_pretrained loads with the same logits,

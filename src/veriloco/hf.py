@@ -118,9 +118,13 @@ def hf_config(m: ModelConfig) -> Any:
 
     extra: dict[str, Any] = {}
     defaults = CONFIG_MAPPING[m.arch]()
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # an arch's default outside this vocab (OLMo 2's eos 50279)
+    for key in ("bos_token_id", "eos_token_id"):  # an arch's default outside this vocab (OLMo 2's eos 50279)
         if isinstance(getattr(defaults, key, None), int) and getattr(defaults, key) >= m.vocab_size:
             extra[key] = None
+    # No padding: every sequence is a full window of the run's own tokens. An arch's default pad id
+    # (OLMo 2's 1, SmolLM3's 128004) would make that row of the embedding zero and never trained
+    # (nn.Embedding's padding_idx), though in the run's vocabulary it is a real token (GPT-2's '"').
+    extra["pad_token_id"] = None
     if m.arch in ("mistral", "qwen2", "qwen3", "smollm3"):  # [model] sliding_window (mistral), else full causal attention
         extra["sliding_window"] = (m.sliding_window or None) if m.arch == "mistral" else None
     if m.arch in ("qwen2", "qwen3", "smollm3"):
