@@ -45,12 +45,17 @@ def fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _count(n: float) -> str:
+    """A count for people: 3.44M, 3.8k, 512."""
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
 def _print_summary(run_dir: Path, summary: dict) -> None:
     s = summary
     start, end = s.get("eval_loss_start"), s.get("eval_loss_end")
     loss = f"{start:.4f} -> {end:.4f} ({1 - end / start:.1%} lower)" if start and end else "-"
     typer.echo(
-        f"done: {s['rounds']} rounds, {s['tokens'] / 1e6:.2f}M tokens in {s['wall_s']:.1f}s "
+        f"done: {s['rounds']} rounds, {_count(s['tokens'])} tokens in {s['wall_s']:.1f}s "
         f"({s['tokens_per_s'] / 1e3:.1f}k tok/s) | eval loss {loss} | "
         f"sent {s['bytes_sent_per_worker'] / 1e6:.1f} MB/worker\n"
         f"run: {run_dir}  (summary.json, rounds.jsonl, metrics.jsonl)"
