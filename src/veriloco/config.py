@@ -188,7 +188,7 @@ class OuterConfig:
 
 @dataclass
 class TopologyConfig:
-    """[topology] workers x pipeline stages (topology.py, pipeline.py): workers * stages processes."""
+    """[topology] workers x pipeline stages x replicas (topology.py, pipeline.py): workers * stages * replicas processes."""
 
     workers: int = _f(4, "number of workers (DiLoCo replicas, one signing key each)")
     stages: int = _f(
@@ -201,6 +201,14 @@ class TopologyConfig:
     microbatches: int = _f(1, "stages > 1: micro-batches per inner step; must divide train.batch_size")
     schedule: str = _f(
         "gpipe", "stages > 1: pipeline schedule, 'gpipe' or '1f1b' (1f1b needs microbatches >= stages)"
+    )
+    replicas: int = _f(
+        1,
+        "data-parallel processes per worker (on its fast local links): each inner step's "
+        "train.grad_accum parts run one per replica (so train.grad_accum must equal replicas), their "
+        "gradients summed in replica order, so the run is bit for bit the one-process run with that "
+        "grad_accum; replica 0 takes part in the round. Needs stages = 1, static membership, "
+        "train.mode 'diloco', no adversaries, no outer.overlap_steps, no train.inner_steps_max",
     )
 
 
@@ -686,7 +694,20 @@ def _check_topology(cfg: Config) -> None:
          f"topology.schedule = '1f1b' needs topology.microbatches ({p.microbatches}) >= topology.stages ({p.stages})"),
         (p.stages == 1 or t.mode == "diloco",
          f"train.mode = 'ddp' runs one process per worker; topology.stages must be 1, got {p.stages}"),
+        (p.replicas >= 1, f"topology.replicas must be >= 1, got {p.replicas}"),
     )
+    if p.replicas > 1:  # what the replicas' round is built for, so far
+        checks += (
+            (t.grad_accum == p.replicas,
+             f"topology.replicas = {p.replicas} runs train.grad_accum's parts one per replica: set "
+             f"train.grad_accum = {p.replicas} (got {t.grad_accum})"),
+            (p.stages == 1, f"topology.replicas > 1 needs topology.stages = 1, got {p.stages}"),
+            (t.mode == "diloco", "topology.replicas > 1 needs train.mode = 'diloco'"),
+            (cfg.run.membership == "static", "topology.replicas > 1 needs run.membership = 'static'"),
+            (not cfg.adversary, "topology.replicas > 1 runs no [adversary] (an adversary acts on one process)"),
+            (cfg.outer.overlap_steps == 0, "topology.replicas > 1 needs outer.overlap_steps = 0"),
+            (t.inner_steps_max == 0, "topology.replicas > 1 needs train.inner_steps_max = 0 (a fixed H)"),
+        )
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)

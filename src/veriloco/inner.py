@@ -124,6 +124,49 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
                        time.thread_time() - c0 - landing.cpu)
 
 
+class Replicas:
+    """The `[topology] replicas` processes of one worker, which split every inner step: replica
+    `index` runs part `index` of the step's `grad_accum` parts, and `combine` gives each of them
+    the sum of all the parts' gradients and losses, added in part order: bit for bit what one
+    process makes running the parts one after another (autograd adds each part's gradient to
+    what is there). Each replica owns a 1/R shard of the flat gradient: it receives that shard of
+    every part (all_to_all), adds them up in part order, and the summed shards are gathered back
+    (all_gather). That moves 2 (R-1)/R of the gradient per replica per step, as a ring
+    all-reduce does, but in a fixed order, so a one-process replay reproduces it exactly."""
+
+    def __init__(self, group: object, index: int, count: int) -> None:
+        self.group, self.index, self.count = group, index, count
+
+    def combine(self, model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """Every param's gradient becomes the parts' sum (in part order); returns the losses' sum."""
+        import torch.distributed as dist
+
+        params = list(model.parameters())
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        if missing:  # every part gives every param a gradient, or the one-process sum would differ
+            raise RuntimeError(f"replicas: parameter {missing[0]} has no gradient after this replica's part")
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        shard = -(-flat.numel() // self.count)
+        flat = torch.nn.functional.pad(flat, (0, shard * self.count - flat.numel()))
+        parts = torch.empty_like(flat)  # [part 0's shard of mine, part 1's, ...]
+        dist.all_to_all_single(parts, flat, group=self.group)
+        total = parts[:shard].clone()
+        for j in range(1, self.count):
+            total += parts[j * shard : (j + 1) * shard]
+        shards = [torch.empty_like(total) for _ in range(self.count)]
+        dist.all_gather(shards, total, group=self.group)
+        summed, at = torch.cat(shards), 0
+        for p in params:
+            p.grad.copy_(summed[at : at + p.numel()].view_as(p.grad))
+            at += p.numel()
+        losses = [torch.empty_like(loss) for _ in range(self.count)]
+        dist.all_gather(losses, loss, group=self.group)
+        out = losses[0]
+        for other in losses[1:]:
+            out = out + other
+        return out
+
+
 class InnerLoop:
     """AdamW over one model (or one pipeline stage's slice of it)."""
 
@@ -148,6 +191,7 @@ class InnerLoop:
         # the round, in trace order, for an auditor drawn to replay a segment from its start
         # (verify/kept.py: its `append` copies the live tensors it is handed)
         self.keep: KeptStates | None = None
+        self.replicas: Replicas | None = None  # [topology] replicas: this process runs one part of each step
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on (x, y); returns the loss before the step. With `grad_accum` = k the
@@ -157,7 +201,12 @@ class InnerLoop:
             g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
         parts = self.cfg.grad_accum
-        if parts == 1:
+        if self.replicas is not None:  # this replica's part; then every part's sum, in part order
+            i = self.replicas.index
+            part = self.loss_fn(self.model, torch.tensor_split(x, parts)[i], torch.tensor_split(y, parts)[i]) / parts
+            part.backward()
+            loss = self.replicas.combine(self.model, part.detach())
+        elif parts == 1:
             loss = self.loss_fn(self.model, x, y)
             loss.backward()
         else:

@@ -85,7 +85,7 @@ from .config import Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
-from .inner import InnerLoop, Landing, Spent, shift_params
+from .inner import InnerLoop, Landing, Replicas, Spent, shift_params
 from .ledger import Ledger, SqliteLedger
 from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
 from .link import Link, pace
@@ -191,6 +191,8 @@ class Worker:
     kept_pool: list = field(default_factory=list)  # keep_states "memory": released states, whose memory is reused
     layout: list = field(default_factory=list)  # replay_extent "state": a sent state's layout (state_layout)
     device: torch.device = torch.device("cpu")  # where the model trains (`[run] device`); G stays on the CPU
+    replicas: ReplicaSync | None = None  # [topology] replicas: the worker's other processes, fed each round
+    protocol_group: dist.ProcessGroup | None = None  # every process of the round (None: the default group)
 
     @property
     def is_recorder(self) -> bool:
@@ -220,7 +222,7 @@ class Participants:
 
     @classmethod
     def everyone(cls, w: Worker) -> Participants:
-        return cls(list(range(w.workers)), GroupComm(w.stage_group), GroupComm(None))
+        return cls(list(range(w.workers)), GroupComm(w.stage_group), GroupComm(w.protocol_group))
 
 
 @dataclass
@@ -331,16 +333,17 @@ def check_splittable(task: Task, stages: int) -> None:
 
 
 def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, resume_round: int,
-                 elastic: bool = False) -> Worker:
+                 elastic: bool = False, process_rank: int | None = None) -> Worker:
     """Build one process's state (one stage of one worker): model slice, optimizers, groups,
     exchange; restore it when resuming. `elastic`: no fixed world (membership.py); the groups
-    and the exchange are made per round by the elastic loop (elastic.py)."""
+    and the exchange are made per round by the elastic loop (elastic.py). With `[topology]
+    replicas`, `rank` and `world` are protocol ranks (replica 0s) and `process_rank` the global one."""
     torch.set_num_threads(cfg.train.threads)
-    topo = Topology(cfg.topology.workers, cfg.topology.stages, world)
+    topo = Topology(cfg.topology.workers, cfg.topology.stages, world, replicas=cfg.topology.replicas)
     worker, stage, stages = topo.worker_of(rank), topo.stage_of(rank), topo.stages
     check_splittable(task, stages)
     source = corpus_task_of(task)  # the built-in task: G_0 may be weights from its store
-    device = process_device(cfg, rank)
+    device = process_device(cfg, rank if process_rank is None else process_rank)
     take_device(device, cfg.verify.replay_match == "exact")
     task = on_device(task, device, cfg.train.precision)
     run = RunDir(run_dir)
@@ -351,10 +354,15 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     else:
         worker_group, stage_group = topo.build_groups(timeout)  # main thread: pipeline, agreement, eval
         _, exchange_group = topo.build_groups(timeout)  # the exchange thread's own stage group
+    replica_group = protocol_group = None  # [topology] replicas: made after the two above, as replica_loop does
+    if topo.replicas > 1:
+        replica_group, protocol_group = topo.build_replica_groups(timeout)
     total_steps = cfg.train.rounds * cfg.train.inner_steps
     if stages == 1:
         model = task.make_model()
         inner = InnerLoop(model, cfg.train, total_steps, task.loss)
+        if replica_group is not None:
+            inner.replicas = Replicas(replica_group, 0, topo.replicas)
     else:
         model = stage_model(cfg, stage, stages, device, source.initial_params())  # a stage is the built-in task: its slice of G_0
         inner = PipelineInnerLoop(
@@ -377,6 +385,8 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     ledger = open_ledger(cfg, run) if rank == 0 or elastic else None  # elastic: whoever commits first records
     w = Worker(cfg, rank, topo, worker_group, stage_group, task, run, store, model, inner, outer, exchange,
                encoder, eval_set, identity, ledger, device=device)
+    if replica_group is not None:
+        w.replicas, w.protocol_group = ReplicaSync(replica_group, inner), protocol_group
     if elastic:
         w.eval_all = task.eval_batches()
     if str(worker) in cfg.adversary:
@@ -608,6 +618,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
             w.kept.pop(r).release()
         w.inner.keep = kept_states(cfg.verify.keep_states, w.layout, w.kept_pool,
                                    w.run.worker_dir(w.rank) / f"kept-{r}.bin")
+    if w.replicas is not None:  # the worker's other processes run these steps with it
+        w.replicas.begin(r, steps)
     result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
                          land=landing)
     if w.inner.keep is not None:
@@ -1420,10 +1432,15 @@ def train_worker(
     quiet: bool = False, stop_after: int | None = None,
 ) -> dict | None:
     """The whole run on one process, i.e. one stage of one worker (dist already
-    initialised; `world` = workers * stages processes). Rank 0 writes the records.
+    initialised; `world` = workers * stages * replicas processes). Rank 0 writes the records.
+    A replica other than 0 runs `replica_loop`.
 
     `stop_after`: stop cleanly once that many rounds are recorded (a preemption point)."""
-    w = setup_worker(cfg, rank, world, task, run_dir, start_round)
+    replicas = cfg.topology.replicas
+    if rank % replicas:
+        replica_loop(cfg, rank, task)
+        return None
+    w = setup_worker(cfg, rank // replicas, world // replicas, task, run_dir, start_round, process_rank=rank)
     prior = w.run.rounds()[:start_round] if w.is_recorder else []
     eval_start = evaluate(w) if start_round == 0 else prior[0]["eval_loss_start"] if prior else None
     wall0 = time.perf_counter() - sum(p["round_s"] for p in prior)
@@ -1476,6 +1493,8 @@ def train_worker(
         else:  # delay 1: finish round r-1 (its exchange ran under round r's inner steps)
             done, pending = pending, (sent if r < end else None)
             record(finish_round(w, done, inner_s if r < end else 0.0))
+    if w.replicas is not None:
+        w.replicas.end()
     if not w.is_recorder:
         return None
     records = w.run.rounds()
@@ -1501,6 +1520,87 @@ def train_worker(
         "ledger_head": w.ledger.head_hash() if w.ledger is not None else None,
         "ledger_root": w.ledger.root() if w.ledger is not None else None,
     }
+
+
+REPLICA_CONTROL = 7  # go (1) or stop (0), round, steps, step_count, total_steps, round_start (-1: None), state sent
+
+
+class ReplicaSync:
+    """Replica 0's side of `[topology] replicas`: before each round's inner steps it sends the
+    worker's other processes what they need to run the steps with it: the round, its steps and
+    LR schedule, the params the steps start from, and, the first time, the inner optimizer state
+    (a resume's; afterwards every replica takes the same steps on the same summed gradients, so
+    theirs stays equal to its own). Only replica 0 takes part in the round: exchange, checks,
+    eval, records. `end` lets them go."""
+
+    def __init__(self, group: dist.ProcessGroup, inner: InnerLoop) -> None:
+        self.group, self.inner, self.state_sent = group, inner, False
+
+    def begin(self, r: int, steps: int) -> None:
+        inner = self.inner
+        start = -1 if inner.round_start is None else inner.round_start
+        control = [1, r, steps, inner.step_count, inner.total_steps, start, int(not self.state_sent)]
+        dist.broadcast(torch.tensor(control, dtype=torch.int64), group=self.group, group_src=0)
+        for p in inner.model.parameters():
+            dist.broadcast(p.data, group=self.group, group_src=0)
+        if not self.state_sent:
+            state = inner.state_tensors()
+            _broadcast_json([[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()], self.group)
+            for v in state.values():
+                dist.broadcast(v, group=self.group, group_src=0)
+            self.state_sent = True
+
+    def end(self) -> None:
+        dist.broadcast(torch.zeros(REPLICA_CONTROL, dtype=torch.int64), group=self.group, group_src=0)
+
+
+def replica_loop(cfg: Config, rank: int, task: Task) -> None:
+    """A replica other than 0 of a worker (`[topology] replicas`): its part of every inner step
+    of the rounds replica 0 starts (`ReplicaSync`), until it says stop. It holds the model and
+    the inner optimizer, and nothing of the round (no exchange, records, eval or store)."""
+    torch.set_num_threads(cfg.train.threads)
+    topo = Topology(cfg.topology.workers, cfg.topology.stages, replicas=cfg.topology.replicas)
+    device = process_device(cfg, rank)
+    take_device(device, cfg.verify.replay_match == "exact")
+    task = on_device(task, device, cfg.train.precision)
+    timeout = timedelta(seconds=cfg.run.timeout_s)
+    topo.build_groups(timeout)  # the groups replica 0 makes (setup_worker), in its order: new_group is collective
+    topo.build_groups(timeout)
+    group, _ = topo.build_replica_groups(timeout)
+    worker = topo.worker_of(rank // topo.replicas)
+    model = task.make_model()
+    inner = InnerLoop(model, cfg.train, cfg.train.rounds * cfg.train.inner_steps, task.loss)
+    inner.replicas = Replicas(group, rank % topo.replicas, topo.replicas)
+    while True:
+        control = torch.zeros(REPLICA_CONTROL, dtype=torch.int64)
+        dist.broadcast(control, group=group, group_src=0)
+        go, r, steps, step_count, total_steps, start, state_sent = (int(v) for v in control)
+        if not go:
+            return
+        for p in model.parameters():
+            dist.broadcast(p.data, group=group, group_src=0)
+        if cfg.train.inner_state == "reset":
+            inner.reset_state()
+        if state_sent:
+            state = {}
+            for key, shape, dtype in _broadcast_json(None, group):
+                state[key] = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(state[key], group=group, group_src=0)
+            inner.load_state_tensors(state)
+        inner.step_count, inner.total_steps, inner.round_start = step_count, total_steps, None if start < 0 else start
+        for step in range(steps):
+            inner.step(*task.batch(worker, r, step))
+
+
+def _broadcast_json(obj: object, group: dist.ProcessGroup) -> object:
+    """`obj` (JSON) from the group's first process to the others, which pass None: JSON bytes in a
+    uint8 tensor, never pickle."""
+    data = json.dumps(obj).encode() if obj is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, group=group, group_src=0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if data else torch.zeros(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, group=group, group_src=0)
+    return json.loads(buf.numpy().tobytes())
 
 
 def process_backend(cfg: Config, local_processes: int = 1) -> str:

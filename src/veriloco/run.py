@@ -165,7 +165,7 @@ def launch(
     if faults:
         raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
     check_placement(cfg, placement)
-    world = cfg.topology.workers * cfg.topology.stages
+    world = cfg.topology.workers * cfg.topology.stages * cfg.topology.replicas
     port = free_port()
     start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
     import json
@@ -290,10 +290,11 @@ def torchrun_main(argv: list[str]) -> None:
         rest = rest[:i] + rest[i + 2 :]
     cfg = load_config(rest[0] if rest else None, args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    stages = cfg.topology.stages
-    if world % stages:
-        raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages ({stages})")
-    cfg.topology.workers = world // stages
+    per_worker = cfg.topology.stages * cfg.topology.replicas
+    if world % per_worker:
+        raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages x topology.replicas "
+                          f"({per_worker})")
+    cfg.topology.workers = world // per_worker
     run, task = prepare_run(cfg, out) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (None, None)
     init_distributed(cfg, rank, world, "env://")
     dist.barrier()

@@ -17,6 +17,12 @@ Two kinds of group:
 - the **stage group** of stage s: the `workers` ranks that hold slice s, in worker order, so a
   rank's index inside the group is its worker. The outer exchange of slice s runs here.
 
+`[topology] replicas = R` runs each (worker, stage) on R processes that split every inner step's
+batch (data parallel inside a worker, on its fast local links; `inner.Replicas`): process
+`v * R + i` is replica i of the process above with global rank v (its *protocol rank*). Only
+replica 0 takes part in the round (exchange, checks, records); the groups above join replica 0s,
+and a **replica group** joins the R processes of one protocol rank.
+
 A stage's module holds only its own layers, under the full model's names (`build_stage_model`), so
 its parameter names and initial values are exactly the full model's: deltas, packets and
 checkpoints of the slices line up with the unsplit model's names.
@@ -42,15 +48,15 @@ class Topology:
     each worker. `world_size`, when given (e.g. from torchrun), must equal workers * stages.
     """
 
-    def __init__(self, workers: int, stages: int, world_size: int | None = None) -> None:
-        if workers < 1 or stages < 1:
-            raise ValueError(f"workers ({workers}) and stages ({stages}) must both be >= 1")
+    def __init__(self, workers: int, stages: int, world_size: int | None = None, replicas: int = 1) -> None:
+        if workers < 1 or stages < 1 or replicas < 1:
+            raise ValueError(f"workers ({workers}), stages ({stages}) and replicas ({replicas}) must all be >= 1")
         if world_size is not None and workers * stages != world_size:
             raise ValueError(
                 f"workers ({workers}) x stages ({stages}) = {workers * stages} "
                 f"but world size is {world_size}"
             )
-        self.workers, self.stages = workers, stages
+        self.workers, self.stages, self.replicas = workers, stages, replicas
 
     @property
     def world_size(self) -> int:
@@ -107,27 +113,44 @@ class Topology:
         it again for an independent set, e.g. stage groups for an exchange thread that must not
         interleave with the main thread's collectives.
         """
-        if not dist.is_initialized():
-            raise RuntimeError("build_groups needs torch.distributed to be initialised first")
-        world = dist.get_world_size()
-        if world != self.world_size:
-            raise ValueError(
-                f"workers ({self.workers}) x stages ({self.stages}) = {self.world_size} "
-                f"but world size is {world}"
-            )
-        rank = dist.get_rank()
+        rank = self._process_rank() // self.replicas  # its protocol rank (replica 0's, for replicas)
         me_w, me_s = self.worker_of(rank), self.stage_of(rank)
         mine_w = mine_s = None
         for w in range(self.workers):
-            g = dist.new_group(self.worker_ranks(w), timeout=timeout)
+            g = dist.new_group([r * self.replicas for r in self.worker_ranks(w)], timeout=timeout)
             if w == me_w:
                 mine_w = g
         for s in range(self.stages):
-            g = dist.new_group(self.stage_ranks(s), timeout=timeout)
+            g = dist.new_group([r * self.replicas for r in self.stage_ranks(s)], timeout=timeout)
             if s == me_s:
                 mine_s = g
         assert mine_w is not None and mine_s is not None  # every rank is in one of each
         return mine_w, mine_s
+
+    def build_replica_groups(self, timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """Create every replica group (the R processes of each protocol rank, in replica order:
+        a process's index in it is its replica) and the protocol group (every replica 0, in
+        protocol rank order: what the default group is without replicas); return this process's
+        replica group and the protocol group. Collective over the default group, as `build_groups`."""
+        me = self._process_rank() // self.replicas
+        mine = None
+        for v in range(self.world_size):
+            g = dist.new_group([v * self.replicas + i for i in range(self.replicas)], timeout=timeout)
+            if v == me:
+                mine = g
+        protocol = dist.new_group([v * self.replicas for v in range(self.world_size)], timeout=timeout)
+        return mine, protocol
+
+    def _process_rank(self) -> int:
+        """This process's global rank, after checking the world is workers x stages x replicas."""
+        if not dist.is_initialized():
+            raise RuntimeError("build_groups needs torch.distributed to be initialised first")
+        world, want = dist.get_world_size(), self.world_size * self.replicas
+        if world != want:
+            replicas = f" x replicas ({self.replicas})" if self.replicas > 1 else ""
+            raise ValueError(f"workers ({self.workers}) x stages ({self.stages}){replicas} = {want} "
+                             f"but world size is {world}")
+        return dist.get_rank()
 
 
 def layers_of_stage(stage: int, n_layer: int, stages: int) -> list[int]:

@@ -1,0 +1,82 @@
+"""A worker on several processes (`[topology] replicas`): how much faster its inner steps run,
+and that the run is the one-process run bit for bit.
+
+    python bench/replicas.py [--workers 1] [--replicas 2] [--rounds 3] [--repeats 2]
+                             [--config configs/default.toml] [--set section.key=value ...]
+                             [--out bench/results/replicas.json]
+
+Each repeat trains the config with `--workers` workers and `train.grad_accum = --replicas`, once
+on one process per worker and once on `--replicas` processes per worker (each runs one of the
+step's grad_accum parts), alternating (the machine is shared and noisy). Per way: the median
+tokens/s of the run and the median inner-step seconds per round (`inner_s` in the records,
+averaged over workers). The two ways must record the same params hash and eval loss in every
+round, or the bench fails. On this 2-core machine, run it with as many processes in all
+(workers x replicas) as there are cores, or the replicas only share them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def one_run(config: str, overrides: list[str], out: Path) -> dict:
+    from veriloco.config import load_config
+    from veriloco.run import train
+
+    run, summary = train(load_config(config, overrides), str(out), quiet=True)
+    records = run.rounds()
+    return {"tokens_per_s": summary["tokens_per_s"],
+            "inner_s": statistics.median(sum(r["inner_s"]) / len(r["inner_s"]) for r in records),
+            "rounds": [(r["params_hash"], r["eval_loss"]) for r in records]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "replicas.json"))
+    args = ap.parse_args(argv)
+    if min(args.workers, args.rounds, args.repeats) < 1 or args.replicas < 2:
+        ap.error("--workers, --rounds and --repeats must be >= 1, --replicas >= 2")
+    common = [f"--topology.workers={args.workers}", f"--train.grad_accum={args.replicas}",
+              f"--train.rounds={args.rounds}", *(f"--{s}" for s in args.set)]
+    ways = {"1 process": common, f"{args.replicas} replicas": [*common, f"--topology.replicas={args.replicas}"]}
+    runs: dict[str, list[dict]] = {way: [] for way in ways}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.repeats):
+            for way, overrides in ways.items():
+                runs[way].append(one_run(args.config, overrides, Path(tmp) / f"{k}-{way.replace(' ', '-')}"))
+    if len({json.dumps(r["rounds"]) for rs in runs.values() for r in rs}) != 1:
+        raise SystemExit("the ways recorded different params or eval losses")
+    rows = [{"way": way, "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1),
+             "inner_s": round(statistics.median(r["inner_s"] for r in rs), 3)} for way, rs in runs.items()]
+    result = {"config": Path(args.config).name, "workers": args.workers, "replicas": args.replicas,
+              "rounds": args.rounds, "repeats": args.repeats, "set": args.set, "rows": rows,
+              "speedup": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3),
+              "final": runs["1 process"][0]["rounds"][-1]}
+    print(f"{result['config']}, {args.workers} worker(s), train.grad_accum = {args.replicas}, {args.rounds} rounds, "
+          f"{args.repeats} repeats (medians); the same params hash and eval loss every round")
+    print("| way | tok/s | inner s per round |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['way']} | {r['tokens_per_s']:.0f} | {r['inner_s']:.2f} |")
+    print(f"speedup: {result['speedup']:.2f}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
