@@ -20,15 +20,6 @@ def test_a_chunk_at_a_time_holds_less_than_the_corpus(tmp_path):
     assert "| stored |" in p.stdout and result["prepare"] == []
 
 
-def test_text_prepared_whole_and_streamed_makes_one_root(tmp_path):
-    out = tmp_path / "corpus_memory.json"
-    p = bench_arguments("corpus_memory.py", "--parts", "text", "--text-mb", "1", "--repeats", "1", "--out", str(out))
-    assert p.returncode == 0, p.stderr  # the bench stops if the ways' roots differ
-    result = json.loads(out.read_text())
-    assert [r["way"] for r in result["text"]] == ["whole", "streamed"] and result["rows"] == result["prepare"] == []
-    assert result["text_mb"] == 1 and result["text_files"] > 16 and "| streamed |" in p.stdout
-
-
 def test_bad_arguments_exit_2(tmp_path):
     p = bench_arguments("corpus_memory.py", "--mb", "0")
     assert p.returncode == 2 and "--mb, --text-mb, --steps and --repeats must be >= 1" in p.stderr

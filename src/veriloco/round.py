@@ -1543,8 +1543,8 @@ class ReplicaSync:
         dist.broadcast(torch.tensor(control, dtype=torch.int64), group=self.group, group_src=0)
         for p in inner.model.parameters():
             dist.broadcast(p.data, group=self.group, group_src=0)
-        if not self.state_sent:
-            state = inner.state_tensors()
+        if not self.state_sent:  # through the CPU (gloo) on any device: a replica loads it onto its own
+            state = {k: v.cpu() for k, v in inner.state_tensors().items()}
             _broadcast_json([[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()], self.group)
             for v in state.values():
                 dist.broadcast(v, group=self.group, group_src=0)
