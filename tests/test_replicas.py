@@ -41,6 +41,16 @@ def test_replicas_with_delay_1_are_the_one_process_run_and_their_replays_pass(tm
     assert report.ok and report.checked["replays"] == 6, report
 
 
+def test_replicas_with_several_parts_each_are_replayed_in_one_process(tmp_path):
+    """grad_accum = 4 on 2 replicas: each adds its 2 parts up, then the two sums are added, which
+    is not the one-process order; the replays and the audit (one process) add them up the same way."""
+    rounds = _trained(tmp_path, "two", "--train.rounds=2", "--train.grad_accum=4", "--topology.replicas=2",
+                      "--train.inner_state=reset", "--verify.replay_probability=1.0", "--verify.trace_every=5")
+    assert all(v == "accept" for rec in rounds for v in rec["verdicts"]) and all(rec["evidence"] for rec in rounds)
+    report = audit_run(tmp_path / "two", replay=100)
+    assert report.ok and report.checked["replays"] == 4, report
+
+
 def test_replicas_keep_the_inner_state_across_rounds_and_a_resume(tmp_path):
     """AdamW's moments kept across rounds (DiLoCo), a stop after 2 rounds and a resume: the other
     replicas take the resumed state from replica 0 and the run goes on as the one-process one."""
@@ -51,8 +61,9 @@ def test_replicas_keep_the_inner_state_across_rounds_and_a_resume(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("--topology.replicas=2",), r"topology.replicas = 2 runs train.grad_accum's parts one per replica: set "
-                                 r"train.grad_accum = 2 \(got 1\)"),
+    (("--topology.replicas=2", "--train.grad_accum=3", "--train.batch_size=6"), r"topology.replicas = 2 splits train.grad_accum's parts "
+                                                         r"among the replicas: set train.grad_accum to a multiple "
+                                                         r"of 2 \(got 3\)"),
     (("--topology.replicas=0",), r"topology.replicas must be >= 1, got 0"),
     (("--topology.replicas=2", "--train.grad_accum=2", "--train.mode=ddp"), r"needs train.mode = 'diloco'"),
     (("--topology.replicas=2", "--train.grad_accum=2", "--run.membership=elastic"), r"needs run.membership = 'static'"),

@@ -934,7 +934,8 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
                 _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
     t = task.computed
     if stages == 1:  # the model built at the segment's start (no G_0 read)
-        replayer = plain_replayer(t.make_model, t.loss, cfg.train, total, lambda start: model_from(cfg.model, start, task.device))
+        replayer = plain_replayer(t.make_model, t.loss, cfg.train, total, lambda start: model_from(cfg.model, start, task.device),
+                                  replicas=cfg.topology.replicas)
     else:
         replayer = _emulated_replayer(cfg, total)
     back = r - 1 - cfg.outer.delay

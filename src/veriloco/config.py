@@ -205,10 +205,11 @@ class TopologyConfig:
     replicas: int = _f(
         1,
         "data-parallel processes per worker (on its fast local links): each inner step's "
-        "train.grad_accum parts run one per replica (so train.grad_accum must equal replicas), their "
-        "gradients summed in replica order, so the run is bit for bit the one-process run with that "
-        "grad_accum; replica 0 takes part in the round. Needs stages = 1, static membership, "
-        "train.mode 'diloco', no adversaries, no outer.overlap_steps, no train.inner_steps_max",
+        "train.grad_accum parts (a multiple of replicas) run in equal groups of consecutive parts, one "
+        "per replica, the groups' gradients summed in replica order; with grad_accum = replicas the run "
+        "is bit for bit the one-process run, and a replay reproduces it in one process either way; "
+        "replica 0 takes part in the round. Needs stages = 1, static membership, train.mode 'diloco', "
+        "no adversaries, no outer.overlap_steps, no train.inner_steps_max",
     )
 
 
@@ -698,9 +699,9 @@ def _check_topology(cfg: Config) -> None:
     )
     if p.replicas > 1:  # what the replicas' round is built for, so far
         checks += (
-            (t.grad_accum == p.replicas,
-             f"topology.replicas = {p.replicas} runs train.grad_accum's parts one per replica: set "
-             f"train.grad_accum = {p.replicas} (got {t.grad_accum})"),
+            (t.grad_accum % p.replicas == 0,
+             f"topology.replicas = {p.replicas} splits train.grad_accum's parts among the replicas: set "
+             f"train.grad_accum to a multiple of {p.replicas} (got {t.grad_accum})"),
             (p.stages == 1, f"topology.replicas > 1 needs topology.stages = 1, got {p.stages}"),
             (t.mode == "diloco", "topology.replicas > 1 needs train.mode = 'diloco'"),
             (cfg.run.membership == "static", "topology.replicas > 1 needs run.membership = 'static'"),

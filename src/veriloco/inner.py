@@ -125,13 +125,15 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
 
 
 class Replicas:
-    """The `[topology] replicas` processes of one worker, which split every inner step: replica
-    `index` runs part `index` of the step's `grad_accum` parts, and `combine` gives each of them
-    the sum of all the parts' gradients and losses, added in part order: bit for bit what one
-    process makes running the parts one after another (autograd adds each part's gradient to
-    what is there). Each replica owns a 1/R shard of the flat gradient: it receives that shard of
-    every part (all_to_all), adds them up in part order, and the summed shards are gathered back
-    (all_gather). That moves 2 (R-1)/R of the gradient per replica per step, as a ring
+    """The `[topology] replicas` processes of one worker, which split every inner step: of the
+    step's `grad_accum` parts, replica `index` runs the `grad_accum / count` consecutive parts of
+    group `index` (adding their gradients up in order, as autograd does), and `combine` gives each
+    of them the sum of the groups' gradients and losses, added in group order. With one part per
+    replica that is bit for bit what one process makes running the parts one after another; with
+    more, a replay runs the groups in turn and adds them up the same way (`InnerLoop.
+    emulated_replicas`). Each replica owns a 1/R shard of the flat gradient: it receives that shard of
+    every group's sum (all_to_all), adds them up in group order, and the summed shards are
+    gathered back (all_gather). That moves 2 (R-1)/R of the gradient per replica per step, as a ring
     all-reduce does, but in a fixed order, so a one-process replay reproduces it exactly."""
 
     def __init__(self, group: object, index: int, count: int) -> None:
@@ -191,7 +193,8 @@ class InnerLoop:
         # the round, in trace order, for an auditor drawn to replay a segment from its start
         # (verify/kept.py: its `append` copies the live tensors it is handed)
         self.keep: KeptStates | None = None
-        self.replicas: Replicas | None = None  # [topology] replicas: this process runs one part of each step
+        self.replicas: Replicas | None = None  # [topology] replicas: this process runs its group of each step's parts
+        self.emulated_replicas = 1  # a replay of a replicas' worker: every group here, summed as the replicas did
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on (x, y); returns the loss before the step. With `grad_accum` = k the
@@ -201,11 +204,9 @@ class InnerLoop:
             g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
         parts = self.cfg.grad_accum
-        if self.replicas is not None:  # this replica's part; then every part's sum, in part order
-            i = self.replicas.index
-            part = self.loss_fn(self.model, torch.tensor_split(x, parts)[i], torch.tensor_split(y, parts)[i]) / parts
-            part.backward()
-            loss = self.replicas.combine(self.model, part.detach())
+        groups = self.replicas.count if self.replicas is not None else self.emulated_replicas
+        if groups > 1:  # [topology] replicas: the parts in one group per replica, summed group by group
+            loss = self._step_in_groups(x, y, parts, groups)
         elif parts == 1:
             loss = self.loss_fn(self.model, x, y)
             loss.backward()
@@ -222,6 +223,41 @@ class InnerLoop:
         self.opt.step()
         self.step_count += 1
         return float(loss.detach())
+
+    def _step_in_groups(self, x: torch.Tensor, y: torch.Tensor, parts: int, groups: int) -> torch.Tensor:
+        """The gradient (in .grad) and loss of a step whose `parts` run in `groups` groups of
+        consecutive parts, one per replica: each group's parts added up in order, then the
+        groups' sums in group order. On a replica (`self.replicas`) this process runs its own
+        group and `Replicas.combine` adds the groups up; without, it runs every group in turn
+        (a replay of a replicas' worker), adding them up in the same order: the same floats."""
+        xs, ys, k = torch.tensor_split(x, parts), torch.tensor_split(y, parts), parts // groups
+
+        def group(i: int) -> torch.Tensor:  # its parts' gradients accumulate in .grad; their loss
+            loss = None
+            for j in range(i * k, (i + 1) * k):
+                part = self.loss_fn(self.model, xs[j], ys[j]) / parts
+                part.backward()
+                loss = part.detach() if loss is None else loss + part.detach()
+            return loss
+
+        if self.replicas is not None:
+            return self.replicas.combine(self.model, group(self.replicas.index))
+        params = list(self.model.parameters())
+        for i in range(groups):
+            if i:
+                self.opt.zero_grad(set_to_none=True)
+            own = group(i)
+            if any(p.grad is None for p in params):
+                raise RuntimeError("replicas: a parameter has no gradient after a replica's parts")
+            if i == 0:
+                sums, loss = [p.grad for p in params], own
+            else:
+                for total, p in zip(sums, params, strict=True):
+                    total += p.grad
+                loss = loss + own
+        for total, p in zip(sums, params, strict=True):
+            p.grad = total
+        return loss
 
     def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
         """`steps` inner steps on batch_of_step(0..steps-1); trace hashes every trace_every; a late

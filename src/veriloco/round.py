@@ -989,7 +989,8 @@ def replayer_of(w: Worker) -> Replayer:
     if w.topo.stages == 1:
         built_in = corpus_task_of(w.task) is not None  # then the model is built at the start (no G_0 read)
         return plain_replayer(w.task.make_model, w.task.loss, cfg.train, total,
-                              (lambda start: model_from(cfg.model, start, w.device)) if built_in else None)
+                              (lambda start: model_from(cfg.model, start, w.device)) if built_in else None,
+                              replicas=cfg.topology.replicas)
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[torch.nn.Module, PipelineInnerLoop]:
         model = stage_model(cfg, w.stage, w.topo.stages, w.device, start)

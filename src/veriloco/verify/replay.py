@@ -172,10 +172,12 @@ Replayer = Callable[[dict[str, torch.Tensor], int], tuple[Any, Any]]
 
 
 def plain_replayer(make_model: Callable[[], nn.Module], loss_fn, cfg: TrainConfig, total_steps: int,
-                   build: Callable[[dict[str, torch.Tensor]], nn.Module] | None = None) -> Replayer:
-    """The replayer of a worker that is one process (`[topology] stages = 1`). `build(start)`,
+                   build: Callable[[dict[str, torch.Tensor]], nn.Module] | None = None,
+                   replicas: int = 1) -> Replayer:
+    """The replayer of a worker that is one pipeline stage (`[topology] stages = 1`). `build(start)`,
     when given, makes the model at `start` directly (the built-in task: `model.model_from`, no
-    G_0 read and no second model); else `make_model()` and then `start` copied in."""
+    G_0 read and no second model); else `make_model()` and then `start` copied in. `replicas`:
+    the worker's `[topology] replicas`, whose way of adding up a step's parts it reproduces."""
 
     def replayer(start: dict[str, torch.Tensor], steps_before: int) -> tuple[nn.Module, InnerLoop]:
         if build is not None:
@@ -186,7 +188,7 @@ def plain_replayer(make_model: Callable[[], nn.Module], loss_fn, cfg: TrainConfi
                 for k, p in model.named_parameters():
                     p.copy_(start[k])
         inner = InnerLoop(model, cfg, total_steps, loss_fn)
-        inner.step_count = steps_before
+        inner.step_count, inner.emulated_replicas = steps_before, replicas
         return model, inner
 
     return replayer
