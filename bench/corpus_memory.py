@@ -225,9 +225,7 @@ def summary(measurements: dict[str, list[dict]]) -> list[dict]:
 def text_corpus(tmp: Path, mb: int) -> list[str]:
     """`mb` MB of text in 16 files (the embedded corpus's bytes, cycled) and a byte-level BPE of
     4096 tokens trained on one module: the overrides of a run that tokenizes it."""
-    import os
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from corpus_roots import byte_bpe
 
     from veriloco.data import text_blocks
 
@@ -241,13 +239,7 @@ def text_corpus(tmp: Path, mb: int) -> list[str]:
                 piece = source[at % len(source):][:left]
                 f.write(piece)
                 left, at = left - len(piece), at + len(piece)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.train_from_iterator([Path(os.__file__).read_text(encoding="utf-8")], trainer)
-    tok.save(str(tmp / "tokenizer.json"))
+    byte_bpe(4096, tmp / "tokenizer.json")
     return [f"--data.source={docs}", f"--data.tokenizer={tmp / 'tokenizer.json'}", "--data.eos=<|endoftext|>",
             "--model.vocab_size=4096", "--data.max_bytes=0", "--data.chunk_bytes=65536"]
 

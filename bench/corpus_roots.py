@@ -48,8 +48,6 @@ def write_corpus(tmp: Path) -> None:
     import os
     import random
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     docs = tmp / "docs"
     (docs / "sub").mkdir(parents=True)
     rng = random.Random(0)
@@ -59,13 +57,23 @@ def write_corpus(tmp: Path) -> None:
     (docs / "empty.txt").write_text("")
     (docs / "nonl.txt").write_bytes(b"\xff\xfe" + b"abc" * 200000)
     (tmp / "one.txt").write_text(Path(os.__file__).read_text(encoding="utf-8") * 3, encoding="utf-8")
+    byte_bpe(1000, tmp / "tokenizer.json")
+
+
+def byte_bpe(vocab_size: int, out: Path) -> None:
+    """A byte-level BPE of `vocab_size` tokens (with <|endoftext|>) trained on the `os` module's
+    source, written to `out` as a tokenizer.json: a tokenizer without a download."""
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<|endoftext|>"], show_progress=False)
     tok.train_from_iterator([Path(os.__file__).read_text(encoding="utf-8")], trainer)
-    tok.save(str(tmp / "tokenizer.json"))
+    tok.save(str(out))
 
 
 def summaries(which: str, tmp: Path) -> list[list]:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+from stage_build import write_result  # noqa: E402
 
 
 def one_run(config: str, overrides: list[str], out: Path) -> dict:
@@ -73,9 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"| {r['way']} | {r['tokens_per_s']:.0f} | {r['inner_s']:.2f} |")
     print(f"speedup: {result['speedup']:.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":
