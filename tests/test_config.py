@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY, tiny
+from conftest import TINY, cli, tiny
 
 from veriloco.config import ConfigError, describe, load_config
 
@@ -82,13 +82,19 @@ def test_bad_file(tmp_path):
         (["train", "--resume", "/no/such/run"], "not a run directory"),
     ],
 )
-def test_cli_exit_2_one_line(args, needle, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "veriloco.cli", *args, "--out", str(tmp_path / "r")] if args[1] != "--resume" else [sys.executable, "-m", "veriloco.cli", *args],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], p.stderr
+def test_cli_exit_2_one_line(args, needle, tmp_path, monkeypatch, capsys):
+    code, lines, _ = cli(monkeypatch, capsys, *args, *(["--out", str(tmp_path / "r")] if args[1] != "--resume" else []))
+    assert code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "r" / "rounds.jsonl").exists()  # nothing half-written
+
+
+def test_the_module_entry_exits_2_in_one_line(tmp_path):
+    """`python -m veriloco.cli` in its own interpreter: the exit code and the one line (the cases
+    above run `main()` in this process)."""
+    p = subprocess.run([sys.executable, "-m", "veriloco.cli", "train", str(TINY), "--train.foo=1", "--out",
+                        str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "unknown key train.foo" in lines[0], p.stderr
 
 
 @pytest.mark.parametrize(

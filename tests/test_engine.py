@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, rounds_of, tiny
+from conftest import ROOT, cli, rounds_of, tiny
 from safetensors.torch import load as st_load
 
 from veriloco.config import ConfigError, OuterConfig
@@ -223,16 +223,14 @@ def test_stage_settings_are_checked_up_front(tmp_path):
     assert not (tmp_path / "custom").exists()
 
 
-def test_resume_refuses_a_torn_private_state_file_in_one_line(tmp_path):
+def test_resume_refuses_a_torn_private_state_file_in_one_line(tmp_path, monkeypatch, capsys):
     cfg = tiny("--train.rounds=3", "--outer.delay=1", "--outer.momentum=0.5")
     run, _ = train(cfg, str(tmp_path / "r"), quiet=True, stop_after=1)
     state = run.worker_dir(1) / "state-0.safetensors"
     state.write_bytes(state.read_bytes()[:40])  # torn
-    p = subprocess.run([sys.executable, "-m", "veriloco.cli", "train", "--resume", str(run.root)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "state-0.safetensors is not a private state file veriloco wrote" in lines[0], p.stderr
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run.root))
+    assert code == 2 and len(lines) == 1, lines
+    assert "state-0.safetensors is not a private state file veriloco wrote" in lines[0], lines
     assert len(rounds_of(run.root)) == 1  # nothing written
 
 
