@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
-from stage_build import entry, write_result  # noqa: E402
+from stage_build import entry, print_table, write_result  # noqa: E402
 
 WAYS = ("whole", "stored")
 PREPARE = ("whole", "streamed")
@@ -193,17 +193,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"| {r['way']} | {r['peak_mb']:.1f} | {r['open_s']:.3f} | {r['batch_ms']:.3f} | {r['chunks_read']} |")
     if prepare_rows:
         print("\nthe prepare step's corpus work (read, check, put every chunk into a fresh store)")
-        print("| prepare | peak MB | s |")
-        print("|---|---|---|")
-        for r in prepare_rows:
-            print(f"| {r['way']} | {r['peak_mb']:.1f} | {r['seconds']:.2f} |")
+        print_table(["prepare", "peak MB", "s"], [[r["way"], f"{r['peak_mb']:.1f}", f"{r['seconds']:.2f}"]
+                                                 for r in prepare_rows])
     if text_rows:
         print(f"\nthe prepare step's work for {args.text_mb} MB of text that [data] tokenizer tokenizes "
               f"({text_chunks} files in the store), {args.repeats} repeats; peak MB above the imports")
-        print("| prepare | peak MB | s |")
-        print("|---|---|---|")
-        for r in text_rows:
-            print(f"| {r['way']} | {r['peak_mb']:.1f} | {r['seconds']:.2f} |")
+        print_table(["prepare", "peak MB", "s"], [[r["way"], f"{r['peak_mb']:.1f}", f"{r['seconds']:.2f}"]
+                                                 for r in text_rows])
     return write_result(args.out, result)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
-from stage_build import write_result  # noqa: E402
+from stage_build import print_table, write_result  # noqa: E402
 
 
 def one_run(config: str, overrides: list[str], out: Path) -> dict:
@@ -70,10 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
               "final": runs["1 process"][0]["rounds"][-1]}
     print(f"{result['config']}, {args.workers} worker(s), train.grad_accum = {args.replicas}, {args.rounds} rounds, "
           f"{args.repeats} repeats (medians); the same params hash and eval loss every round")
-    print("| way | tok/s | inner s per round |")
-    print("|---|---|---|")
-    for r in rows:
-        print(f"| {r['way']} | {r['tokens_per_s']:.0f} | {r['inner_s']:.2f} |")
+    print_table(["way", "tok/s", "inner s per round"], [[r["way"], f"{r['tokens_per_s']:.0f}", f"{r['inner_s']:.2f}"]
+                                                         for r in rows])
     print(f"speedup: {result['speedup']:.2f}x")
     return write_result(args.out, result)
 

@@ -75,6 +75,12 @@ def write_result(out: str, result: dict) -> dict:
     return result
 
 
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table (what the README's benchmark tables are pasted from)."""
+    for line in (header, ["---"] * len(header), *rows):
+        print("| " + " | ".join(line) + " |")
+
+
 def entry(main: Callable[[], object], **children: Callable[[dict], dict]) -> None:
     """A memory bench's `__main__`: `--NAME SPEC` runs children[NAME] on the JSON SPEC in this
     fresh interpreter and prints its JSON result (what the parent reads back); else `main()`."""

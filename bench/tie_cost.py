@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
-from stage_build import write_result  # noqa: E402
+from stage_build import print_table, write_result  # noqa: E402
 
 
 def one_run(overrides: list[str], out: Path, steps: int) -> float:
@@ -68,10 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
               "repeats": args.repeats, "rows": rows, "ratio": round(rows[1]["step_s"] / rows[0]["step_s"], 3)}
     print(f"GPT, vocab {args.vocab}, d_model {args.d_model}, 1 worker of 2 stages, {args.rounds} rounds x "
           f"{args.steps} steps, {args.repeats} repeats (medians)")
-    print("| way | params | s per inner step | tie MB per step |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['way']} | {r['params']:,} | {r['step_s']:.4f} | {r['tie_bytes_per_step'] / 1e6:.1f} |")
+    print_table(["way", "params", "s per inner step", "tie MB per step"],
+                [[r["way"], f"{r['params']:,}", f"{r['step_s']:.4f}", f"{r['tie_bytes_per_step'] / 1e6:.1f}"] for r in rows])
     print(f"tied / untied: {result['ratio']:.3f}x")
     return write_result(args.out, result)
 

@@ -292,13 +292,23 @@ def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
 READ_BLOCK = 1 << 20  # a text file is read in blocks of this many bytes
 
 
-def _file_blocks(path: Path, limit: int = 0) -> Iterator[bytes]:
-    """The bytes of the file at `path` (its first `limit`, if > 0), a block at a time."""
+def _file_blocks(path: Path) -> Iterator[bytes]:
+    """The bytes of the file at `path`, a block at a time."""
     with path.open("rb") as f:
-        left = limit or -1
-        while left and (block := f.read(READ_BLOCK if left < 0 else min(READ_BLOCK, left))):
-            left -= len(block) if left > 0 else 0
+        while block := f.read(READ_BLOCK):
             yield block
+
+
+def _cut(blocks: Iterable[bytes], limit: int) -> Iterator[bytes]:
+    """The first `limit` bytes `blocks` make (0: all of them)."""
+    left = limit
+    for block in blocks:
+        if limit and left <= len(block):
+            if left:
+                yield block[:left]
+            return
+        left -= len(block)
+        yield block
 
 
 def text_blocks(source: str, max_bytes: int = 0) -> Iterator[bytes]:
@@ -306,16 +316,16 @@ def text_blocks(source: str, max_bytes: int = 0) -> Iterator[bytes]:
     (and the embedded corpus) each file as `# file: <name>\\n`, its bytes, `\\n`, in corpus order;
     its first `max_bytes` (0: all)."""
     headers = source == "stdlib" or Path(source).is_dir()
-    left = max_bytes or -1
-    for name, path in documents(source):
-        parts = [f"# file: {name}\n".encode(), _file_blocks(path), b"\n"] if headers else [_file_blocks(path)]
-        for block in itertools.chain.from_iterable([p] if isinstance(p, bytes) else p for p in parts):
-            if left >= 0:
-                block, left = block[:left], left - min(left, len(block))
-            if block:
-                yield block
-            if not left:
-                return
+
+    def whole() -> Iterator[bytes]:
+        for name, path in documents(source):
+            if headers:
+                yield f"# file: {name}\n".encode()
+            yield from _file_blocks(path)
+            if headers:
+                yield b"\n"
+
+    return _cut(whole(), max_bytes)
 
 
 def text_ids(cfg: DataConfig, tokenizer_json: bytes, vocab_size: int) -> Iterator[np.ndarray]:
@@ -341,18 +351,10 @@ def document_ids(tok, docs: list[tuple[str, Path]], eos_id: int | None, max_byte
     for _, path in docs:
         if max_bytes and left <= 0:
             break
-        read = [0]
-        yield from _encoded(tok, _counted(_file_blocks(path, left if max_bytes else 0), read))
+        yield from _encoded(tok, _cut(_file_blocks(path), left if max_bytes else 0))
         if eos_id is not None:
             yield np.asarray([eos_id], dtype=TOKENIZED_DTYPE)
-        left -= read[0]
-
-
-def _counted(blocks: Iterable[bytes], count: list[int]) -> Iterator[bytes]:
-    """`blocks`, adding their lengths to count[0] on the way."""
-    for block in blocks:
-        count[0] += len(block)
-        yield block
+        left -= path.stat().st_size
 
 
 TOKENIZE_PIECE = 1 << 18  # the text is tokenized in pieces of about this many bytes, cut after a newline
@@ -485,15 +487,11 @@ class PreparedCorpus:
 
     def put_chunks(self, put: Callable[[bytes], str]) -> None:
         """`put` every chunk; DataError if a streamed file's chunk is no longer what was hashed."""
-        digests, n = self.manifest["chunks"], 0
-        for chunk in self._chunks():
-            if n >= len(digests) or put(chunk) != digests[n]:
-                break
-            n += 1
-        else:
-            if n == len(digests):
-                return
-        raise DataError(f"corpus chunk {n} changed while the run was prepared (its file was written to)")
+        chunks, digests = iter(self._chunks()), self.manifest["chunks"]
+        for n, digest in enumerate([*digests, None]):  # then no chunk more than was hashed
+            chunk = next(chunks, None)
+            if (chunk is None) != (digest is None) or digest is not None and put(chunk) != digest:
+                raise DataError(f"corpus chunk {n} changed while the run was prepared (its file was written to)")
 
 
 def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int, scratch: str | os.PathLike[str] | None = None,

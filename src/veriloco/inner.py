@@ -204,44 +204,41 @@ class InnerLoop:
             g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
         parts = self.cfg.grad_accum
-        groups = self.replicas.count if self.replicas is not None else self.emulated_replicas
-        if groups > 1:  # [topology] replicas: the parts in one group per replica, summed group by group
-            loss = self._step_in_groups(x, y, parts, groups)
-        elif parts == 1:
+        if parts == 1:
             loss = self.loss_fn(self.model, x, y)
             loss.backward()
         else:
-            pieces = zip(torch.tensor_split(x, parts), torch.tensor_split(y, parts), strict=True)
-            for i, (xm, ym) in enumerate(pieces):
-                quiet = self.model.no_sync() if i < parts - 1 and hasattr(self.model, "no_sync") else nullcontext()
-                with quiet:
-                    part = self.loss_fn(self.model, xm, ym) / parts
-                    part.backward()
-                loss = part.detach() if i == 0 else loss + part.detach()
+            loss = self._accumulate(x, y, parts)
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=self._foreach)
         self.opt.step()
         self.step_count += 1
         return float(loss.detach())
 
-    def _step_in_groups(self, x: torch.Tensor, y: torch.Tensor, parts: int, groups: int) -> torch.Tensor:
-        """The gradient (in .grad) and loss of a step whose `parts` run in `groups` groups of
-        consecutive parts, one per replica: each group's parts added up in order, then the
-        groups' sums in group order. On a replica (`self.replicas`) this process runs its own
-        group and `Replicas.combine` adds the groups up; without, it runs every group in turn
-        (a replay of a replicas' worker), adding them up in the same order: the same floats."""
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor, parts: int) -> torch.Tensor:
+        """The gradient (in .grad) and loss of a step run in `parts` parts, in groups of
+        consecutive parts, one group per replica (`[topology] replicas`; else one group): each
+        group's parts added up in order (autograd adds each part's gradient to what is there),
+        then the groups' sums in group order. On a replica (`self.replicas`) this process runs its
+        own group and `Replicas.combine` adds the groups up; a replay of a replicas' worker
+        (`emulated_replicas`) runs every group in turn and adds them up the same way: the same floats."""
+        groups = self.replicas.count if self.replicas is not None else self.emulated_replicas
         xs, ys, k = torch.tensor_split(x, parts), torch.tensor_split(y, parts), parts // groups
 
         def group(i: int) -> torch.Tensor:  # its parts' gradients accumulate in .grad; their loss
             loss = None
             for j in range(i * k, (i + 1) * k):
-                part = self.loss_fn(self.model, xs[j], ys[j]) / parts
-                part.backward()
+                quiet = self.model.no_sync() if j < parts - 1 and hasattr(self.model, "no_sync") else nullcontext()
+                with quiet:  # DDP (the baseline) all-reduces after the last part only
+                    part = self.loss_fn(self.model, xs[j], ys[j]) / parts
+                    part.backward()
                 loss = part.detach() if loss is None else loss + part.detach()
             return loss
 
         if self.replicas is not None:
             return self.replicas.combine(self.model, group(self.replicas.index))
+        if groups == 1:
+            return group(0)
         params = list(self.model.parameters())
         for i in range(groups):
             if i:

@@ -1546,7 +1546,8 @@ class ReplicaSync:
             dist.broadcast(p.data, group=self.group, group_src=0)
         if not self.state_sent:  # through the CPU (gloo) on any device: a replica loads it onto its own
             state = {k: v.cpu() for k, v in inner.state_tensors().items()}
-            _broadcast_json([[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()], self.group)
+            _gather_json({"state": [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()]},
+                         self.group)  # the others send {}; they read replica 0's
             for v in state.values():
                 dist.broadcast(v, group=self.group, group_src=0)
             self.state_sent = True
@@ -1584,24 +1585,13 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
             inner.reset_state()
         if state_sent:
             state = {}
-            for key, shape, dtype in _broadcast_json(None, group):
+            for key, shape, dtype in _gather_json({}, group)[0]["state"]:
                 state[key] = torch.empty(shape, dtype=getattr(torch, dtype))
                 dist.broadcast(state[key], group=group, group_src=0)
             inner.load_state_tensors(state)
         inner.step_count, inner.total_steps, inner.round_start = step_count, total_steps, None if start < 0 else start
         for step in range(steps):
             inner.step(*task.batch(worker, r, step))
-
-
-def _broadcast_json(obj: object, group: dist.ProcessGroup) -> object:
-    """`obj` (JSON) from the group's first process to the others, which pass None: JSON bytes in a
-    uint8 tensor, never pickle."""
-    data = json.dumps(obj).encode() if obj is not None else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, group=group, group_src=0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if data else torch.zeros(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, group=group, group_src=0)
-    return json.loads(buf.numpy().tobytes())
 
 
 def process_backend(cfg: Config, local_processes: int = 1) -> str:
