@@ -1,13 +1,15 @@
 """A worker on several processes (`[topology] replicas`): how much faster its inner steps run,
 and that the run is the one-process run bit for bit.
 
-    python bench/replicas.py [--workers 1] [--replicas 2] [--rounds 3] [--repeats 2]
+    python bench/replicas.py [--workers 1] [--replicas 2] [--stages 1] [--rounds 3] [--repeats 2]
                              [--config configs/default.toml] [--set section.key=value ...]
                              [--out bench/results/replicas.json]
 
 Each repeat trains the config with `--workers` workers and `train.grad_accum = --replicas`, once
 on one process per worker and once on `--replicas` processes per worker (each runs one of the
-step's grad_accum parts), alternating (the machine is shared and noisy). Per way: the median
+step's grad_accum parts), alternating (the machine is shared and noisy). With `--stages S` > 1
+a worker is an S-stage pipeline with `topology.microbatches = --replicas`, once on S processes
+and once on S x replicas (each replica's pipeline runs one micro-batch). Per way: the median
 tokens/s of the run and the median inner-step seconds per round (`inner_s` in the records,
 averaged over workers). The two ways must record the same params hash and eval loss in every
 round, or the bench fails. On this 2-core machine, run it with as many processes in all
@@ -44,17 +46,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "replicas.json"))
     args = ap.parse_args(argv)
-    if min(args.workers, args.rounds, args.repeats) < 1 or args.replicas < 2:
-        ap.error("--workers, --rounds and --repeats must be >= 1, --replicas >= 2")
-    common = [f"--topology.workers={args.workers}", f"--train.grad_accum={args.replicas}",
-              f"--train.rounds={args.rounds}", *(f"--{s}" for s in args.set)]
-    ways = {"1 process": common, f"{args.replicas} replicas": [*common, f"--topology.replicas={args.replicas}"]}
+    if min(args.workers, args.rounds, args.repeats, args.stages) < 1 or args.replicas < 2:
+        ap.error("--workers, --stages, --rounds and --repeats must be >= 1, --replicas >= 2")
+    split = ([f"--topology.stages={args.stages}", f"--topology.microbatches={args.replicas}"] if args.stages > 1
+             else [f"--train.grad_accum={args.replicas}"])
+    common = [f"--topology.workers={args.workers}", *split, f"--train.rounds={args.rounds}", *(f"--{s}" for s in args.set)]
+    alone, many = ("1 process", f"{args.replicas} replicas") if args.stages == 1 else \
+        (f"{args.stages} stages", f"{args.stages} stages x {args.replicas} replicas")
+    ways = {alone: common, many: [*common, f"--topology.replicas={args.replicas}"]}
     runs: dict[str, list[dict]] = {way: [] for way in ways}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeats):
@@ -65,10 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [{"way": way, "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1),
              "inner_s": round(statistics.median(r["inner_s"] for r in rs), 3)} for way, rs in runs.items()]
     result = {"config": Path(args.config).name, "workers": args.workers, "replicas": args.replicas,
-              "rounds": args.rounds, "repeats": args.repeats, "set": args.set, "rows": rows,
+              "stages": args.stages, "rounds": args.rounds, "repeats": args.repeats, "set": args.set, "rows": rows,
               "speedup": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3),
-              "final": runs["1 process"][0]["rounds"][-1]}
-    print(f"{result['config']}, {args.workers} worker(s), train.grad_accum = {args.replicas}, {args.rounds} rounds, "
+              "final": runs[alone][0]["rounds"][-1]}
+    print(f"{result['config']}, {args.workers} worker(s), {' '.join(split)}, {args.rounds} rounds, "
           f"{args.repeats} repeats (medians); the same params hash and eval loss every round")
     print_table(["way", "tok/s", "inner s per round"], [[r["way"], f"{r['tokens_per_s']:.0f}", f"{r['inner_s']:.2f}"]
                                                          for r in rows])

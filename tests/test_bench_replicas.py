@@ -17,6 +17,14 @@ def test_the_ways_agree_and_the_table_prints(tmp_path):
     assert "| 2 replicas |" in p.stdout and len(result["final"]) == 2
 
 
+def test_pipelined_ways_agree(tmp_path):
+    out = tmp_path / "replicas.json"
+    p = bench_arguments("replicas.py", "--config", str(TINY), "--workers", "1", "--stages", "2", "--rounds", "2",
+                        "--repeats", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert [r["way"] for r in json.loads(out.read_text())["rows"]] == ["2 stages", "2 stages x 2 replicas"]
+
+
 def test_bad_arguments_exit_2():
     p = bench_arguments("replicas.py", "--replicas", "1")
     assert p.returncode == 2 and "--replicas >= 2" in p.stderr

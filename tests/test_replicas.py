@@ -1,6 +1,7 @@
 """`[topology] replicas`: a worker on several processes, each running one of an inner step's
-grad_accum parts, the parts' gradients summed in part order (`inner.Replicas`). The run is the
-one-process run with that grad_accum bit for bit, so its replays (one process) reproduce it."""
+grad_accum parts (with stages: its micro-batches, through the replica's own pipeline), the parts'
+gradients summed in part order (`inner.Replicas`). With one part each the run is the one-process
+run bit for bit; either way its replays (one process, or the auditor's replica 0s) reproduce it."""
 
 from __future__ import annotations
 
@@ -60,7 +61,52 @@ def test_replicas_keep_the_inner_state_across_rounds_and_a_resume(tmp_path):
     _same(one, rounds_of(tmp_path / "two"))
 
 
+STAGED = ("--topology.stages=2", "--train.grad_accum=1", "--train.rounds=2", "--verify.trace_every=5")
+
+
+def test_replicas_of_pipeline_stages_are_the_pipelined_run_and_their_replays_pass(tmp_path):
+    """2 workers x 2 stages x 2 replicas: replica i of every stage runs its own pipeline on micro-batch
+    i, each stage's gradients summed over its replicas. One micro-batch each is the 2-stage run with
+    2 micro-batches bit for bit; its replays (on the auditor's replica 0 pipeline) and the audit (one
+    process) run the replicas' groups in turn."""
+    on = (*STAGED, "--topology.microbatches=2", "--train.inner_state=reset", "--verify.replay_probability=1.0")
+    one = _trained(tmp_path, "one", *on)
+    two = _trained(tmp_path, "two", *on, "--topology.replicas=2")
+    _same(one, two)
+    assert all(v == "accept" for rec in two for v in rec["verdicts"])
+    assert all(sorted(part["evidence"]) == ["0", "1"] and all("replayed" in ev for ev in part["evidence"].values())
+               for rec in two for part in rec["stages"])  # every stage of each worker replayed by the other
+    report = audit_run(tmp_path / "two", replay=100)
+    assert report.ok and report.checked["replays"] == 4, report
+
+
+def test_replicas_of_tied_1f1b_stages_are_replayed(tmp_path):
+    """Tied embeddings (the head's gradient returned on every replica's pipeline) and 1F1B with 2
+    micro-batches per replica: every replay accepted, and the audit's."""
+    rounds = _trained(tmp_path, "tied", *STAGED, "--model.tie=true", "--topology.schedule=1f1b",
+                      "--topology.microbatches=4", "--topology.replicas=2", "--train.inner_state=reset",
+                      "--verify.replay_probability=1.0")
+    assert all(v == "accept" for rec in rounds for v in rec["verdicts"])
+    assert all(part["evidence"] for rec in rounds for part in rec["stages"])
+    report = audit_run(tmp_path / "tied", replay=100)
+    assert report.ok and report.checked["replays"] == 4, report
+
+
+def test_replicas_of_stages_keep_the_inner_state_across_a_resume(tmp_path):
+    """AdamW's moments kept, a stop after a round and a resume: every stage's other replica takes
+    its slice's state from replica 0, and the run is the uninterrupted 2-stage run."""
+    on = (*STAGED, "--train.rounds=3", "--topology.microbatches=2")
+    one = _trained(tmp_path, "one", *on)
+    assert len(_trained(tmp_path, "two", *on, "--topology.replicas=2", stop_after=1)) == 1
+    resume(str(tmp_path / "two"), quiet=True)
+    _same(one, rounds_of(tmp_path / "two"))
+
+
 @pytest.mark.parametrize("overrides, message", [
+    ((*STAGED, "--topology.replicas=2", "--topology.microbatches=3", "--train.batch_size=6"),
+     r"splits topology.microbatches among the replicas' pipelines: set topology.microbatches to a multiple of 2 \(got 3\)"),
+    ((*STAGED, "--topology.replicas=2", "--topology.microbatches=2", "--topology.schedule=1f1b"),
+     r"1f1b' needs each replica's topology.microbatches / replicas \(1\) >= topology.stages \(2\)"),
     (("--topology.replicas=2", "--train.grad_accum=3", "--train.batch_size=6"), r"topology.replicas = 2 splits train.grad_accum's parts "
                                                          r"among the replicas: set train.grad_accum to a multiple "
                                                          r"of 2 \(got 3\)"),

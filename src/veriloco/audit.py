@@ -875,7 +875,8 @@ def _emulated_replayer(cfg, total: int) -> Replayer:
             for m in models:
                 for k, p in m.named_parameters():
                     p.copy_(start[k])
-        emu = EmulatedPipeline(models, cfg.train, total, microbatches=cfg.topology.microbatches)
+        emu = EmulatedPipeline(models, cfg.train, total, microbatches=cfg.topology.microbatches,
+                               groups=cfg.topology.replicas)
         emu.step_count = steps_before
         return emu, emu
 

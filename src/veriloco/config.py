@@ -198,18 +198,20 @@ class TopologyConfig:
         "exchange of a slice runs only among the workers' processes that hold it, and each builds only its "
         "slice (from G_0 in the run's store). The built-in task only ([model]: the GPT or a transformers arch)",
     )
-    microbatches: int = _f(1, "stages > 1: micro-batches per inner step; must divide train.batch_size")
+    microbatches: int = _f(1, "stages > 1: micro-batches per inner step (all replicas' together); must divide "
+                              "train.batch_size")
     schedule: str = _f(
-        "gpipe", "stages > 1: pipeline schedule, 'gpipe' or '1f1b' (1f1b needs microbatches >= stages)"
+        "gpipe", "stages > 1: pipeline schedule, 'gpipe' or '1f1b' (1f1b needs microbatches / replicas >= stages)"
     )
     replicas: int = _f(
         1,
         "data-parallel processes per worker (on its fast local links): each inner step's "
-        "train.grad_accum parts (a multiple of replicas) run in equal groups of consecutive parts, one "
-        "per replica, the groups' gradients summed in replica order; with grad_accum = replicas the run "
-        "is bit for bit the one-process run, and a replay reproduces it in one process either way; "
-        "replica 0 takes part in the round. Needs stages = 1, static membership, train.mode 'diloco', "
-        "no adversaries, no outer.overlap_steps, no train.inner_steps_max",
+        "train.grad_accum parts (with stages: its topology.microbatches; a multiple of replicas) run in "
+        "equal groups of consecutive parts, one per replica (with stages: through the replica's own "
+        "pipeline), the groups' gradients summed in replica order; with one part each the run is bit for "
+        "bit the one-process run (with stages: the S-stage run, untied), and replays reproduce it either "
+        "way; replica 0 takes part in the round. Needs static membership, train.mode "
+        "'diloco', no adversaries, no outer.overlap_steps, no train.inner_steps_max",
     )
 
 
@@ -697,12 +699,21 @@ def _check_topology(cfg: Config) -> None:
          f"train.mode = 'ddp' runs one process per worker; topology.stages must be 1, got {p.stages}"),
         (p.replicas >= 1, f"topology.replicas must be >= 1, got {p.replicas}"),
     )
+    if p.replicas > 1 and p.stages == 1:
+        checks += ((t.grad_accum % p.replicas == 0,
+                    f"topology.replicas = {p.replicas} splits train.grad_accum's parts among the replicas: set "
+                    f"train.grad_accum to a multiple of {p.replicas} (got {t.grad_accum})"),)
+    if p.replicas > 1 and p.stages > 1:
+        checks += (
+            (p.microbatches % p.replicas == 0,
+             f"topology.replicas = {p.replicas} splits topology.microbatches among the replicas' pipelines: "
+             f"set topology.microbatches to a multiple of {p.replicas} (got {p.microbatches})"),
+            (p.schedule != "1f1b" or p.microbatches >= p.stages * p.replicas,
+             f"topology.schedule = '1f1b' needs each replica's topology.microbatches / replicas "
+             f"({p.microbatches // p.replicas}) >= topology.stages ({p.stages})"),
+        )
     if p.replicas > 1:  # what the replicas' round is built for, so far
         checks += (
-            (t.grad_accum % p.replicas == 0,
-             f"topology.replicas = {p.replicas} splits train.grad_accum's parts among the replicas: set "
-             f"train.grad_accum to a multiple of {p.replicas} (got {t.grad_accum})"),
-            (p.stages == 1, f"topology.replicas > 1 needs topology.stages = 1, got {p.stages}"),
             (t.mode == "diloco", "topology.replicas > 1 needs train.mode = 'diloco'"),
             (cfg.run.membership == "static", "topology.replicas > 1 needs run.membership = 'static'"),
             (not cfg.adversary, "topology.replicas > 1 runs no [adversary] (an adversary acts on one process)"),

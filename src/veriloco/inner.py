@@ -139,8 +139,9 @@ class Replicas:
     def __init__(self, group: object, index: int, count: int) -> None:
         self.group, self.index, self.count = group, index, count
 
-    def combine(self, model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
-        """Every param's gradient becomes the parts' sum (in part order); returns the losses' sum."""
+    def combine(self, model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
+        """Every param's gradient becomes the groups' sum (in group order); returns every group's
+        `loss` (a tensor of one shape on every replica), in group order."""
         import torch.distributed as dist
 
         params = list(model.parameters())
@@ -163,10 +164,35 @@ class Replicas:
             at += p.numel()
         losses = [torch.empty_like(loss) for _ in range(self.count)]
         dist.all_gather(losses, loss, group=self.group)
-        out = losses[0]
-        for other in losses[1:]:
-            out = out + other
-        return out
+        return losses
+
+
+def sum_groups(model: nn.Module, groups: int, group: Callable[[int], torch.Tensor], replicas: Replicas | None,
+               zero_grad: Callable[..., None]) -> list[torch.Tensor]:
+    """A step's gradient (left in .grad) from `groups` groups of its parts, added up in group
+    order, and every group's loss in group order; `group(i)` runs group i, leaving its gradient in
+    .grad and returning its loss. On a replica (`replicas`) this process runs its own group and
+    `Replicas.combine` adds them up; otherwise (one group, or a replay of a replicas' worker) it
+    runs every group in turn and adds them up the same way: the same floats."""
+    if replicas is not None:
+        return replicas.combine(model, group(replicas.index))
+    if groups == 1:
+        return [group(0)]
+    params, losses = list(model.parameters()), []
+    for i in range(groups):
+        if i:
+            zero_grad(set_to_none=True)
+        losses.append(group(i))
+        if any(p.grad is None for p in params):
+            raise RuntimeError("replicas: a parameter has no gradient after a replica's parts")
+        if i == 0:
+            sums = [p.grad for p in params]
+        else:
+            for total, p in zip(sums, params, strict=True):
+                total += p.grad
+    for total, p in zip(sums, params, strict=True):
+        p.grad = total
+    return losses
 
 
 class InnerLoop:
@@ -235,25 +261,10 @@ class InnerLoop:
                 loss = part.detach() if loss is None else loss + part.detach()
             return loss
 
-        if self.replicas is not None:
-            return self.replicas.combine(self.model, group(self.replicas.index))
-        if groups == 1:
-            return group(0)
-        params = list(self.model.parameters())
-        for i in range(groups):
-            if i:
-                self.opt.zero_grad(set_to_none=True)
-            own = group(i)
-            if any(p.grad is None for p in params):
-                raise RuntimeError("replicas: a parameter has no gradient after a replica's parts")
-            if i == 0:
-                sums, loss = [p.grad for p in params], own
-            else:
-                for total, p in zip(sums, params, strict=True):
-                    total += p.grad
-                loss = loss + own
-        for total, p in zip(sums, params, strict=True):
-            p.grad = total
+        losses = sum_groups(self.model, groups, group, self.replicas, self.opt.zero_grad)
+        loss = losses[0]
+        for other in losses[1:]:  # in group order
+            loss = loss + other
         return loss
 
     def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:

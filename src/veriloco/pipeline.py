@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from .config import TrainConfig
-from .inner import BatchFn, InnerLoop, InnerResult, Landing, lr_at, run_steps
+from .inner import BatchFn, InnerLoop, InnerResult, Landing, lr_at, run_steps, sum_groups
 from .model import lm_loss, tied_ends
 
 TIE_TAG = 17  # TiedEnds' messages, apart from the schedule's own (tag 0) between the same ranks
@@ -94,16 +94,30 @@ def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
     return torch.stack([torch.linalg.vector_norm(g, 2) for g in grads]).double().square().sum()
 
 
-def _step_loss(mb_losses: list[torch.Tensor]) -> torch.Tensor:
-    """The step's loss: the mean of the micro-batch losses, as float64."""
-    return torch.stack(mb_losses).detach().mean().double()
-
-
 def _tally(total: torch.Tensor, mb_losses: list[torch.Tensor], y: torch.Tensor) -> None:
     """Add one batch to total = [sum of loss * target tokens, tokens]: the mean of its micro-batch
     losses, weighted by its tokens (pipeline evals and the emulated ones alike)."""
     total[0] += float(torch.stack(mb_losses).mean()) * y.numel()
     total[1] += y.numel()
+
+
+def _groups_of(microbatches: int, groups: int) -> int:
+    """`groups` (`[topology] replicas`), after checking each gets an equal share of the micro-batches."""
+    if groups < 1 or microbatches % groups:
+        raise ValueError(f"{microbatches} micro-batches do not split into {groups} equal groups (one per replica)")
+    return groups
+
+
+def _group_losses(losses: list[torch.Tensor], groups: int, model: nn.Module) -> torch.Tensor:
+    """A step run in `groups` groups of micro-batches (`[topology] replicas`), from `sum_groups`:
+    each group's gradient is its micro-batches' mean (`scale_grads`) and the groups were added up,
+    so the sums are divided by `groups`; the step's loss is the mean of every group's micro-batch
+    losses (in order: what one pipeline running them all computes), as float64."""
+    if groups > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(groups)
+    return torch.cat(losses).mean().double()
 
 
 def _clip(cfg: TrainConfig, grads: list[torch.Tensor], stage_sq: list[float]) -> None:
@@ -198,12 +212,14 @@ class PipelineInnerLoop(InnerLoop):
         schedule: str = "gpipe",
         loss_fn: OutputLoss = lm_loss,
         device: torch.device | str = "cpu",
+        groups: int = 1,
     ) -> None:
         # InnerLoop builds the same AdamW param groups as the unsplit run, over this slice only.
         super().__init__(model, cfg, total_steps, lambda m, x, y: loss_fn(m(x), y))
         self.stage, self.stages, self.group = stage, stages, group
         self.microbatches, self.schedule, self.device = microbatches, schedule, torch.device(device)
-        self.sched = _make_schedule(model, stage, stages, group, schedule, microbatches, loss_fn, self.device)
+        self.groups = _groups_of(microbatches, groups)
+        self.sched = _make_schedule(model, stage, stages, group, schedule, microbatches // groups, loss_fn, self.device)
         self.tie = TiedEnds(model, stages, group)
 
     @property
@@ -217,14 +233,23 @@ class PipelineInnerLoop(InnerLoop):
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.cfg, self.step_count, self.total_steps, self.round_start)
         self.opt.zero_grad(set_to_none=True)
-        mb_losses: list[torch.Tensor] = []
         self.tie.refresh()
-        _pipe_step(self.sched, self.stage, self.stages, x.to(self.device), y.to(self.device), mb_losses,
-                   forward_only=False)
-        self.tie.return_grad(self.microbatches)
+        per_group = self.microbatches // self.groups
+        xs, ys = torch.tensor_split(x, self.groups), torch.tensor_split(y, self.groups)
+
+        def group(i: int) -> torch.Tensor:  # group i's gradient (in .grad) and its loss (the last stage's)
+            mb_losses: list[torch.Tensor] = []
+            _pipe_step(self.sched, self.stage, self.stages, xs[i].to(self.device), ys[i].to(self.device), mb_losses,
+                       forward_only=False)
+            self.tie.return_grad(per_group)
+            if self.is_last:
+                return torch.stack(mb_losses).detach()
+            return torch.zeros(per_group, device=self.device)
+
+        loss = _group_losses(sum_groups(self.model, self.groups, group, self.replicas, self.opt.zero_grad),
+                             self.groups, self.model)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         sq = _squared_norm(grads, self.device)
-        loss = _step_loss(mb_losses) if self.is_last else torch.zeros_like(sq)
         mine = torch.stack([sq, loss]).to(self.device)  # collectives take tensors on the backend's device
         every = [torch.zeros_like(mine) for _ in range(self.stages)]
         dist.all_gather(every, mine, group=self.group)
@@ -280,10 +305,11 @@ class EmulatedPipeline:
     for the whole model's params (the stages' names are the full model's)."""
 
     def __init__(self, stage_models: list[nn.Module], cfg: TrainConfig, total_steps: int, *,
-                 microbatches: int = 1, loss_fn: OutputLoss = lm_loss) -> None:
+                 microbatches: int = 1, loss_fn: OutputLoss = lm_loss, groups: int = 1) -> None:
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
         self.models, self.cfg, self.microbatches, self.loss_fn = stage_models, cfg, microbatches, loss_fn
+        self.groups = _groups_of(microbatches, groups)  # [topology] replicas: each one's micro-batches, in turn
         self.loops = [InnerLoop(m, cfg, total_steps, None) for m in stage_models]  # each slice's AdamW
         self.embedding, self.copy = tied_ends(stage_models[0])[0], tied_ends(stage_models[-1])[1]  # TiedEnds, in one process
         if self.copy is not None:
@@ -298,17 +324,42 @@ class EmulatedPipeline:
         for m in self.models:
             yield from m.named_parameters()
 
+    def parameters(self) -> Iterable[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One step of the worker's pipeline on (x, y); returns the loss before the step."""
+        """One step of the worker's pipeline on (x, y); returns the loss before the step. With
+        `groups` (a replicas' worker), each group of micro-batches as one replica's pipeline runs
+        it, the groups added up as `Replicas.combine` adds them."""
         _check_split(y.shape[0], self.microbatches)
         for loop in self.loops:
             for g in loop.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, loop.step_count, loop.total_steps, loop.round_start)
             loop.opt.zero_grad(set_to_none=True)
         self._refresh()
+        xs, ys = torch.tensor_split(x, self.groups), torch.tensor_split(y, self.groups)
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            for loop in self.loops:
+                loop.opt.zero_grad(set_to_none=set_to_none)
+
+        loss = _group_losses(sum_groups(self, self.groups, lambda i: self._group(xs[i], ys[i]), None, zero_grad),
+                             self.groups, self)
+        grads = [[p.grad for p in m.parameters() if p.grad is not None] for m in self.models]
+        stage_sq = [float(_squared_norm(gs, torch.device("cpu"))) for gs in grads]
+        for loop, gs in zip(self.loops, grads, strict=True):
+            _clip(self.cfg, gs, stage_sq)
+            loop.opt.step()
+            loop.step_count += 1
+        return float(loss)
+
+    def _group(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The pipeline's schedule on one group's micro-batches, in one process: the gradients
+        (in .grad, each the micro-batches' mean, the tied head's added) and the mean loss."""
+        microbatches = self.microbatches // self.groups
         mb_losses = []
-        for xm, ym in zip(torch.tensor_split(x, self.microbatches), torch.tensor_split(y, self.microbatches),
-                          strict=True):
+        for xm, ym in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches), strict=True):
             inputs, outputs, h = [], [], xm
             for s, m in enumerate(self.models):
                 if s > 0:  # what the next stage receives: a leaf with the same values
@@ -321,18 +372,12 @@ class EmulatedPipeline:
             torch.autograd.backward([loss])
             for s in range(len(self.models) - 2, -1, -1):
                 torch.autograd.backward([outputs[s]], grad_tensors=[inputs[s + 1].grad])
-        grads = [[p.grad for p in m.parameters() if p.grad is not None] for m in self.models]
-        if self.microbatches != 1:  # scale_grads: a division, as the pipeline's stage does it
-            for g in (g for gs in grads for g in gs):
-                g.div_(self.microbatches)
+        if microbatches != 1:  # scale_grads: a division, as the pipeline's stage does it
+            for g in (p.grad for p in self.parameters() if p.grad is not None):
+                g.div_(microbatches)
         if self.copy is not None:  # TiedEnds.return_grad
-            self.embedding.grad.add_(_take_grad(self.copy, self.microbatches))
-        stage_sq = [float(_squared_norm(gs, torch.device("cpu"))) for gs in grads]
-        for loop, gs in zip(self.loops, grads, strict=True):
-            _clip(self.cfg, gs, stage_sq)
-            loop.opt.step()
-            loop.step_count += 1
-        return float(_step_loss(mb_losses))
+            self.embedding.grad.add_(_take_grad(self.copy, microbatches))
+        return torch.stack(mb_losses).detach()
 
     def _refresh(self) -> None:
         """TiedEnds.refresh: the last stage's head copy := the first stage's embedding."""

@@ -97,6 +97,7 @@ from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, atomic_write
 from .store import LocalStore
 from .task import (
+    CorpusTask,
     Task,
     corpus_task_of,
     load_params,
@@ -332,6 +333,22 @@ def check_splittable(task: Task, stages: int) -> None:
         )
 
 
+def inner_loop_of(cfg: Config, task: Task, stage: int, pipeline_group: dist.ProcessGroup | None,
+                  device: torch.device, source: CorpusTask | None) -> tuple[torch.nn.Module, InnerLoop]:
+    """A process's model (its stage's slice) and inner loop: the same on every replica of it.
+    `pipeline_group`: its pipeline's processes in stage order (with stages)."""
+    total_steps, stages = cfg.train.rounds * cfg.train.inner_steps, cfg.topology.stages
+    if stages == 1:
+        model = task.make_model()
+        return model, InnerLoop(model, cfg.train, total_steps, task.loss)
+    model = stage_model(cfg, stage, stages, device, source.initial_params())  # a stage is the built-in task: its slice of G_0
+    return model, PipelineInnerLoop(
+        model, cfg.train, total_steps, stage=stage, stages=stages, group=pipeline_group,
+        microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule, device=device,
+        groups=cfg.topology.replicas,
+    )
+
+
 def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, resume_round: int,
                  elastic: bool = False, process_rank: int | None = None) -> Worker:
     """Build one process's state (one stage of one worker): model slice, optimizers, groups,
@@ -357,18 +374,11 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     replica_group = protocol_group = None  # [topology] replicas: made after the two above, as replica_loop does
     if topo.replicas > 1:
         replica_group, protocol_group = topo.build_replica_groups(timeout)
-    total_steps = cfg.train.rounds * cfg.train.inner_steps
-    if stages == 1:
-        model = task.make_model()
-        inner = InnerLoop(model, cfg.train, total_steps, task.loss)
-        if replica_group is not None:
-            inner.replicas = Replicas(replica_group, 0, topo.replicas)
-    else:
-        model = stage_model(cfg, stage, stages, device, source.initial_params())  # a stage is the built-in task: its slice of G_0
-        inner = PipelineInnerLoop(
-            model, cfg.train, total_steps, stage=stage, stages=stages, group=worker_group,
-            microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule, device=device,
-        )
+        if stages > 1:
+            topo.build_pipeline_groups(timeout)  # the other replicas' pipelines (collective)
+    model, inner = inner_loop_of(cfg, task, stage, worker_group, device, source)
+    if replica_group is not None:
+        inner.replicas = Replicas(replica_group, 0, topo.replicas)
     outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)  # this stage's slice of G
     link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
     link = None if link.unlimited else link
@@ -996,7 +1006,7 @@ def replayer_of(w: Worker) -> Replayer:
         model = stage_model(cfg, w.stage, w.topo.stages, w.device, start)
         loop = PipelineInnerLoop(model, cfg.train, total, stage=w.stage, stages=w.topo.stages, group=w.worker_group,
                                  microbatches=cfg.topology.microbatches, schedule=cfg.topology.schedule,
-                                 device=w.device)
+                                 device=w.device, groups=cfg.topology.replicas)
         loop.step_count = steps_before
         return model, loop
 
@@ -1569,9 +1579,10 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
     topo.build_groups(timeout)  # the groups replica 0 makes (setup_worker), in its order: new_group is collective
     topo.build_groups(timeout)
     group, _ = topo.build_replica_groups(timeout)
-    worker = topo.worker_of(rank // topo.replicas)
-    model = task.make_model()
-    inner = InnerLoop(model, cfg.train, cfg.train.rounds * cfg.train.inner_steps, task.loss)
+    pipeline = topo.build_pipeline_groups(timeout) if topo.stages > 1 else None
+    protocol_rank = rank // topo.replicas
+    worker = topo.worker_of(protocol_rank)
+    model, inner = inner_loop_of(cfg, task, topo.stage_of(protocol_rank), pipeline, device, corpus_task_of(task))
     inner.replicas = Replicas(group, rank % topo.replicas, topo.replicas)
     while True:
         control = torch.zeros(REPLICA_CONTROL, dtype=torch.int64)

@@ -21,7 +21,8 @@ Two kinds of group:
 batch (data parallel inside a worker, on its fast local links; `inner.Replicas`): process
 `v * R + i` is replica i of the process above with global rank v (its *protocol rank*). Only
 replica 0 takes part in the round (exchange, checks, records); the groups above join replica 0s,
-and a **replica group** joins the R processes of one protocol rank.
+a **replica group** joins the R processes of one protocol rank, and with stages, replica i > 0 of
+each stage of a worker form that replica's own **pipeline group** (replica 0s use the worker group).
 
 A stage's module holds only its own layers, under the full model's names (`build_stage_model`), so
 its parameter names and initial values are exactly the full model's: deltas, packets and
@@ -140,6 +141,20 @@ class Topology:
                 mine = g
         protocol = dist.new_group([v * self.replicas for v in range(self.world_size)], timeout=timeout)
         return mine, protocol
+
+    def build_pipeline_groups(self, timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+        """With stages and replicas: create the pipeline of every replica i > 0 of every worker (its
+        S processes, replica i of each stage, in stage order; replica 0's pipeline is the worker
+        group) and return this process's, or None on a replica 0. Collective over the default
+        group, as `build_groups`."""
+        me, mine = self._process_rank(), None
+        for w in range(self.workers):
+            for i in range(1, self.replicas):
+                ranks = [v * self.replicas + i for v in self.worker_ranks(w)]
+                g = dist.new_group(ranks, timeout=timeout)
+                if me in ranks:
+                    mine = g
+        return mine
 
     def _process_rank(self) -> int:
         """This process's global rank, after checking the world is workers x stages x replicas."""
