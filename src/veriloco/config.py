@@ -211,7 +211,7 @@ class TopologyConfig:
         "pipeline), the groups' gradients summed in replica order; with one part each the run is bit for "
         "bit the one-process run (with stages: the S-stage run, untied), and replays reproduce it either "
         "way; replica 0 takes part in the round. Needs static membership, train.mode "
-        "'diloco', no adversaries, no outer.overlap_steps, no train.inner_steps_max",
+        "'diloco', no adversaries",
     )
 
 
@@ -717,8 +717,6 @@ def _check_topology(cfg: Config) -> None:
             (t.mode == "diloco", "topology.replicas > 1 needs train.mode = 'diloco'"),
             (cfg.run.membership == "static", "topology.replicas > 1 needs run.membership = 'static'"),
             (not cfg.adversary, "topology.replicas > 1 runs no [adversary] (an adversary acts on one process)"),
-            (cfg.outer.overlap_steps == 0, "topology.replicas > 1 needs outer.overlap_steps = 0"),
-            (t.inner_steps_max == 0, "topology.replicas > 1 needs train.inner_steps_max = 0 (a fixed H)"),
         )
     for ok, msg in checks:
         if not ok:

@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from statistics import median_high
 from typing import Any
@@ -85,7 +86,7 @@ from .config import Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
-from .inner import InnerLoop, Landing, Replicas, Spent, shift_params
+from .inner import InnerLoop, Landing, Replicas, Spent, run_steps, shift_params
 from .ledger import Ledger, SqliteLedger
 from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
 from .link import Link, pace
@@ -613,6 +614,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
             load_params(w.model, mine)
             shift_params(w.model, w.outer.params, start)
             take_base()
+            if w.replicas is not None:
+                w.replicas.landed()
 
         landing = Landing(cfg.outer.overlap_steps, move)
     load_params(w.model, start)
@@ -1552,8 +1555,7 @@ class ReplicaSync:
         start = -1 if inner.round_start is None else inner.round_start
         control = [1, r, steps, inner.step_count, inner.total_steps, start, int(not self.state_sent)]
         dist.broadcast(torch.tensor(control, dtype=torch.int64), group=self.group, group_src=0)
-        for p in inner.model.parameters():
-            dist.broadcast(p.data, group=self.group, group_src=0)
+        share_params(inner.model, self.group)
         if not self.state_sent:  # through the CPU (gloo) on any device: a replica loads it onto its own
             state = {k: v.cpu() for k, v in inner.state_tensors().items()}
             _gather_json({"state": [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()]},
@@ -1562,8 +1564,19 @@ class ReplicaSync:
                 dist.broadcast(v, group=self.group, group_src=0)
             self.state_sent = True
 
+    def landed(self) -> None:
+        """`[outer] overlap_steps`: the late update moved the params inside the round; the other
+        replicas take them at the same step (`replica_loop`'s Landing)."""
+        share_params(self.inner.model, self.group)
+
     def end(self) -> None:
         dist.broadcast(torch.zeros(REPLICA_CONTROL, dtype=torch.int64), group=self.group, group_src=0)
+
+
+def share_params(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Replica 0's params to every replica of its group (collective: each calls it)."""
+    for p in model.parameters():
+        dist.broadcast(p.data, group=group, group_src=0)
 
 
 def replica_loop(cfg: Config, rank: int, task: Task) -> None:
@@ -1590,8 +1603,7 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
         go, r, steps, step_count, total_steps, start, state_sent = (int(v) for v in control)
         if not go:
             return
-        for p in model.parameters():
-            dist.broadcast(p.data, group=group, group_src=0)
+        share_params(model, group)
         if cfg.train.inner_state == "reset":
             inner.reset_state()
         if state_sent:
@@ -1601,8 +1613,8 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
                 dist.broadcast(state[key], group=group, group_src=0)
             inner.load_state_tensors(state)
         inner.step_count, inner.total_steps, inner.round_start = step_count, total_steps, None if start < 0 else start
-        for step in range(steps):
-            inner.step(*task.batch(worker, r, step))
+        land = Landing(cfg.outer.overlap_steps, lambda: share_params(model, group)) if cfg.outer.overlap_steps else None
+        run_steps(inner.step, inner.state_hash, partial(task.batch, worker, r), steps, land=land)
 
 
 def process_backend(cfg: Config, local_processes: int = 1) -> str:
