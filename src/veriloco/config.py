@@ -210,8 +210,7 @@ class TopologyConfig:
         "equal groups of consecutive parts, one per replica (with stages: through the replica's own "
         "pipeline), the groups' gradients summed in replica order; with one part each the run is bit for "
         "bit the one-process run (with stages: the S-stage run, untied), and replays reproduce it either "
-        "way; replica 0 takes part in the round. Needs static membership, train.mode "
-        "'diloco', no adversaries",
+        "way; replica 0 takes part in the round. Needs static membership and train.mode 'diloco'",
     )
 
 
@@ -716,7 +715,6 @@ def _check_topology(cfg: Config) -> None:
         checks += (
             (t.mode == "diloco", "topology.replicas > 1 needs train.mode = 'diloco'"),
             (cfg.run.membership == "static", "topology.replicas > 1 needs run.membership = 'static'"),
-            (not cfg.adversary, "topology.replicas > 1 runs no [adversary] (an adversary acts on one process)"),
         )
     for ok, msg in checks:
         if not ok:

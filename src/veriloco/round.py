@@ -61,7 +61,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from statistics import median_high
 from typing import Any
@@ -1597,6 +1596,9 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
     worker = topo.worker_of(protocol_rank)
     model, inner = inner_loop_of(cfg, task, topo.stage_of(protocol_rank), pipeline, device, corpus_task_of(task))
     inner.replicas = Replicas(group, rank % topo.replicas, topo.replicas)
+    # the worker's adversary trains on what its batch hook gives on every replica (its other hooks
+    # act on replica 0's round alone; how many steps it takes comes with each round's control)
+    adv = load_adversary(cfg.adversary[str(worker)], worker, cfg.run.seed) if str(worker) in cfg.adversary else Adversary(worker, cfg.run.seed)
     while True:
         control = torch.zeros(REPLICA_CONTROL, dtype=torch.int64)
         dist.broadcast(control, group=group, group_src=0)
@@ -1614,7 +1616,8 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
             inner.load_state_tensors(state)
         inner.step_count, inner.total_steps, inner.round_start = step_count, total_steps, None if start < 0 else start
         land = Landing(cfg.outer.overlap_steps, lambda: share_params(model, group)) if cfg.outer.overlap_steps else None
-        run_steps(inner.step, inner.state_hash, partial(task.batch, worker, r), steps, land=land)
+        run_steps(inner.step, inner.state_hash, lambda step, r=r: adv.batch(r, step, *task.batch(worker, r, step)),
+                  steps, land=land)
 
 
 def process_backend(cfg: Config, local_processes: int = 1) -> str:
