@@ -197,6 +197,12 @@ class PipelineInnerLoop(InnerLoop):
     (`Topology.build_groups()[0]`), whose rank order is the stage order; `total_steps` drives
     the LR schedule (`inner.lr_at`), as in `InnerLoop`; `loss_fn(output, targets)` is applied on
     the last stage to each micro-batch and must be a mean over the micro-batch.
+
+    `groups` = R (`[topology] replicas`): a step's `microbatches` run in R groups of consecutive
+    micro-batches, each through the schedule (built for microbatches / R), the groups' gradients
+    added up in order and divided by R. With `.replicas` (an `inner.Replicas`) this process runs
+    its own group and `group` is its replica's pipeline; without, it runs every group in turn, as
+    a replay of a replicas' worker does.
     """
 
     def __init__(

@@ -1521,6 +1521,7 @@ def train_worker(
         "rounds": len(records),
         "workers": w.workers,
         "stages": w.topo.stages,
+        "replicas": w.topo.replicas,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(sum(p["tokens"] for p in records) / wall, 1),
         "bytes_sent_per_worker": int(sum(sum(p["bytes_sent"]) for p in records) / w.workers),
