@@ -245,9 +245,8 @@ class InnerLoop:
         """The gradient (in .grad) and loss of a step run in `parts` parts, in groups of
         consecutive parts, one group per replica (`[topology] replicas`; else one group): each
         group's parts added up in order (autograd adds each part's gradient to what is there),
-        then the groups' sums in group order. On a replica (`self.replicas`) this process runs its
-        own group and `Replicas.combine` adds the groups up; a replay of a replicas' worker
-        (`emulated_replicas`) runs every group in turn and adds them up the same way: the same floats."""
+        then the groups' sums and losses in group order (`sum_groups`; a replay of a replicas'
+        worker, `emulated_replicas`, runs every group in turn)."""
         groups = self.replicas.count if self.replicas is not None else self.emulated_replicas
         xs, ys, k = torch.tensor_split(x, parts), torch.tensor_split(y, parts), parts // groups
 

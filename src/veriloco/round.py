@@ -1599,7 +1599,8 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
     inner.replicas = Replicas(group, rank % topo.replicas, topo.replicas)
     # the worker's adversary trains on what its batch hook gives on every replica (its other hooks
     # act on replica 0's round alone; how many steps it takes comes with each round's control)
-    adv = load_adversary(cfg.adversary[str(worker)], worker, cfg.run.seed) if str(worker) in cfg.adversary else Adversary(worker, cfg.run.seed)
+    spec = cfg.adversary.get(str(worker))
+    adv = Adversary(worker, cfg.run.seed) if spec is None else load_adversary(spec, worker, cfg.run.seed)
     while True:
         control = torch.zeros(REPLICA_CONTROL, dtype=torch.int64)
         dist.broadcast(control, group=group, group_src=0)

@@ -65,7 +65,8 @@ class Topology:
         return self.workers * self.stages
 
     def __repr__(self) -> str:
-        return f"Topology(workers={self.workers}, stages={self.stages})"
+        replicas = f", replicas={self.replicas}" if self.replicas > 1 else ""
+        return f"Topology(workers={self.workers}, stages={self.stages}{replicas})"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
