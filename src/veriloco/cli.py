@@ -90,13 +90,7 @@ def train(
     from .run import resume as resume_run
     from .run import train as train_run
 
-    overrides = list(ctx.args)
-    if config is not None and config.startswith("--"):
-        overrides.insert(0, config)
-        config = None
-    bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
-    if bad:
-        fail(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
+    config, overrides = _config_and_overrides(ctx, config)
     placement = None
     if host is not None or workers is not None:
         from .elastic import Placement
@@ -140,6 +134,36 @@ def _worker_list(text: str) -> list[int]:
     if not workers or any(j < 0 for j in workers) or len(set(workers)) != len(workers):
         fail(f"--workers takes distinct worker ids separated by commas, e.g. 0,1; got {text!r}")
     return workers
+
+
+def _config_and_overrides(ctx: typer.Context, config: str | None) -> tuple[str | None, list[str]]:
+    """A command's config file and its `--section.key=value` overrides (the file may be left out)."""
+    overrides = list(ctx.args)
+    if config is not None and config.startswith("--"):
+        overrides.insert(0, config)
+        config = None
+    bad = [a for a in overrides if not (a.startswith("--") and "=" in a)]
+    if bad:
+        fail(f"unexpected argument {bad[0]!r}; overrides look like --section.key=value")
+    return config, overrides
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def plan(
+    ctx: typer.Context,
+    config: str = typer.Argument(None, help="TOML config file (default: built-in defaults)"),
+    step_s: float = typer.Option(None, "--step-s", help="seconds one inner step takes on your hardware "
+                                 "(a short run's inner_s / inner_steps): checks that the exchange hides"),
+) -> None:
+    """What a config will run, before it runs: its processes, each stage's slice and memory, the bytes
+    a worker sends per round against DDP, and whether the exchange hides under the inner steps."""
+    from .plan import format_plan, make_plan
+
+    config, overrides = _config_and_overrides(ctx, config)
+    try:
+        typer.echo(format_plan(make_plan(load_config(config, overrides), step_s)))
+    except (*USER_ERRORS, ValueError) as e:
+        fail(str(e).splitlines()[0])
 
 
 @app.command()

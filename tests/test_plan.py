@@ -1,0 +1,61 @@
+"""`veriloco plan`: the layout, slices and traffic it prints are what a run then has."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY, cli, rounds_of, tiny
+
+from veriloco.link import Link
+from veriloco.plan import format_plan, make_plan
+from veriloco.run import train
+from veriloco.topology import build_stage_model
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_each_stage_slice_is_the_stage_model_a_run_builds(arch):
+    """Parameters and tensors per stage, tied llama included (its head is the first stage's
+    embedding, no parameter of the last stage), against the stage modules a worker builds."""
+    cfg = tiny(f"--model.arch={arch}", "--model.n_layer=3", "--topology.stages=2", "--model.tie=true")
+    plan = make_plan(cfg)
+    for st in plan.stages:
+        real = dict(build_stage_model(cfg.model, cfg.run.seed, st.stage, 2).named_parameters())
+        assert (st.params, st.tensors) == (sum(p.numel() for p in real.values()), len(real))
+    assert [st.blocks for st in plan.stages] == [[0, 1], [2]]
+
+
+def test_the_traffic_it_plans_is_what_the_workers_send(tmp_path):
+    """int8 packets of 3 workers: each worker's bytes per round are the planned payload to its 2
+    peers plus each packet's header (a name, dtype and shape per tensor and per block-scale tensor)
+    and signed commitment: 8.5 KB a packet here, on a 45.6 KB payload."""
+    cfg = tiny("--topology.workers=3", "--compress.codec=int8:block=64", "--train.rounds=2")
+    plan = make_plan(cfg)
+    train(cfg, str(tmp_path / "run"), quiet=True)
+    for rec in rounds_of(tmp_path / "run"):
+        for sent in rec["bytes_sent"]:
+            assert 0 < sent - plan.sent_per_round <= 2 * 12_000, (sent, plan.sent_per_round)
+    fp32 = make_plan(tiny("--topology.workers=3"))
+    assert fp32.sent_per_round == 2 * 4 * fp32.params  # a float32 packet is the model's bytes
+    assert 3.5 < fp32.sent_per_round / plan.sent_per_round < 4  # int8: a byte a value, plus block scales
+
+
+def test_the_exchange_time_and_whether_it_hides():
+    cfg = tiny("--topology.workers=3", "--link.bandwidth=100mbit", "--link.latency=20ms", "--outer.delay=1")
+    plan = make_plan(cfg)
+    payload = plan.stages[0].payload_bytes
+    assert plan.exchange_s(payload) == Link.from_strings("100mbit", "20ms").transfer_time(2 * payload, 2 * payload)
+    step = plan.exchange_s(payload) / cfg.train.inner_steps
+    assert "the exchange hides under 5 step(s)" in format_plan(make_plan(cfg, step * 1.01))
+    assert "the exchange does NOT hide" in format_plan(make_plan(cfg, step * 0.99))
+    assert f"a step of >= {step * 1e3:.1f} ms" in format_plan(plan)
+
+
+def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeypatch, capsys):
+    code, err, out = cli(monkeypatch, capsys, "plan", str(TINY), "--topology.stages=2", "--topology.replicas=2",
+                         "--topology.microbatches=2", "--link.bandwidth=1gbit")
+    assert code == 0 and not err
+    assert "worker 1: stage 0: ranks 4-5; stage 1: ranks 6-7" in out and "--nnodes=2 --nproc-per-node=4" in out
+    for args, message in [(("--step-s", "-1"), "--step-s must be a positive number of seconds"),
+                          (("--topology.stages=9",), "topology.stages (9) > model.n_layer (2)"),
+                          (("stray",), "unexpected argument 'stray'")]:
+        code, err, _ = cli(monkeypatch, capsys, "plan", str(TINY), *args)
+        assert code == 2 and len(err) == 1 and message in err[0], err
