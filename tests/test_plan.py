@@ -47,6 +47,9 @@ def test_the_exchange_time_and_whether_it_hides():
     assert "the exchange hides under 5 step(s)" in format_plan(make_plan(cfg, step * 1.01))
     assert "the exchange does NOT hide" in format_plan(make_plan(cfg, step * 0.99))
     assert f"a step of >= {step * 1e3:.1f} ms" in format_plan(plan)
+    wire = int(2 * 2 / 3 * 4 * plan.params)  # DDP: a ring all-reduce of the fp32 gradient a step, 2 (W-1)/W of it
+    ddp_s = Link.from_strings("100mbit", "20ms").transfer_time(wire, wire)
+    assert f"DDP instead: {ddp_s:.3f} s of all-reduce a step" in format_plan(make_plan(cfg, step))
 
 
 def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeypatch, capsys):

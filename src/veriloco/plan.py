@@ -115,6 +115,9 @@ def format_plan(plan: Plan) -> str:
         last = f"ranks {(W - 1) * S * R}-{n - 1}" if S * R > 1 else f"rank {n - 1}"
         out.append(f"  ... worker {W - 1}: {last}")
     out.append(f"  torchrun, a node per worker: --nnodes={W} --nproc-per-node={S * R} (or --nproc-per-node={n} on one machine)")
+    if cfg.train.mode == "ddp":
+        out.append("train.mode = 'ddp': the DDP baseline, which all-reduces every step (its 'DDP' lines below); the "
+                   "packets and exchange are what train.mode = 'diloco' would send")
     out.append(f"model: {cfg.model.arch}, {plan.params:,} parameters ({_mb(plan.params * PARAM_BYTES)} in float32)")
     for st in plan.stages:
         ends = (" + embedding" if st.stage == 0 else "") + (" + head" if st.stage == S - 1 else "")
@@ -154,6 +157,11 @@ def format_plan(plan: Plan) -> str:
     else:
         out.append(f"  delay 0: utilisation about {compute / (compute + slowest):.1%} (inner steps / (inner steps + exchange))")
     if W > 1 and not plan.link.unlimited:
+        wire = int(plan.ddp_per_round / H)
+        ddp_s = plan.link.transfer_time(wire, wire)
+        out.append(f"  DDP instead: {ddp_s:.3f} s of all-reduce a step on this link (each DDP bucket pays the latency); "
+                   f"utilisation at least {plan.step_s / (plan.step_s + ddp_s):.1%}, more where the all-reduce "
+                   "overlaps the backward")
         budget = round_budget_bytes(plan.link.bandwidth_bps, plan.link.latency_s, window * plan.step_s, W,
                                     cfg.compress.safety)
         largest = max(st.payload_bytes for st in plan.stages)
