@@ -54,7 +54,10 @@ Without CUDA and without --smoke it exits 2 ("no CUDA device: run with --smoke o
    `replay_probability = 1`, `replay_match = "distance"`, the GPU setting) and then
    `veriloco.audit.audit_run` on the GPU, re-running every replay (`veriloco audit --device cuda
    --replay 100`). A row per run: the verdicts, eval loss, tokens/s and
-   whether the audit passed, or the first line of the error. It needs the package's runtime
+   whether the audit passed, or the first line of the error. A third run (fp32) puts 2 workers
+   of 2 stages x 2 replicas on the GPU: 8 processes on one GPU, so the pipeline's activations and
+   the replicas' gradient combine (`all_to_all`) travel over gloo with CUDA tensors, which gloo
+   may refuse (the row's error would say so). It needs the package's runtime
    dependencies (safetensors, cryptography, typer, ...), which the GPU machine may lack: carry
    wheels and install them with `pip install --no-index`. With --smoke the same runs use the
    tiny config on the CPU.
@@ -432,9 +435,14 @@ def random_delta(shapes: dict[str, tuple[int, ...]], device: torch.device, seed:
 # output
 
 
-def bench_engine(precision: str, args: argparse.Namespace, where: Path) -> dict[str, Any]:
-    """One engine run on the device (part 3 of the module docstring), then its offline audit."""
-    row: dict[str, Any] = {"precision": precision}
+REPLICAS_LAYOUT = ("--topology.workers=2", "--topology.stages=2", "--topology.replicas=2", "--topology.microbatches=2")
+
+
+def bench_engine(precision: str, args: argparse.Namespace, where: Path, layout: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One engine run on the device (part 3 of the module docstring), then its offline audit.
+    `layout`: topology overrides (REPLICAS_LAYOUT: 8 processes sharing the one GPU, so the
+    pipelines' activations and the replicas' gradient combine go over gloo with CUDA tensors)."""
+    row: dict[str, Any] = {"precision": precision, "layout": " ".join(layout) or "default"}
     try:
         import tempfile
 
@@ -446,7 +454,8 @@ def bench_engine(precision: str, args: argparse.Namespace, where: Path) -> dict[
         rounds = args.engine_rounds or (1 if args.smoke else 3)
         overrides = [f"--run.device={'cpu' if args.smoke else 'cuda'}", f"--train.precision={precision}",
                      f"--train.rounds={rounds}", "--train.inner_state=reset", "--verify.replay_probability=1.0",
-                     "--verify.replay_match=distance", "--compress.error_feedback=false", "--ledger.backend=sqlite"]
+                     "--verify.replay_match=distance", "--compress.error_feedback=false", "--ledger.backend=sqlite",
+                     *layout]
         cfg = load_config(config, overrides)
         row.update(config=config.name, overrides=overrides, workers=cfg.topology.workers)
         with tempfile.TemporaryDirectory(dir=where if where.exists() else None) as tmp:
@@ -633,16 +642,17 @@ def main(argv: list[str] | None = None) -> int:
     # 3. the round engine on the device
     if args.engine:
         result["engine"] = []
-        for precision in ("fp32", "bf16"):
-            if not budget.allows(f"engine {precision}"):
+        for precision, layout in (("fp32", ()), ("bf16", ()), ("fp32", REPLICAS_LAYOUT)):
+            name = f"{precision} {' '.join(layout) or 'default'}"
+            if not budget.allows(f"engine {name}"):
                 continue
-            row = bench_engine(precision, args, out.parent)
+            row = bench_engine(precision, args, out.parent, layout)
             result["engine"].append(row)
             write(out, result)
             msg = row.get("error") or (f"eval {row['eval_loss_start']:.4f} -> {row['eval_loss_end']:.4f}, "
                                        f"{row['tokens_per_s']:,.0f} tokens/s, verdicts {row['verdicts']}, "
                                        f"audit {'ok' if row['audit_ok'] else row['audit_failure']}")
-            print(f"  engine {precision}: {msg}", flush=True)
+            print(f"  engine {name}: {msg}", flush=True)
 
     result["skipped"] = budget.skipped
     result["elapsed_s"] = round(budget.elapsed(), 1)

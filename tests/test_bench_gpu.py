@@ -95,14 +95,17 @@ def test_full_run_needs_cuda(tmp_path: Path) -> None:
 
 
 def test_smoke_engine_trains_both_precisions_and_audits(tmp_path: Path) -> None:
-    """Part 3 (`--engine`) on the CPU: the round engine at fp32 and bf16, replays on, then the audit."""
+    """Part 3 (`--engine`) on the CPU: the round engine at fp32 and bf16, and 2 stages x 2 replicas,
+    replays on, then the audit."""
     out = tmp_path / "gpu.json"
     p = run(["--smoke", "--engine", "--variants", "inner", "--codecs", "fp32", "--paths", "host",
              "--no-model-delta", "--out", str(out)])
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = {r["precision"]: r for r in json.loads(out.read_text())["engine"]}
-    assert set(rows) == {"fp32", "bf16"}
-    for r in rows.values():
+    engine = json.loads(out.read_text())["engine"]
+    rows = {r["precision"]: r for r in engine if r["layout"] == "default"}
+    assert set(rows) == {"fp32", "bf16"} and len(engine) == 3
+    assert "--topology.replicas=2" in engine[2]["overrides"]
+    for r in engine:
         assert "error" not in r, r
         assert r["verdicts"] == ["accept"] and r["audit_ok"], r
         assert r["eval_loss_end"] < r["eval_loss_start"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import bench_arguments, run_bench
+from conftest import bench_arguments
 
 
 def test_lazy_screens_on_a_tiny_run(tmp_path):
     out = tmp_path / "ls.json"
-    p = run_bench("lazy_screens.py", "--config", "tiny", "--inner-steps", "8", "--rounds", "2", "--rounds-checked",
-                  "1", "--scales", "1.0,1.5", "--out", str(out))
+    p = bench_arguments("lazy_screens.py", "--config", "tiny", "--inner-steps", "8", "--rounds", "2",
+                        "--rounds-checked", "1", "--scales", "1.0,1.5", "--out", str(out))
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
     assert res["config"]["lazy_steps"] == 6 and res["config"]["scales"] == [1.0, 1.3333, 1.5]

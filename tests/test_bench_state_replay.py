@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, bench_arguments, run_bench
+from conftest import ROOT, bench_arguments
 
 sys.path.insert(0, str(ROOT / "bench"))
 import state_replay  # noqa: E402
@@ -29,7 +29,7 @@ def test_probability_for_the_target():
 
 def test_quick_run(tmp_path):
     out = tmp_path / "sr.json"
-    p = run_bench("state_replay.py", "--quick", "--out", str(out), timeout=600)
+    p = bench_arguments("state_replay.py", "--quick", "--out", str(out), timeout=600)
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
     rows = {r["name"]: r for r in res["rows"]}
@@ -47,7 +47,7 @@ def test_trace_every_must_divide_inner_steps():
 
 def test_quick_keep_states(tmp_path):
     out = tmp_path / "ks.json"
-    p = run_bench("state_replay.py", "--quick", "--keep-states-only", "--out", str(out), timeout=600)
+    p = bench_arguments("state_replay.py", "--quick", "--keep-states-only", "--out", str(out), timeout=600)
     assert p.returncode == 0, p.stderr
     res = json.loads(out.read_text())
     mem, disk = res["rows"]
