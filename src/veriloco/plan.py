@@ -98,7 +98,7 @@ def make_plan(cfg: Config, step_s: float | None = None) -> Plan:
 
 
 def _mb(n: float) -> str:
-    return f"{n / MB:,.2f} MB"
+    return f"{n / MB:,.2f} MB" if n >= 0.1 * MB else f"{n / 1e3:,.1f} KB"
 
 
 def format_plan(plan: Plan) -> str:
