@@ -137,7 +137,7 @@ def format_plan(plan: Plan) -> str:
                f"commitment per packet")
     if W > 1:
         out.append(f"  DDP in the same {H} inner steps: {_mb(plan.ddp_per_round)} sent per worker "
-                   f"({plan.ddp_per_round / max(plan.sent_per_round, 1):,.0f}x this)")
+                   f"({plan.ddp_per_round / max(plan.sent_per_round, 1):,.0f}x the payload above)")
     slowest = max(plan.exchange_s(st.payload_bytes) for st in plan.stages)
     out.append(f"exchange on the link ({plan.link}): {slowest:.3f} s a round per stage process"
                + (f"; {plan.exchange_s(payload):.3f} s if a worker's stages share one link" if S > 1 else ""))
