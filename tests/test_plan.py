@@ -23,16 +23,23 @@ def test_each_stage_slice_is_the_stage_model_a_run_builds(arch):
     assert [st.blocks for st in plan.stages] == [[0, 1], [2]]
 
 
-def test_the_traffic_it_plans_is_what_the_workers_send(tmp_path):
+def test_the_traffic_it_plans_is_what_the_workers_send(tmp_path, monkeypatch, capsys):
     """int8 packets of 3 workers: each worker's bytes per round are the planned payload to its 2
     peers plus each packet's header (a name, dtype and shape per tensor and per block-scale tensor)
-    and signed commitment: 8.5 KB a packet here, on a 45.6 KB payload."""
+    and signed commitment: 8.5 KB a packet here, on a 45.6 KB payload. Then the plan of that run
+    directory on another link: its config, and the step time it measured."""
     cfg = tiny("--topology.workers=3", "--compress.codec=int8:block=64", "--train.rounds=2")
     plan = make_plan(cfg)
     train(cfg, str(tmp_path / "run"), quiet=True)
     for rec in rounds_of(tmp_path / "run"):
         for sent in rec["bytes_sent"]:
             assert 0 < sent - plan.sent_per_round <= 2 * 12_000, (sent, plan.sent_per_round)
+    recs = rounds_of(tmp_path / "run")
+    step = sorted(sum(r["inner_s"]) / 3 / 5 for r in recs)[0:2]  # two rounds: the median is their mean
+    code, err, out = cli(monkeypatch, capsys, "plan", str(tmp_path / "run"), "--link.bandwidth=10mbit")
+    assert code == 0 and not err, err
+    assert f"{sum(step) / 2:.4f} s an inner step as it measured" in out and "(int8:block=64)" in out
+    assert "exchange on the link (10 Mbit/s, 0 ms)" in out
     fp32 = make_plan(tiny("--topology.workers=3"))
     assert fp32.sent_per_round == 2 * 4 * fp32.params  # a float32 packet is the model's bytes
     assert 3.5 < fp32.sent_per_round / plan.sent_per_round < 4  # int8: a byte a value, plus block scales

@@ -151,17 +151,26 @@ def _config_and_overrides(ctx: typer.Context, config: str | None) -> tuple[str |
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def plan(
     ctx: typer.Context,
-    config: str = typer.Argument(None, help="TOML config file (default: built-in defaults)"),
+    config: str = typer.Argument(None, help="TOML config file (default: built-in defaults), or a run "
+                                 "directory: its config, and the inner-step time it measured"),
     step_s: float = typer.Option(None, "--step-s", help="seconds one inner step takes on your hardware "
                                  "(a short run's inner_s / inner_steps): checks that the exchange hides"),
 ) -> None:
     """What a config will run, before it runs: its processes, each stage's slice and memory, the bytes
     a worker sends per round against DDP, and whether the exchange hides under the inner steps."""
-    from .plan import format_plan, make_plan
+    from .plan import format_plan, make_plan, run_config
 
     config, overrides = _config_and_overrides(ctx, config)
     try:
-        typer.echo(format_plan(make_plan(load_config(config, overrides), step_s)))
+        if config is not None and Path(config).is_dir():
+            cfg, measured = run_config(config, overrides)
+            if step_s is None and measured is not None:
+                step_s = measured
+                typer.echo(f"from {config}: its config, and {measured:.4f} s an inner step as it measured "
+                           "(its layout, its machines)")
+        else:
+            cfg = load_config(config, overrides)
+        typer.echo(format_plan(make_plan(cfg, step_s)))
     except (*USER_ERRORS, ValueError) as e:
         fail(str(e).splitlines()[0])
 

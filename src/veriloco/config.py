@@ -480,9 +480,17 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at `path` (if any), then `--section.key=value` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Defaults, then the TOML file at `path` (if any), then `--section.key=value` overrides.
+    `base` instead of defaults: a `Config.to_dict()` (a run manifest's config)."""
     cfg = Config()
+    if base is not None:
+        for (section, key), value in BEFORE_KEY.items():
+            if isinstance(base.get(section), dict) and key not in base[section]:
+                setattr(getattr(cfg, section), key, value)
+        for section, values in base.items():
+            _apply(cfg, section, values, "the manifest")
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -753,14 +761,7 @@ BEFORE_KEY: dict[tuple[str, str], Any] = {("verify", "replay_extent"): "segment"
 
 def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (e.g. a run manifest), validating it."""
-    cfg = Config()
-    for (section, key), value in BEFORE_KEY.items():
-        if isinstance(data.get(section), dict) and key not in data[section]:
-            setattr(getattr(cfg, section), key, value)
-    for section, values in data.items():
-        _apply(cfg, section, values, "the manifest")
-    validate(cfg)
-    return cfg
+    return load_config(base=data)
 
 
 def config_warnings(cfg: Config) -> list[str]:

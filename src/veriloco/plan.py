@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 from .compress import build_codecs
 from .compress.controller import round_budget_bytes
-from .config import Config
+from .config import Config, load_config
 from .link import Link
 from .model import build_meta
+from .records import RunDir, RunDirError
 from .topology import Topology, layers_of_stage
 
 PARAM_BYTES = 4  # float32: the weights, their gradients, each AdamW moment, G and the outer momentum
@@ -74,6 +77,22 @@ class Plan:
         packets each way at the bandwidth (full duplex), as `[link]` paces it."""
         moved = payload_bytes * (self.topo.workers - 1)
         return 0.0 if self.link.unlimited else self.link.transfer_time(moved, moved)
+
+
+def run_config(run_dir: str | Path, overrides: list[str]) -> tuple[Config, float | None]:
+    """A run directory's config (its manifest's) with `overrides`, and the seconds of an inner step
+    the run measured: over its rounds, the median of the workers' mean `inner_s` over the round's
+    steps (None before a round is recorded). That is the run's layout on the run's machines: plan
+    another layout with it only as an estimate."""
+    run = RunDir(run_dir)
+    config = run.read_manifest().get("config")
+    if not isinstance(config, dict):
+        raise RunDirError(f"{run_dir}: its manifest holds no config")
+    H = load_config(base=config).train.inner_steps  # the run's own H (adaptive H records each round's)
+    steps = [sum(rec["inner_s"]) / len(rec["inner_s"]) / rec.get("inner_steps", H)
+             for rec in run.rounds() if rec.get("inner_s")]
+    cfg = load_config(None, overrides, base=config)
+    return cfg, (statistics.median(steps) if steps else None)
 
 
 def make_plan(cfg: Config, step_s: float | None = None) -> Plan:
