@@ -6,7 +6,7 @@ run bit for bit; either way its replays (one process, or the auditor's replica 0
 from __future__ import annotations
 
 import pytest
-from conftest import rounds_of, tiny
+from conftest import ROOT, rounds_of, tiny
 
 from veriloco.audit import audit_run
 from veriloco.config import ConfigError
@@ -92,6 +92,25 @@ def test_an_adversary_on_replicas_trains_as_on_one_process(tmp_path, attack):
     assert [(rec["verdicts"], rec["evidence"]) for rec in one] == [(rec["verdicts"], rec["evidence"]) for rec in two]
     assert any(rec["verdicts"][1] != "accept" for rec in two)  # (a rejected delta leaves G as it was: the
     # evidence, which holds what the checks measured of worker 1's own round, tells the runs apart)
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_each_replica_owns_about_its_share_of_the_optimizer(count):
+    """`[topology] replicas` shard AdamW (ZeRO-1): each param's summed gradient, state and update
+    belong to one replica. On the `make run` model every replica owns within one embedding-sized
+    tensor of 1/R of the elements, and every param has exactly one owner, the same each time."""
+    from veriloco.config import load_config
+    from veriloco.inner import Replicas
+    from veriloco.model import build_meta
+
+    cfg = load_config(ROOT / "configs" / "default.toml", [])
+    params = list(build_meta(cfg.model).parameters())
+    owners = Replicas(None, 0, count, shard=True).owners(params)
+    assert owners == Replicas(None, 1, count, shard=True).owners(params)
+    loads = [sum(p.numel() for p, o in zip(params, owners, strict=True) if o == i) for i in range(count)]
+    total, largest = sum(loads), max(p.numel() for p in params)
+    assert sum(loads) == sum(p.numel() for p in params) and max(loads) - min(loads) <= largest
+    assert max(loads) <= total / count + largest
 
 
 STAGED = ("--topology.stages=2", "--train.grad_accum=1", "--train.rounds=2", "--verify.trace_every=5")

@@ -212,6 +212,13 @@ class TopologyConfig:
         "bit the one-process run (with stages: the S-stage run, untied), and replays reproduce it either "
         "way; replica 0 takes part in the round. Needs static membership and train.mode 'diloco'",
     )
+    shard_optimizer: bool = _f(
+        True,
+        "replicas > 1, stages = 1: each replica keeps the AdamW state of about 1/replicas of the params "
+        "and updates only those (ZeRO-1: their summed gradients go to it alone, and it broadcasts them "
+        "after the step); replica 0 gathers the rest at trace points and for checkpoints. false: every "
+        "replica holds and steps the whole optimizer. The same run bit for bit either way",
+    )
 
 
 @dataclass

@@ -136,18 +136,47 @@ class Replicas:
     gathered back (all_gather). That moves 2 (R-1)/R of the gradient per replica per step, as a ring
     all-reduce does, but in a fixed order, so a one-process replay reproduces it exactly."""
 
-    def __init__(self, group: object, index: int, count: int) -> None:
-        self.group, self.index, self.count = group, index, count
+    def __init__(self, group: object, index: int, count: int, shard: bool = False) -> None:
+        self.group, self.index, self.count, self.shard = group, index, count, shard
+        self._owners: list[int] | None = None
+
+    def owners(self, params: list[torch.Tensor]) -> list[int]:
+        """`shard`: the replica that owns each param (its summed gradient, its AdamW state and its
+        update): the largest params first, each to the replica that owns the fewest elements so
+        far (the lowest index on a tie), so the same on every replica and in every run."""
+        if self._owners is None:
+            load, owners = [0] * self.count, [0] * len(params)
+            for j in sorted(range(len(params)), key=lambda j: (-params[j].numel(), j)):
+                owners[j] = min(range(self.count), key=lambda i: (load[i], i))
+                load[owners[j]] += params[j].numel()
+            self._owners = owners
+        return self._owners
+
+    def owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [p for p, o in zip(params, self.owners(params), strict=True) if o == self.index]
 
     def combine(self, model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
         """Every param's gradient becomes the groups' sum (in group order); returns every group's
-        `loss` (a tensor of one shape on every replica), in group order."""
+        `loss` (a tensor of one shape on every replica), in group order. With `shard`, only the
+        params this replica owns keep a gradient (the others' is None): their sums come to it
+        alone, and nothing is gathered back (`share_owned` sends the updated params instead)."""
         import torch.distributed as dist
 
         params = list(model.parameters())
         missing = [n for n, p in model.named_parameters() if p.grad is None]
         if missing:  # every part gives every param a gradient, or the one-process sum would differ
             raise RuntimeError(f"replicas: parameter {missing[0]} has no gradient after this replica's part")
+        if self.shard:
+            self._reduce_to_owners(params)
+        else:
+            self._reduce_everywhere(params)
+        losses = [torch.empty_like(loss) for _ in range(self.count)]
+        dist.all_gather(losses, loss, group=self.group)
+        return losses
+
+    def _reduce_everywhere(self, params: list[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         shard = -(-flat.numel() // self.count)
         flat = torch.nn.functional.pad(flat, (0, shard * self.count - flat.numel()))
@@ -162,9 +191,91 @@ class Replicas:
         for p in params:
             p.grad.copy_(summed[at : at + p.numel()].view_as(p.grad))
             at += p.numel()
-        losses = [torch.empty_like(loss) for _ in range(self.count)]
-        dist.all_gather(losses, loss, group=self.group)
-        return losses
+
+    def _reduce_to_owners(self, params: list[torch.Tensor]) -> None:
+        """Each replica gets every group's gradient of the params it owns (all_to_all, uneven) and
+        adds them up in group order: per element the same sums as `_reduce_everywhere`."""
+        import torch.distributed as dist
+
+        owners = self.owners(params)
+        by_owner = [[p for p, o in zip(params, owners, strict=True) if o == d] for d in range(self.count)]
+        sizes = [sum(p.numel() for p in ps) for ps in by_owner]
+        send = torch.cat([p.grad.reshape(-1) for ps in by_owner for p in ps])
+        mine = sizes[self.index]
+        parts = send.new_empty(mine * self.count)  # [group 0's gradient of my params, group 1's, ...]
+        dist.all_to_all_single(parts, send, [mine] * self.count, sizes, group=self.group)
+        total = parts[:mine].clone()
+        for j in range(1, self.count):
+            total += parts[j * mine : (j + 1) * mine]
+        at = 0
+        for p, o in zip(params, owners, strict=True):
+            if o == self.index:
+                p.grad.copy_(total[at : at + p.numel()].view_as(p.grad))
+                at += p.numel()
+            else:
+                p.grad = None
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> None:
+        """`shard`: clip_grad_norm_ over the whole model, each replica scaling the gradients it
+        owns: every param's norm from its owner (all_gather), then the total and the coefficient
+        as torch.nn.utils.clip_grad_norm_ computes them (a vector norm of the per-param norms in
+        param order), so the scaled gradients are the one-process ones bit for bit."""
+        import torch.distributed as dist
+
+        owners = self.owners(params)
+        norms = torch.zeros(len(params), dtype=params[0].dtype, device=params[0].device)
+        for j, (p, o) in enumerate(zip(params, owners, strict=True)):
+            if o == self.index:
+                norms[j] = torch.linalg.vector_norm(p.grad, 2)
+        every = [torch.empty_like(norms) for _ in range(self.count)]
+        dist.all_gather(every, norms, group=self.group)
+        total = torch.linalg.vector_norm(torch.stack([every[o][j] for j, o in enumerate(owners)]), 2)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.owned(params):
+            p.grad.mul_(coef)
+
+    def share_owned(self, params: list[torch.Tensor]) -> None:
+        """`shard`: after the step, each replica's updated params to the others (a broadcast from
+        each owner), so every replica holds the whole model again."""
+        import torch.distributed as dist
+
+        owners = self.owners(params)
+        for d in range(self.count):
+            ps = [p for p, o in zip(params, owners, strict=True) if o == d]
+            if not ps:
+                continue
+            flat = torch.cat([p.detach().reshape(-1) for p in ps]) if d == self.index else \
+                torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            dist.broadcast(flat, group=self.group, group_src=d)
+            if d != self.index:
+                at = 0
+                with torch.no_grad():
+                    for p in ps:
+                        p.copy_(flat[at : at + p.numel()].view_as(p))
+                        at += p.numel()
+
+    def send_state(self, views: dict[str, torch.Tensor]) -> None:
+        """`shard`, a replica other than 0: its AdamW state (the params it owns) to replica 0."""
+        import torch.distributed as dist
+        from safetensors.torch import save
+
+        data = save({k: v.detach().cpu().contiguous() for k, v in views.items() if k != "inner/step_count"})
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), group=self.group, group_dst=0)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), group=self.group, group_dst=0)
+
+    def gather_state(self) -> dict[str, torch.Tensor]:
+        """`shard`, replica 0: the other replicas' AdamW state (`send_state`), merged."""
+        import torch.distributed as dist
+        from safetensors.torch import load
+
+        out: dict[str, torch.Tensor] = {}
+        for i in range(1, self.count):
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, group=self.group, group_src=i)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(data, group=self.group, group_src=i)
+            out.update(load(bytes(data.numpy())))
+        return out
 
 
 def sum_groups(model: nn.Module, groups: int, group: Callable[[int], torch.Tensor], replicas: Replicas | None,
@@ -221,6 +332,8 @@ class InnerLoop:
         self.keep: KeptStates | None = None
         self.replicas: Replicas | None = None  # [topology] replicas: this process runs its group of each step's parts
         self.emulated_replicas = 1  # a replay of a replicas' worker: every group here, summed as the replicas did
+        self.in_steps = False  # inside run(): sharded replicas are at the same trace point
+        self.ask_state: Callable[[], None] | None = None  # sharded replica 0, between rounds: the others send their state
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on (x, y); returns the loss before the step. With `grad_accum` = k the
@@ -235,9 +348,14 @@ class InnerLoop:
             loss.backward()
         else:
             loss = self._accumulate(x, y, parts)
-        if self.cfg.grad_clip > 0:
+        sharded = self.replicas is not None and self.replicas.shard
+        if self.cfg.grad_clip > 0 and sharded:
+            self.replicas.clip(list(self.model.parameters()), self.cfg.grad_clip)
+        elif self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=self._foreach)
-        self.opt.step()
+        self.opt.step()  # sharded: only the params with a gradient, this replica's (AdamW skips the rest)
+        if sharded:
+            self.replicas.share_owned(list(self.model.parameters()))
         self.step_count += 1
         return float(loss.detach())
 
@@ -269,7 +387,11 @@ class InnerLoop:
     def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
         """`steps` inner steps on batch_of_step(0..steps-1); trace hashes every trace_every; a late
         update lands before step land.step."""
-        return run_steps(self.step, self.state_hash, batch_of_step, steps, trace_every, land)
+        self.in_steps = True
+        try:
+            return run_steps(self.step, self.state_hash, batch_of_step, steps, trace_every, land)
+        finally:
+            self.in_steps = False
 
     def reset_state(self) -> None:
         """Forget the AdamW moments (the step counter, which drives the LR schedule, stays).
@@ -281,7 +403,25 @@ class InnerLoop:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state as named tensors (safetensors-ready), plus the step counter."""
-        return {k: v.clone() for k, v in self._state_views().items()}
+        return {k: v.clone() for k, v in self._whole_state_views().items()}
+
+    def _whole_state_views(self) -> dict[str, torch.Tensor]:
+        """The whole optimizer state: with sharded replicas (replica 0), its own and the others'
+        (between rounds it first asks them for it: `ask_state`, round.ReplicaSync)."""
+        views = self._state_views()
+        r = self.replicas
+        if r is None or not r.shard or r.index != 0:
+            return views
+        if not self.in_steps and self.ask_state is not None:
+            self.ask_state()
+        return views | r.gather_state()
+
+    def drop_unowned_state(self) -> None:
+        """Sharded replicas: forget the AdamW state of the params another replica owns (after a
+        resume's whole state reached every replica)."""
+        mine = {id(p) for p in self.replicas.owned(list(self.model.parameters()))}
+        for p in [p for p in self.opt.state if id(p) not in mine]:
+            del self.opt.state[p]
 
     def _state_views(self) -> dict[str, torch.Tensor]:
         """state_tensors without the copies (the live tensors: read them before the next step)."""
@@ -310,7 +450,7 @@ class InnerLoop:
     def state_hash(self) -> str:
         """Hash of params + optimizer state: one trace entry."""
         tensors = {f"param/{n}": p.detach() for n, p in self.model.named_parameters()}
-        tensors.update(self._state_views())
+        tensors.update(self._whole_state_views())
         if self.keep is not None:
             self.keep.append(tensors)
         return tensors_hash(tensors)

@@ -378,7 +378,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
             topo.build_pipeline_groups(timeout)  # the other replicas' pipelines (collective)
     model, inner = inner_loop_of(cfg, task, stage, worker_group, device, source)
     if replica_group is not None:
-        inner.replicas = Replicas(replica_group, 0, topo.replicas)
+        inner.replicas = Replicas(replica_group, 0, topo.replicas, shard=shards_optimizer(cfg))
     outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)  # this stage's slice of G
     link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
     link = None if link.unlimited else link
@@ -397,6 +397,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
                encoder, eval_set, identity, ledger, device=device)
     if replica_group is not None:
         w.replicas, w.protocol_group = ReplicaSync(replica_group, inner), protocol_group
+        inner.ask_state = w.replicas.ask_state
     if elastic:
         w.eval_all = task.eval_batches()
     if str(worker) in cfg.adversary:
@@ -631,7 +632,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
         w.inner.keep = kept_states(cfg.verify.keep_states, w.layout, w.kept_pool,
                                    w.run.worker_dir(w.rank) / f"kept-{r}.bin")
     if w.replicas is not None:  # the worker's other processes run these steps with it
-        w.replicas.begin(r, steps)
+        w.replicas.begin(r, steps, k)
     result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
                          land=landing)
     if w.inner.keep is not None:
@@ -1536,7 +1537,9 @@ def train_worker(
     }
 
 
-REPLICA_CONTROL = 7  # go (1) or stop (0), round, steps, step_count, total_steps, round_start (-1: None), state sent
+# what (1: a round, 2: send replica 0 your optimizer state, 0: stop), round, steps, step_count, total_steps,
+# round_start (-1: None), state sent, trace_every
+REPLICA_CONTROL = 8
 
 
 class ReplicaSync:
@@ -1550,19 +1553,28 @@ class ReplicaSync:
     def __init__(self, group: dist.ProcessGroup, inner: InnerLoop) -> None:
         self.group, self.inner, self.state_sent = group, inner, False
 
-    def begin(self, r: int, steps: int) -> None:
+    def begin(self, r: int, steps: int, trace_every: int) -> None:
         inner = self.inner
         start = -1 if inner.round_start is None else inner.round_start
-        control = [1, r, steps, inner.step_count, inner.total_steps, start, int(not self.state_sent)]
+        control = [1, r, steps, inner.step_count, inner.total_steps, start, int(not self.state_sent), trace_every]
         dist.broadcast(torch.tensor(control, dtype=torch.int64), group=self.group, group_src=0)
         share_params(inner.model, self.group)
         if not self.state_sent:  # through the CPU (gloo) on any device: a replica loads it onto its own
-            state = {k: v.cpu() for k, v in inner.state_tensors().items()}
+            # what this process holds: the whole state after a resume (the others hold none yet)
+            state = {k: v.cpu() for k, v in inner._state_views().items()}
             _gather_json({"state": [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()]},
                          self.group)  # the others send {}; they read replica 0's
             for v in state.values():
                 dist.broadcast(v, group=self.group, group_src=0)
+            if inner.replicas.shard:
+                inner.drop_unowned_state()
             self.state_sent = True
+
+    def ask_state(self) -> None:
+        """Sharded replicas, between rounds: each of the others sends replica 0 its optimizer state
+        (`Replicas.gather_state` receives it)."""
+        control = [2] + [0] * (REPLICA_CONTROL - 1)
+        dist.broadcast(torch.tensor(control, dtype=torch.int64), group=self.group, group_src=0)
 
     def landed(self) -> None:
         """`[outer] overlap_steps`: the late update moved the params inside the round; the other
@@ -1571,6 +1583,12 @@ class ReplicaSync:
 
     def end(self) -> None:
         dist.broadcast(torch.zeros(REPLICA_CONTROL, dtype=torch.int64), group=self.group, group_src=0)
+
+
+def shards_optimizer(cfg: Config) -> bool:
+    """`[topology] shard_optimizer`, where it applies: replicas of a whole model (a pipeline's
+    replicas hold their slice's optimizer whole)."""
+    return cfg.topology.shard_optimizer and cfg.topology.replicas > 1 and cfg.topology.stages == 1
 
 
 def share_params(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
@@ -1596,7 +1614,7 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
     protocol_rank = rank // topo.replicas
     worker = topo.worker_of(protocol_rank)
     model, inner = inner_loop_of(cfg, task, topo.stage_of(protocol_rank), pipeline, device, corpus_task_of(task))
-    inner.replicas = Replicas(group, rank % topo.replicas, topo.replicas)
+    inner.replicas = replicas = Replicas(group, rank % topo.replicas, topo.replicas, shard=shards_optimizer(cfg))
     # the worker's adversary trains on what its batch hook gives on every replica (its other hooks
     # act on replica 0's round alone; how many steps it takes comes with each round's control)
     spec = cfg.adversary.get(str(worker))
@@ -1604,9 +1622,12 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
     while True:
         control = torch.zeros(REPLICA_CONTROL, dtype=torch.int64)
         dist.broadcast(control, group=group, group_src=0)
-        go, r, steps, step_count, total_steps, start, state_sent = (int(v) for v in control)
-        if not go:
+        what, r, steps, step_count, total_steps, start, state_sent, trace_every = (int(v) for v in control)
+        if what == 0:
             return
+        if what == 2:
+            replicas.send_state(inner._state_views())
+            continue
         share_params(model, group)
         if cfg.train.inner_state == "reset":
             inner.reset_state()
@@ -1616,10 +1637,17 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
                 state[key] = torch.empty(shape, dtype=getattr(torch, dtype))
                 dist.broadcast(state[key], group=group, group_src=0)
             inner.load_state_tensors(state)
+            if replicas.shard:
+                inner.drop_unowned_state()
         inner.step_count, inner.total_steps, inner.round_start = step_count, total_steps, None if start < 0 else start
         land = Landing(cfg.outer.overlap_steps, lambda: share_params(model, group)) if cfg.outer.overlap_steps else None
-        run_steps(inner.step, inner.state_hash, lambda step, r=r: adv.batch(r, step, *task.batch(worker, r, step)),
-                  steps, land=land)
+
+        def trace() -> str:  # sharded: replica 0 hashes the whole state at each trace point, this one's part too
+            replicas.send_state(inner._state_views())
+            return ""
+
+        run_steps(inner.step, trace, lambda step, r=r: adv.batch(r, step, *task.batch(worker, r, step)),
+                  steps, trace_every if replicas.shard else 0, land)
 
 
 def process_backend(cfg: Config, local_processes: int = 1) -> str:
