@@ -215,7 +215,7 @@ class Replicas:
             else:
                 p.grad = None
 
-    def clip(self, params: list[torch.Tensor], max_norm: float) -> None:
+    def clip(self, params: list[torch.Tensor], max_norm: float, foreach: bool = False) -> None:
         """`shard`: clip_grad_norm_ over the whole model, each replica scaling the gradients it
         owns: every param's norm from its owner (all_gather), then the total and the coefficient
         as torch.nn.utils.clip_grad_norm_ computes them (a vector norm of the per-param norms in
@@ -223,10 +223,13 @@ class Replicas:
         import torch.distributed as dist
 
         owners = self.owners(params)
+        mine = [j for j, o in enumerate(owners) if o == self.index]
         norms = torch.zeros(len(params), dtype=params[0].dtype, device=params[0].device)
-        for j, (p, o) in enumerate(zip(params, owners, strict=True)):
-            if o == self.index:
-                norms[j] = torch.linalg.vector_norm(p.grad, 2)
+        grads = [params[j].grad for j in mine]
+        # the per-param norms clip_grad_norm_ takes: the multi-tensor kernel where InnerLoop uses it (GPU)
+        own = torch._foreach_norm(grads, 2) if foreach and grads else [torch.linalg.vector_norm(g, 2) for g in grads]
+        for j, n in zip(mine, own, strict=True):
+            norms[j] = n
         every = [torch.empty_like(norms) for _ in range(self.count)]
         dist.all_gather(every, norms, group=self.group)
         total = torch.linalg.vector_norm(torch.stack([every[o][j] for j, o in enumerate(owners)]), 2)
@@ -350,7 +353,7 @@ class InnerLoop:
             loss = self._accumulate(x, y, parts)
         sharded = self.replicas is not None and self.replicas.shard
         if self.cfg.grad_clip > 0 and sharded:
-            self.replicas.clip(list(self.model.parameters()), self.cfg.grad_clip)
+            self.replicas.clip(list(self.model.parameters()), self.cfg.grad_clip, self._foreach)
         elif self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=self._foreach)
         self.opt.step()  # sharded: only the params with a gradient, this replica's (AdamW skips the rest)
