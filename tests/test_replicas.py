@@ -52,11 +52,15 @@ def test_replicas_with_several_parts_each_are_replayed_in_one_process(tmp_path):
     assert report.ok and report.checked["replays"] == 4, report
 
 
-def test_replicas_keep_the_inner_state_across_rounds_and_a_resume(tmp_path):
-    """AdamW's moments kept across rounds (DiLoCo), a stop after 2 rounds and a resume: the other
-    replicas take the resumed state from replica 0 and the run goes on as the one-process one."""
-    one = _trained(tmp_path, "one", "--train.rounds=4")
-    assert len(_trained(tmp_path, "two", "--train.rounds=4", "--topology.replicas=2", stop_after=2)) == 2
+@pytest.mark.parametrize("delay", [0, 1])
+def test_replicas_keep_the_inner_state_across_rounds_and_a_resume(tmp_path, delay):
+    """AdamW's moments kept across rounds (DiLoCo), sharded over the replicas, a stop after 2 rounds
+    and a resume: the state saved (gathered from the replicas after the round's steps; with delay
+    1, before the next round's) resumes on every replica, each keeping its part, and the run goes
+    on as the one-process one."""
+    on = ("--train.rounds=4", f"--outer.delay={delay}", "--outer.momentum=0.5")
+    one = _trained(tmp_path, "one", *on)
+    assert len(_trained(tmp_path, "two", *on, "--topology.replicas=2", stop_after=2)) == 2
     resume(str(tmp_path / "two"), quiet=True)
     _same(one, rounds_of(tmp_path / "two"))
 
