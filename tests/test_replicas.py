@@ -44,12 +44,16 @@ def test_replicas_with_delay_1_are_the_one_process_run_and_their_replays_pass(tm
 
 def test_replicas_with_several_parts_each_are_replayed_in_one_process(tmp_path):
     """grad_accum = 4 on 2 replicas: each adds its 2 parts up, then the two sums are added, which
-    is not the one-process order; the replays and the audit (one process) add them up the same way."""
-    rounds = _trained(tmp_path, "two", "--train.rounds=2", "--train.grad_accum=4", "--topology.replicas=2",
-                      "--train.inner_state=reset", "--verify.replay_probability=1.0", "--verify.trace_every=5")
+    is not the one-process order; the replays and the audit (one process) add them up the same way.
+    Segments from sent states (`replay_extent = "state"`): a segment past the first starts from the
+    state replica 0 hashed and kept at its trace point, the other replica's optimizer part included."""
+    rounds = _trained(tmp_path, "two", "--train.rounds=4", "--train.grad_accum=4", "--topology.replicas=2",
+                      "--train.inner_steps=10", "--train.inner_state=reset", "--verify.replay_probability=1.0",
+                      "--verify.trace_every=5", "--verify.replay_extent=state")
     assert all(v == "accept" for rec in rounds for v in rec["verdicts"]) and all(rec["evidence"] for rec in rounds)
+    assert any(ev["replayed"]["segment"] == 1 for rec in rounds for ev in rec["evidence"].values())
     report = audit_run(tmp_path / "two", replay=100)
-    assert report.ok and report.checked["replays"] == 4, report
+    assert report.ok and report.checked["replays"] == 8, report
 
 
 @pytest.mark.parametrize("delay", [0, 1])
