@@ -65,7 +65,7 @@ def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeyp
     assert code == 0 and not err
     assert "worker 1: stage 0: ranks 4-5; stage 1: ranks 6-7" in out and "--nnodes=2 --nproc-per-node=4" in out
     code, err, out = cli(monkeypatch, capsys, "plan", str(TINY), "--topology.replicas=2", "--train.grad_accum=2")
-    owned = make_plan(tiny("--topology.replicas=2", "--train.grad_accum=2")).owned
+    owned = make_plan(tiny("--topology.replicas=2", "--train.grad_accum=2")).stages[0].owned
     assert code == 0 and sum(owned) == make_plan(tiny()).params and min(owned) > 0.4 * sum(owned)
     assert f"replica 1 {owned[1] * 8 / 1e6:,.2f} MB" in out  # AdamW: two float32 moments per param it owns
     for args, message in [(("--step-s", "-1"), "--step-s must be a positive number of seconds"),

@@ -214,10 +214,11 @@ class TopologyConfig:
     )
     shard_optimizer: bool = _f(
         True,
-        "replicas > 1, stages = 1: each replica keeps the AdamW state of about 1/replicas of the params "
-        "and updates only those (ZeRO-1: their summed gradients go to it alone, and it broadcasts them "
-        "after the step); replica 0 gathers the rest at trace points and for checkpoints. false: every "
-        "replica holds and steps the whole optimizer. The same run bit for bit either way",
+        "replicas > 1: each replica keeps the AdamW state of about 1/replicas of the params (of its "
+        "stage's slice) and updates only those (ZeRO-1: their summed gradients go to it alone, and it "
+        "broadcasts them after the step); replica 0 gathers the rest at trace points and for "
+        "checkpoints. false: every replica holds and steps the whole optimizer. The same run bit for "
+        "bit either way",
     )
 
 

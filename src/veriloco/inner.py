@@ -215,24 +215,29 @@ class Replicas:
             else:
                 p.grad = None
 
-    def clip(self, params: list[torch.Tensor], max_norm: float, foreach: bool = False) -> None:
-        """`shard`: clip_grad_norm_ over the whole model, each replica scaling the gradients it
-        owns: every param's norm from its owner (all_gather), then the total and the coefficient
-        as torch.nn.utils.clip_grad_norm_ computes them (a vector norm of the per-param norms in
-        param order), so the scaled gradients are the one-process ones bit for bit."""
+    def param_norms(self, params: list[torch.Tensor], foreach: bool = False) -> list[torch.Tensor]:
+        """`shard`: every param's gradient norm, in param order, each from its owner (all_gather):
+        the per-param norms torch.nn.utils.clip_grad_norm_ takes (through the multi-tensor kernel
+        with `foreach`, as InnerLoop's clip on a GPU)."""
         import torch.distributed as dist
 
         owners = self.owners(params)
         mine = [j for j, o in enumerate(owners) if o == self.index]
         norms = torch.zeros(len(params), dtype=params[0].dtype, device=params[0].device)
         grads = [params[j].grad for j in mine]
-        # the per-param norms clip_grad_norm_ takes: the multi-tensor kernel where InnerLoop uses it (GPU)
         own = torch._foreach_norm(grads, 2) if foreach and grads else [torch.linalg.vector_norm(g, 2) for g in grads]
         for j, n in zip(mine, own, strict=True):
             norms[j] = n
         every = [torch.empty_like(norms) for _ in range(self.count)]
         dist.all_gather(every, norms, group=self.group)
-        total = torch.linalg.vector_norm(torch.stack([every[o][j] for j, o in enumerate(owners)]), 2)
+        return [every[o][j] for j, o in enumerate(owners)]
+
+    def clip(self, params: list[torch.Tensor], max_norm: float, foreach: bool = False) -> None:
+        """`shard`: clip_grad_norm_ over the whole model, each replica scaling the gradients it
+        owns: the total and the coefficient from `param_norms` as clip_grad_norm_ computes them (a
+        vector norm of the per-param norms in param order), so the scaled gradients are the
+        one-process ones bit for bit."""
+        total = torch.linalg.vector_norm(torch.stack(self.param_norms(params, foreach)), 2)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.owned(params):
             p.grad.mul_(coef)

@@ -254,13 +254,22 @@ class PipelineInnerLoop(InnerLoop):
 
         loss = _group_losses(sum_groups(self.model, self.groups, group, self.replicas, self.opt.zero_grad),
                              self.groups, self.model)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        sq = _squared_norm(grads, self.device)
+        params = list(self.model.parameters())
+        sharded = self.replicas is not None and self.replicas.shard
+        if sharded:  # ZeRO-1: this replica holds the summed gradients of the params it owns; the
+            # slice's norm from every param's norm, each from its owner, as _squared_norm sums them
+            grads = [p.grad for p in self.replicas.owned(params)]
+            sq = torch.stack(self.replicas.param_norms(params)).double().square().sum()
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            sq = _squared_norm(grads, self.device)
         mine = torch.stack([sq, loss]).to(self.device)  # collectives take tensors on the backend's device
         every = [torch.zeros_like(mine) for _ in range(self.stages)]
         dist.all_gather(every, mine, group=self.group)
         _clip(self.cfg, grads, [float(t[0]) for t in every])
         self.opt.step()
+        if sharded:
+            self.replicas.share_owned(params)
         self.step_count += 1
         return float(every[-1][1])
 
@@ -268,7 +277,11 @@ class PipelineInnerLoop(InnerLoop):
         """`steps` pipelined inner steps on batch_of_step(0..steps-1); worker-wide trace hashes
         every trace_every steps; a late update lands before step land.step (on every stage).
         Every stage calls it with the same batches (each uses x or y)."""
-        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land)
+        self.in_steps = True
+        try:
+            return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land)
+        finally:
+            self.in_steps = False
 
     def worker_state_hash(self) -> str:
         """`combine_stage_hashes` of every stage's `state_hash()` (collective over the worker)."""

@@ -44,6 +44,7 @@ class StagePlan:
     tensors: int
     params: int
     payload_bytes: int  # this slice's packet payload per round with the configured codec (fp32 for 'adaptive')
+    owned: list[int] | None = None  # [topology] shard_optimizer: the slice's parameters each replica owns (ZeRO-1)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class Plan:
     topo: Topology
     stages: list[StagePlan]
     step_s: float | None
-    owned: list[int] | None = None  # [topology] shard_optimizer: parameters each replica owns (ZeRO-1)
 
     @property
     def params(self) -> int:
@@ -113,14 +113,14 @@ def make_plan(cfg: Config, step_s: float | None = None) -> Plan:
             model.keep_stage(set(blocks), s == 0, s == t.stages - 1)
         shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
         codecs = build_codecs(spec, shapes)
+        owned = None
+        if t.replicas > 1 and t.shard_optimizer:
+            params = list(model.parameters())
+            owners = Replicas(None, 0, t.replicas, shard=True).owners(params)
+            owned = [sum(p.numel() for p, o in zip(params, owners, strict=True) if o == i) for i in range(t.replicas)]
         stages.append(StagePlan(s, blocks, len(shapes), sum(math.prod(v) for v in shapes.values()),
-                                sum(codecs[k].estimate_bytes(v) for k, v in shapes.items())))
-    owned = None
-    if t.replicas > 1 and t.stages == 1 and t.shard_optimizer:
-        params = list(full.parameters())
-        owners = Replicas(None, 0, t.replicas, shard=True).owners(params)
-        owned = [sum(p.numel() for p, o in zip(params, owners, strict=True) if o == i) for i in range(t.replicas)]
-    return Plan(cfg, topo, stages, step_s, owned)
+                                sum(codecs[k].estimate_bytes(v) for k, v in shapes.items()), owned))
+    return Plan(cfg, topo, stages, step_s)
 
 
 def _mb(n: float) -> str:
@@ -150,11 +150,11 @@ def format_plan(plan: Plan) -> str:
         blocks = f"blocks {st.blocks[0]}-{st.blocks[-1]}" if len(st.blocks) > 1 else f"block {st.blocks[0]}"
         memory = st.params * PARAM_BYTES
         outer = " on replica 0" if R > 1 else ""
-        if plan.owned is None:
+        if st.owned is None:
             mine = f"{_mb(4 * memory)} for weights, gradients and AdamW"
         else:  # ZeRO-1: a replica's AdamW moments (and summed gradients) are those of the params it owns
             mine = (f"{_mb(2 * memory)} for weights and gradients, + AdamW for the params it owns: "
-                    + ", ".join(f"replica {i} {_mb(2 * n * PARAM_BYTES)}" for i, n in enumerate(plan.owned)))
+                    + ", ".join(f"replica {i} {_mb(2 * n * PARAM_BYTES)}" for i, n in enumerate(st.owned)))
         out.append(f"  stage {st.stage}: {blocks}{ends}: {st.params:,} parameters in {st.tensors} tensors; per process "
                    f"{mine}, + {_mb(2 * memory)}{outer} for G and the outer momentum (not counted: activations, "
                    "error-feedback residuals, delay 1's kept deltas)")

@@ -1586,9 +1586,9 @@ class ReplicaSync:
 
 
 def shards_optimizer(cfg: Config) -> bool:
-    """`[topology] shard_optimizer`, where it applies: replicas of a whole model (a pipeline's
-    replicas hold their slice's optimizer whole)."""
-    return cfg.topology.shard_optimizer and cfg.topology.replicas > 1 and cfg.topology.stages == 1
+    """`[topology] shard_optimizer`, where it applies: with replicas (of a whole model, or of each
+    pipeline stage's slice)."""
+    return cfg.topology.shard_optimizer and cfg.topology.replicas > 1
 
 
 def share_params(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
