@@ -9,9 +9,9 @@ Each repeat trains the config with `--workers` workers and `train.grad_accum = -
 on one process per worker and once on `--replicas` processes per worker (each runs one of the
 step's grad_accum parts), alternating (the machine is shared and noisy). With `--stages S` > 1
 a worker is an S-stage pipeline with `topology.microbatches = --replicas`, once on S processes
-and once on S x replicas (each replica's pipeline runs one micro-batch). Without stages a third
-way runs the replicas with `topology.shard_optimizer = false` (each steps the whole AdamW, against
-the default ZeRO-1 sharding). Per way: the median
+and once on S x replicas (each replica's pipeline runs one micro-batch). A third way runs the
+replicas with `topology.shard_optimizer = false` (each steps the whole AdamW, against the default
+ZeRO-1 sharding). Per way: the median
 tokens/s of the run and the median inner-step seconds per round (`inner_s` in the records,
 averaged over workers). The two ways must record the same params hash and eval loss in every
 round, or the bench fails. On this 2-core machine, run it with as many processes in all
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     alone, many = ("1 process", f"{args.replicas} replicas") if args.stages == 1 else \
         (f"{args.stages} stages", f"{args.stages} stages x {args.replicas} replicas")
     ways = {alone: common, many: [*common, f"--topology.replicas={args.replicas}"]}
-    if args.stages == 1:  # ZeRO-1 (the default) against every replica stepping the whole optimizer
-        ways[f"{many}, whole optimizer"] = [*ways[many], "--topology.shard_optimizer=false"]
+    ways[f"{many}, whole optimizer"] = [*ways[many], "--topology.shard_optimizer=false"]  # against ZeRO-1, the default
     runs: dict[str, list[dict]] = {way: [] for way in ways}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeats):

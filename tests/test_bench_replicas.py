@@ -23,7 +23,8 @@ def test_pipelined_ways_agree(tmp_path):
     p = bench_arguments("replicas.py", "--config", str(TINY), "--workers", "1", "--stages", "2", "--rounds", "2",
                         "--repeats", "1", "--out", str(out))
     assert p.returncode == 0, p.stderr
-    assert [r["way"] for r in json.loads(out.read_text())["rows"]] == ["2 stages", "2 stages x 2 replicas"]
+    assert [r["way"] for r in json.loads(out.read_text())["rows"]] == [
+        "2 stages", "2 stages x 2 replicas", "2 stages x 2 replicas, whole optimizer"]
 
 
 def test_bad_arguments_exit_2():
