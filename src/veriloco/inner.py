@@ -131,10 +131,15 @@ class Replicas:
     of them the sum of the groups' gradients and losses, added in group order. With one part per
     replica that is bit for bit what one process makes running the parts one after another; with
     more, a replay runs the groups in turn and adds them up the same way (`InnerLoop.
-    emulated_replicas`). Each replica owns a 1/R shard of the flat gradient: it receives that shard of
-    every group's sum (all_to_all), adds them up in group order, and the summed shards are
-    gathered back (all_gather). That moves 2 (R-1)/R of the gradient per replica per step, as a ring
-    all-reduce does, but in a fixed order, so a one-process replay reproduces it exactly."""
+    emulated_replicas`). With `shard` (`[topology] shard_optimizer`, ZeRO-1) each param belongs to
+    one replica (`owners`), which receives every group's gradient of it (all_to_all), adds them up
+    in group order, clips it with the whole model's norm (`clip`), steps it with its own share of
+    AdamW and broadcasts it (`share_owned`); replica 0 gathers the others' optimizer state where
+    the whole is hashed or saved (`gather_state`). Without, each replica owns a 1/R shard of the
+    flat gradient, sums that shard the same way, and the summed shards are gathered back
+    (all_gather), every replica then stepping the whole optimizer. Either moves 2 (R-1)/R of the
+    model per replica per step, as a ring all-reduce does, but in a fixed order, so a one-process
+    replay reproduces it exactly."""
 
     def __init__(self, group: object, index: int, count: int, shard: bool = False) -> None:
         self.group, self.index, self.count, self.shard = group, index, count, shard
