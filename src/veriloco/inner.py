@@ -135,9 +135,8 @@ class Replicas:
     one replica (`owners`), which receives every group's gradient of it (all_to_all), adds them up
     in group order, clips it with the whole model's norm (`clip`), steps it with its own share of
     AdamW and broadcasts it (`share_owned`); replica 0 gathers the others' optimizer state where
-    the whole is hashed or saved (`gather_state`). Without, each replica owns a 1/R shard of the
-    flat gradient, sums that shard the same way, and the summed shards are gathered back
-    (all_gather), every replica then stepping the whole optimizer. Either moves 2 (R-1)/R of the
+    the whole is hashed or saved (`gather_state`). Without, the owners broadcast the summed
+    gradients instead, and every replica steps the whole optimizer. Either moves 2 (R-1)/R of the
     model per replica per step, as a ring all-reduce does, but in a fixed order, so a one-process
     replay reproduces it exactly."""
 
@@ -164,42 +163,23 @@ class Replicas:
         """Every param's gradient becomes the groups' sum (in group order); returns every group's
         `loss` (a tensor of one shape on every replica), in group order. With `shard`, only the
         params this replica owns keep a gradient (the others' is None): their sums come to it
-        alone, and nothing is gathered back (`share_owned` sends the updated params instead)."""
+        alone (`share_owned` sends the updated params after the step)."""
         import torch.distributed as dist
 
         params = list(model.parameters())
         missing = [n for n, p in model.named_parameters() if p.grad is None]
         if missing:  # every part gives every param a gradient, or the one-process sum would differ
             raise RuntimeError(f"replicas: parameter {missing[0]} has no gradient after this replica's part")
-        if self.shard:
-            self._reduce_to_owners(params)
-        else:
-            self._reduce_everywhere(params)
+        self._reduce_to_owners(params)
+        if not self.shard:  # every replica steps the whole optimizer: every summed gradient everywhere
+            self._from_owners(params, grads=True)
         losses = [torch.empty_like(loss) for _ in range(self.count)]
         dist.all_gather(losses, loss, group=self.group)
         return losses
 
-    def _reduce_everywhere(self, params: list[torch.Tensor]) -> None:
-        import torch.distributed as dist
-
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        shard = -(-flat.numel() // self.count)
-        flat = torch.nn.functional.pad(flat, (0, shard * self.count - flat.numel()))
-        parts = torch.empty_like(flat)  # [part 0's shard of mine, part 1's, ...]
-        dist.all_to_all_single(parts, flat, group=self.group)
-        total = parts[:shard].clone()
-        for j in range(1, self.count):
-            total += parts[j * shard : (j + 1) * shard]
-        shards = [torch.empty_like(total) for _ in range(self.count)]
-        dist.all_gather(shards, total, group=self.group)
-        summed, at = torch.cat(shards), 0
-        for p in params:
-            p.grad.copy_(summed[at : at + p.numel()].view_as(p.grad))
-            at += p.numel()
-
     def _reduce_to_owners(self, params: list[torch.Tensor]) -> None:
         """Each replica gets every group's gradient of the params it owns (all_to_all, uneven) and
-        adds them up in group order: per element the same sums as `_reduce_everywhere`."""
+        adds them up in group order."""
         import torch.distributed as dist
 
         owners = self.owners(params)
@@ -248,8 +228,12 @@ class Replicas:
             p.grad.mul_(coef)
 
     def share_owned(self, params: list[torch.Tensor]) -> None:
-        """`shard`: after the step, each replica's updated params to the others (a broadcast from
-        each owner), so every replica holds the whole model again."""
+        """`shard`: after the step, each replica's updated params to the others, so every replica
+        holds the whole model again."""
+        self._from_owners(params, grads=False)
+
+    def _from_owners(self, params: list[torch.Tensor], grads: bool) -> None:
+        """Each owner's params (or their summed gradients) to the others: a broadcast from each."""
         import torch.distributed as dist
 
         owners = self.owners(params)
@@ -257,29 +241,33 @@ class Replicas:
             ps = [p for p, o in zip(params, owners, strict=True) if o == d]
             if not ps:
                 continue
-            flat = torch.cat([p.detach().reshape(-1) for p in ps]) if d == self.index else \
-                torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            if d == self.index:
+                flat = torch.cat([(p.grad if grads else p.detach()).reshape(-1) for p in ps])
+            else:
+                flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
             dist.broadcast(flat, group=self.group, group_src=d)
             if d != self.index:
                 at = 0
                 with torch.no_grad():
                     for p in ps:
-                        p.copy_(flat[at : at + p.numel()].view_as(p))
+                        part = flat[at : at + p.numel()].view_as(p)
+                        if grads:
+                            p.grad = part.clone()
+                        else:
+                            p.copy_(part)
                         at += p.numel()
 
     def send_state(self, views: dict[str, torch.Tensor]) -> None:
         """`shard`, a replica other than 0: its AdamW state (the params it owns) to replica 0."""
         import torch.distributed as dist
-        from safetensors.torch import save
 
-        data = save({k: v.detach().cpu().contiguous() for k, v in views.items() if k != "inner/step_count"})
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), group=self.group, group_dst=0)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), group=self.group, group_dst=0)
+        size, data = _state_bytes({k: v for k, v in views.items() if k != "inner/step_count"})
+        dist.send(size, group=self.group, group_dst=0)
+        dist.send(data, group=self.group, group_dst=0)
 
     def gather_state(self) -> dict[str, torch.Tensor]:
         """`shard`, replica 0: the other replicas' AdamW state (`send_state`), merged."""
         import torch.distributed as dist
-        from safetensors.torch import load
 
         out: dict[str, torch.Tensor] = {}
         for i in range(1, self.count):
@@ -287,8 +275,34 @@ class Replicas:
             dist.recv(size, group=self.group, group_src=i)
             data = torch.empty(int(size), dtype=torch.uint8)
             dist.recv(data, group=self.group, group_src=i)
-            out.update(load(bytes(data.numpy())))
+            out.update(_state_of(data))
         return out
+
+    def broadcast_state(self, views: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Replica 0's optimizer state (`views`; None on the others) to every replica: what each
+        loads when a resume's state reaches them. Through the CPU (gloo) on any device."""
+        import torch.distributed as dist
+
+        size, data = _state_bytes(views) if views is not None else (torch.zeros(1, dtype=torch.int64), None)
+        dist.broadcast(size, group=self.group, group_src=0)
+        if data is None:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(data, group=self.group, group_src=0)
+        return _state_of(data)
+
+
+def _state_bytes(views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An optimizer state as safetensors bytes in a uint8 tensor (never pickle), and its length."""
+    from safetensors.torch import save
+
+    data = save({k: v.detach().cpu().contiguous() for k, v in views.items()})
+    return torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _state_of(data: torch.Tensor) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(bytes(data.numpy()))
 
 
 def sum_groups(model: nn.Module, groups: int, group: Callable[[int], torch.Tensor], replicas: Replicas | None,

@@ -1556,16 +1556,10 @@ class ReplicaSync:
     def begin(self, r: int, steps: int, trace_every: int) -> None:
         inner = self.inner
         start = -1 if inner.round_start is None else inner.round_start
-        control = [1, r, steps, inner.step_count, inner.total_steps, start, int(not self.state_sent), trace_every]
-        dist.broadcast(torch.tensor(control, dtype=torch.int64), group=self.group, group_src=0)
+        self._control(1, r, steps, inner.step_count, inner.total_steps, start, int(not self.state_sent), trace_every)
         share_params(inner.model, self.group)
-        if not self.state_sent:  # through the CPU (gloo) on any device: a replica loads it onto its own
-            # what this process holds: the whole state after a resume (the others hold none yet)
-            state = {k: v.cpu() for k, v in inner._state_views().items()}
-            _gather_json({"state": [[k, list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()]},
-                         self.group)  # the others send {}; they read replica 0's
-            for v in state.values():
-                dist.broadcast(v, group=self.group, group_src=0)
+        if not self.state_sent:  # what this process holds: the whole state after a resume (the others hold none yet)
+            inner.replicas.broadcast_state(inner._state_views())
             if inner.replicas.shard:
                 inner.drop_unowned_state()
             self.state_sent = True
@@ -1573,8 +1567,7 @@ class ReplicaSync:
     def ask_state(self) -> None:
         """Sharded replicas, between rounds: each of the others sends replica 0 its optimizer state
         (`Replicas.gather_state` receives it)."""
-        control = [2] + [0] * (REPLICA_CONTROL - 1)
-        dist.broadcast(torch.tensor(control, dtype=torch.int64), group=self.group, group_src=0)
+        self._control(2)
 
     def landed(self) -> None:
         """`[outer] overlap_steps`: the late update moved the params inside the round; the other
@@ -1582,7 +1575,13 @@ class ReplicaSync:
         share_params(self.inner.model, self.group)
 
     def end(self) -> None:
-        dist.broadcast(torch.zeros(REPLICA_CONTROL, dtype=torch.int64), group=self.group, group_src=0)
+        self._control(0)
+
+    def _control(self, *values: int) -> None:
+        """One control message to the other replicas (`REPLICA_CONTROL` numbers, zeros after `values`)."""
+        control = torch.zeros(REPLICA_CONTROL, dtype=torch.int64)
+        control[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(control, group=self.group, group_src=0)
 
 
 def shards_optimizer(cfg: Config) -> bool:
@@ -1632,11 +1631,7 @@ def replica_loop(cfg: Config, rank: int, task: Task) -> None:
         if cfg.train.inner_state == "reset":
             inner.reset_state()
         if state_sent:
-            state = {}
-            for key, shape, dtype in _gather_json({}, group)[0]["state"]:
-                state[key] = torch.empty(shape, dtype=getattr(torch, dtype))
-                dist.broadcast(state[key], group=group, group_src=0)
-            inner.load_state_tensors(state)
+            inner.load_state_tensors(replicas.broadcast_state(None))
             if replicas.shard:
                 inner.drop_unowned_state()
         inner.step_count, inner.total_steps, inner.round_start = step_count, total_steps, None if start < 0 else start
