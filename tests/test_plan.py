@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY, cli, rounds_of, tiny
 
 from veriloco.link import Link
-from veriloco.plan import format_plan, make_plan
+from veriloco.plan import format_plan, make_plan, verify_plan
 from veriloco.run import train
 from veriloco.topology import build_stage_model
 
@@ -26,20 +26,31 @@ def test_each_stage_slice_is_the_stage_model_a_run_builds(arch):
 def test_the_traffic_it_plans_is_what_the_workers_send(tmp_path, monkeypatch, capsys):
     """int8 packets of 3 workers: each worker's bytes per round are the planned payload to its 2
     peers plus each packet's header (a name, dtype and shape per tensor and per block-scale tensor)
-    and signed commitment: 8.5 KB a packet here, on a 45.6 KB payload. Then the plan of that run
-    directory on another link: its config, and the step time it measured."""
-    cfg = tiny("--topology.workers=3", "--compress.codec=int8:block=64", "--train.rounds=2")
+    and signed commitment: 8.5 KB a packet here, on a 45.6 KB payload. Every worker's round is
+    replayed from a segment's start state, which is the planned state's size when a segment past
+    the first is drawn. Then the plan of that run directory on another link: its config, and the
+    step time it measured."""
+    cfg = tiny("--topology.workers=3", "--compress.codec=int8:block=64", "--train.rounds=2", "--train.inner_state=reset",
+               "--verify.replay_probability=1", "--verify.replay_extent=state", "--verify.trace_every=1")
     plan = make_plan(cfg)
+    vp = verify_plan(plan)
+    assert (vp.audits, vp.steps_per_audit, vp.fetched, vp.kept_states) == (3, 1, 4 / 5, 6)
     train(cfg, str(tmp_path / "run"), quiet=True)
+    fetched = []
     for rec in rounds_of(tmp_path / "run"):
         for sent in rec["bytes_sent"]:
             assert 0 < sent - plan.sent_per_round <= 2 * 12_000, (sent, plan.sent_per_round)
+        fetched += [n for n in rec["state_bytes_sent"] if n]
+    assert fetched and set(fetched) == {plan.stages[0].state_bytes}, (fetched, plan.stages[0].state_bytes)
     recs = rounds_of(tmp_path / "run")
     step = sorted(sum(r["inner_s"]) / 3 / 5 for r in recs)[0:2]  # two rounds: the median is their mean
     code, err, out = cli(monkeypatch, capsys, "plan", str(tmp_path / "run"), "--link.bandwidth=10mbit")
     assert code == 0 and not err, err
     assert f"{sum(step) / 2:.4f} s an inner step as it measured" in out and "(int8:block=64)" in out
     assert "exchange on the link (10 Mbit/s, 0 ms)" in out
+    assert "3.00 replays a round across the 3 workers" in out and "fetched by 80% of them" in out
+    state_mb = sum(map(sum, (rec["state_bytes_sent"] for rec in recs))) / 2 / 1e6
+    assert "2 round(s), its own [verify]): replays " in out and f"{len(fetched)} start state(s) fetched, {state_mb:,.2f} MB a round" in out
     fp32 = make_plan(tiny("--topology.workers=3"))
     assert fp32.sent_per_round == 2 * 4 * fp32.params  # a float32 packet is the model's bytes
     assert 3.5 < fp32.sent_per_round / plan.sent_per_round < 4  # int8: a byte a value, plus block scales
@@ -73,3 +84,28 @@ def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeyp
                           (("stray",), "unexpected argument 'stray'")]:
         code, err, _ = cli(monkeypatch, capsys, "plan", str(TINY), *args)
         assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_the_verification_it_plans_follows_the_sampling_and_the_screens():
+    """Replays drawn per worker with p: a whole round ('round', distance), steps 0 .. a drawn
+    segment's end ('segment'); the loss-gain screen's forwards on each packet's checkers, or on
+    every worker when each computes every gain; one worker has nobody to audit it."""
+    base = ("--topology.workers=4", "--train.inner_steps=20", "--verify.trace_every=5", "--train.inner_state=reset")
+    rnd = verify_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5")))
+    assert (rnd.audits, rnd.steps_per_audit, rnd.fetched, rnd.kept_states) == (2, 20, 0, 0)
+    seg = verify_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5", "--verify.replay_extent=segment")))
+    assert seg.steps_per_audit == (5 + 10 + 15 + 20) / 4
+    delayed = verify_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5", "--verify.replay_extent=state",
+                                         "--outer.delay=1")))
+    assert (delayed.steps_per_audit, delayed.fetched, delayed.kept_states) == (5, 3 / 4, 2 * 5)
+    gains = verify_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5", "--verify.loss_gain_batches=3",
+                                       "--verify.loss_gain_checkers=2")))
+    assert gains.gain_forwards == 4 * 2 * 2 * 3
+    every = verify_plan(make_plan(tiny(*base, "--verify.loss_gain_batches=3")))  # no replays: every worker computes all
+    assert (every.audits, every.gain_forwards) == (0, 4 * 4 * 2 * 3)
+    assert verify_plan(make_plan(tiny(*base[1:], "--topology.workers=1", "--verify.replay_probability=1"))).audits == 0
+    text = format_plan(make_plan(tiny(*base)))
+    assert "verification: signatures, commitments and screens only" in text
+    text = format_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5")))
+    assert "2.00 replays a round across the 4 workers" in text and "50.0% on top of the inner steps" in text
+    assert "no model-sized traffic" in text

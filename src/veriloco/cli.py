@@ -158,11 +158,11 @@ def plan(
 ) -> None:
     """What a config will run, before it runs: its processes, each stage's slice and memory, the bytes
     a worker sends per round against DDP, and whether the exchange hides under the inner steps."""
-    from .plan import format_plan, make_plan, run_config
+    from .plan import format_plan, make_plan, measured_verification, run_config
 
     config, overrides = _config_and_overrides(ctx, config)
     try:
-        if config is not None and Path(config).is_dir():
+        if run := config is not None and Path(config).is_dir():
             cfg, measured = run_config(config, overrides)
             if step_s is None and measured is not None:
                 step_s = measured
@@ -170,7 +170,7 @@ def plan(
                            "(its layout, its machines)")
         else:
             cfg = load_config(config, overrides)
-        typer.echo(format_plan(make_plan(cfg, step_s)))
+        typer.echo(format_plan(make_plan(cfg, step_s), measured_verification(config) if run else None))
     except (*USER_ERRORS, ValueError) as e:
         fail(str(e).splitlines()[0])
 

@@ -30,6 +30,7 @@ from .link import Link
 from .model import build_meta
 from .records import RunDir, RunDirError
 from .topology import Topology, layers_of_stage
+from .verify.replay import segments_to_sample, state_layout, state_nbytes
 
 PARAM_BYTES = 4  # float32: the weights, their gradients, each AdamW moment, G and the outer momentum
 MB = 1e6
@@ -45,6 +46,7 @@ class StagePlan:
     params: int
     payload_bytes: int  # this slice's packet payload per round with the configured codec (fp32 for 'adaptive')
     owned: list[int] | None = None  # [topology] shard_optimizer: the slice's parameters each replica owns (ZeRO-1)
+    state_bytes: int = 0  # an inner state of the slice (params + AdamW moments + counters): what a trace entry hashes
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,26 @@ def run_config(run_dir: str | Path, overrides: list[str]) -> tuple[Config, float
     return cfg, (statistics.median(steps) if steps else None)
 
 
+def _figures(recs: list[dict], key: str) -> float:
+    """The sum of a per-worker figure over a run's rounds (0 where a record lacks it)."""
+    return sum(float(x) for rec in recs for x in (rec.get(key) or []) if isinstance(x, (int, float)))
+
+
+def measured_verification(run_dir: str | Path) -> str | None:
+    """What a run directory's records measured of its verification, beside the plan's figures:
+    replays and loss gains in CPU seconds against the inner steps' (each worker's thread), and the
+    start states its replays fetched per round. None before a round is recorded."""
+    recs = RunDir(run_dir).rounds()
+    inner = _figures(recs, "inner_cpu_s")
+    if not recs or inner <= 0:
+        return None
+    replay, gain, states = (_figures(recs, k) for k in ("replay_cpu_s", "loss_gain_cpu_s", "state_bytes_sent"))
+    fetched = sum(1 for rec in recs for x in (rec.get("state_bytes_sent") or []) if isinstance(x, int) and x > 0)
+    return (f"  measured in {run_dir} ({len(recs)} round(s), its own [verify]): replays {replay / inner:.1%} and loss "
+            f"gains {gain / inner:.1%} on top of the inner steps (CPU seconds), {fetched} start state(s) fetched, "
+            f"{_mb(states / len(recs))} a round")
+
+
 def make_plan(cfg: Config, step_s: float | None = None) -> Plan:
     """The plan of `cfg` (validated already: `config.load_config`)."""
     if step_s is not None and not (math.isfinite(step_s) and step_s > 0):
@@ -119,16 +141,66 @@ def make_plan(cfg: Config, step_s: float | None = None) -> Plan:
             owners = Replicas(None, 0, t.replicas, shard=True).owners(params)
             owned = [sum(p.numel() for p, o in zip(params, owners, strict=True) if o == i) for i in range(t.replicas)]
         stages.append(StagePlan(s, blocks, len(shapes), sum(math.prod(v) for v in shapes.values()),
-                                sum(codecs[k].estimate_bytes(v) for k, v in shapes.items()), owned))
+                                sum(codecs[k].estimate_bytes(v) for k, v in shapes.items()), owned,
+                                state_nbytes(state_layout(model))))
     return Plan(cfg, topo, stages, step_s)
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """What `[verify]` adds to a round, expected with every packet accepted and no suspect (a
+    flagged or failed packet is replayed whole, and by every member when a failure is reported).
+    Replays are drawn per worker with `replay_probability` (verify/replay.py: sample_audits)."""
+
+    audits: float  # replays a round across the run: W x p
+    steps_per_audit: float  # inner steps one replay runs, on average over the segment drawn
+    fetched: float  # share of replays that fetch the segment's start state (replay_extent = "state", a segment past the first)
+    state_bytes: int  # one such state: the largest stage slice's (each stage process sends its own slice)
+    kept_states: int  # states a process keeps until its round is checked (replay_extent = "state")
+    gain_forwards: int  # loss-gain forward passes a round across the run
+
+    def replay_share(self, cfg: Config, workers: int) -> float:
+        """Replayed inner steps over the run's inner steps."""
+        return self.audits * self.steps_per_audit / (workers * cfg.train.inner_steps)
+
+    def gain_share(self, cfg: Config, workers: int) -> float:
+        """Loss-gain forward passes over the run's inner steps, a forward taken as a third of a
+        training step (forward + backward, the backward about twice the forward)."""
+        return self.gain_forwards / 3 / (workers * cfg.train.inner_steps)
+
+    @property
+    def state_per_round(self) -> float:
+        """Start-state bytes sent a round across the run (by the audited workers, to their auditors)."""
+        return self.audits * self.fetched * self.state_bytes
+
+
+def verify_plan(plan: Plan) -> VerifyPlan:
+    """The expected verification work and traffic of `plan`'s config per round."""
+    cfg, v, W, H = plan.cfg, plan.cfg.verify, plan.topo.workers, plan.cfg.train.inner_steps
+    p = v.replay_probability if W > 1 else 0.0  # no other worker, no auditor
+    n = segments_to_sample(v, cfg.train)
+    k = H // n  # a segment's steps (distance mode: the whole round)
+    if v.replay_match == "distance" or v.replay_extent == "round":
+        steps, fetched = float(H), 0.0
+    elif v.replay_extent == "segment":  # steps 0 .. the end of a segment drawn uniformly
+        steps, fetched = k * (n + 1) / 2, 0.0
+    else:  # "state": the drawn segment alone; the first starts from the round's public start
+        steps, fetched = float(k), (n - 1) / n
+    kept = 0
+    if p > 0 and v.replay_match == "exact" and v.replay_extent == "state":
+        kept = (1 + H // (v.trace_every or H)) * (2 if cfg.outer.delay else 1)
+    checkers = v.loss_gain_checkers if v.loss_gain_action == "audit" and p > 0 else 0
+    gain = W * (checkers or W) * 2 * v.loss_gain_batches  # every packet: 2 forwards a batch on each of its checkers
+    return VerifyPlan(W * p, steps, fetched, max(st.state_bytes for st in plan.stages), kept, gain)
 
 
 def _mb(n: float) -> str:
     return f"{n / MB:,.2f} MB" if n >= 0.1 * MB else f"{n / 1e3:,.1f} KB"
 
 
-def format_plan(plan: Plan) -> str:
-    """The plan as text, one fact a line."""
+def format_plan(plan: Plan, measured: str | None = None) -> str:
+    """The plan as text, one fact a line; `measured`: a run's own verification figures
+    (`measured_verification`), printed after the planned ones."""
     cfg, topo = plan.cfg, plan.topo
     W, S, R, H = topo.workers, topo.stages, topo.replicas, cfg.train.inner_steps
     n = W * S * R
@@ -169,6 +241,7 @@ def format_plan(plan: Plan) -> str:
     if W > 1:
         out.append(f"  DDP in the same {H} inner steps: {_mb(plan.ddp_per_round)} sent per worker "
                    f"({plan.ddp_per_round / max(plan.sent_per_round, 1):,.0f}x the payload above)")
+    out += _verify_lines(plan) + ([measured] if measured else [])
     slowest = max(plan.exchange_s(st.payload_bytes) for st in plan.stages)
     out.append(f"exchange on the link ({plan.link}): {slowest:.3f} s a round per stage process"
                + (f"; {plan.exchange_s(payload):.3f} s if a worker's stages share one link" if S > 1 else ""))
@@ -201,4 +274,36 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
-__all__ = ["Plan", "StagePlan", "format_plan", "make_plan"]
+def _verify_lines(plan: Plan) -> list[str]:
+    """What verification adds to each round: replays, the start states they fetch, the states kept
+    for them, and the loss-gain screen."""
+    cfg, v, W = plan.cfg, plan.cfg.verify, plan.topo.workers
+    vp = verify_plan(plan)
+    if not vp.audits and not vp.gain_forwards:
+        return ["verification: signatures, commitments and screens only (replay_probability = 0, loss_gain_batches "
+                "= 0): no replays and no model-sized traffic"]
+    out = []
+    if vp.audits:
+        how = f"'{v.replay_extent}'" if v.replay_match == "exact" else "distance (the whole round)"
+        out.append(f"verification: {vp.audits:.2f} replays a round across the {W} workers (each worker's round drawn "
+                   f"with p = {v.replay_probability:g}; replay_extent {how}), {vp.steps_per_audit:g} inner steps each "
+                   f"on average: {vp.replay_share(cfg, W):.1%} on top of the inner steps")
+        if vp.fetched:
+            state = vp.state_bytes
+            link = "" if plan.link.unlimited else f", {plan.link.transfer_time(state, 0):.3f} s on the link"
+            out.append(f"  start states for the replays: {_mb(state)} each (params + AdamW moments{' of a stage slice' if plan.topo.stages > 1 else ''}"
+                       f"{link}), fetched by {vp.fetched:.0%} of them: {_mb(vp.state_per_round)} a round across the "
+                       f"run, {vp.state_per_round / max(plan.sent_per_round * W, 1):.1%} of the packets' "
+                       f"{_mb(plan.sent_per_round * W)}")
+            out.append(f"  states kept until a round is checked: {vp.kept_states} per process "
+                       f"({_mb(vp.kept_states * state)}) in {'host memory' if v.keep_states == 'memory' else 'a file'}")
+        else:
+            out.append("  replays start from the round's public start (G and the worker's own packets): no model-sized traffic")
+    if vp.gain_forwards:
+        out.append(f"loss-gain screen: {vp.gain_forwards:,} forward passes a round across the run ({v.loss_gain_batches} "
+                   f"batch(es) x 2 a packet on each of its checkers): about {vp.gain_share(cfg, W):.1%} on top of the "
+                   "inner steps (a forward taken as a third of a step)")
+    return out
+
+
+__all__ = ["Plan", "StagePlan", "VerifyPlan", "format_plan", "make_plan", "measured_verification", "verify_plan"]
