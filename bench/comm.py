@@ -61,7 +61,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,31 +144,33 @@ def shared_overrides(quick: bool, rounds: int, inner_steps: int, workers: int) -
 
 def model_bytes(cfg: Config) -> int:
     """fp32 bytes of the model's parameters (sizes the adaptive budget for a target ratio)."""
-    from veriloco.model import build_model
+    from veriloco.plan import PARAM_BYTES, make_plan
 
-    return sum(p.numel() * p.element_size() for p in build_model(cfg.model, cfg.run.seed).parameters())
+    return make_plan(cfg).params * PARAM_BYTES
 
 
 def budget_for_ratio(cfg: Config, ratio: float) -> int:
     """Packet bytes per round at which a veriloco run would send `ratio` x less than DDP.
 
-    DDP sends 2 (W-1)/W x the model's fp32 bytes per inner step (ring all-reduce); a veriloco
-    worker sends its packet plus an 8-byte size to W-1 peers once per H inner steps.
+    DDP sends 2 (W-1)/W x the model's fp32 bytes per inner step (ring all-reduce: `Plan.
+    ddp_per_round`); a veriloco worker sends its packet plus an 8-byte size to W-1 peers once per
+    H inner steps.
     """
-    w, h = cfg.topology.workers, cfg.train.inner_steps
-    ddp_per_round = h * 2 * (w - 1) / w * model_bytes(cfg)
-    return max(int(ddp_per_round / ratio / (w - 1)) - 8, 1)
+    from veriloco.plan import make_plan
+
+    return max(int(make_plan(cfg).ddp_per_round / ratio / (cfg.topology.workers - 1)) - 8, 1)
 
 
 def overlap_for(cfg: Config, d0: dict | None) -> int:
     """The fewest inner steps an fp32 exchange hides under on the link: latency + (W-1) packets of
-    the model's fp32 bytes at the bandwidth, over the fp32-d0 row's measured seconds per inner
-    step x compress.safety; 1 without that row; at most H - 1."""
+    the model's fp32 bytes at the bandwidth (`Plan.exchange_s`), over the fp32-d0 row's measured
+    seconds per inner step x compress.safety; 1 without that row; at most H - 1."""
+    from veriloco.plan import make_plan
+
     if d0 is None or not d0.get("inner_s") or not d0.get("steps"):
         return 1
-    link = Link.from_strings(BANDWIDTH, LATENCY)
-    w = cfg.topology.workers
-    exchange_s = link.latency_s + (w - 1) * model_bytes(cfg) * 8 / link.bandwidth_bps
+    on_link = replace(cfg, link=replace(cfg.link, bandwidth=BANDWIDTH, latency=LATENCY))  # the bench's link
+    exchange_s = make_plan(on_link).exchange_s(model_bytes(cfg))
     per_step = d0["inner_s"] / d0["steps"]
     return max(1, min(cfg.train.inner_steps - 1, math.ceil(exchange_s / (per_step * cfg.compress.safety))))
 
