@@ -144,3 +144,23 @@ class StateLiar(Adversary):
 
     def audit_report(self, r, worker, score):
         return 0.0
+
+
+class ReplicaCrashes(Adversary):
+    """Fault injection on a worker of `[topology] replicas` under elastic membership: its replica 1
+    (a child of the worker's process, whose default group is the worker's replicas) raises at
+    round `at` (default 1), once: the first to get there writes the file `once`."""
+
+    kind = "replica_crashes"
+
+    def batch(self, r, step, inputs, targets):
+        import torch.distributed as dist
+
+        if r == int(self.params.get("at", "1")) and dist.is_initialized() and dist.get_rank() == 1:
+            from pathlib import Path
+
+            once = Path(self.params["once"])
+            if not once.exists():
+                once.write_text("crashed")
+                raise RuntimeError(f"replica 1 of worker {self.worker} crashes in round {r} (red_team.ReplicaCrashes)")
+        return inputs, targets

@@ -683,3 +683,28 @@ def test_an_elastic_run_stopped_after_n_rounds_resumes_to_the_uninterrupted_run(
     assert [r["verdicts"] for r in b] == [["accept"] * 3] * 4
     report = audit_run(tmp_path / "b")
     assert report.ok, report.first_failure
+
+
+def test_elastic_workers_on_replicas_are_the_static_run_through_a_killed_worker_and_a_crashed_replica(tmp_path):
+    """`[topology] replicas` under elastic membership: each worker starts its other replica as its
+    own child (elastic.WorkerReplicas). Worker 1 is killed (kill -9) in round 2: its replica exits
+    with it. Worker 0's replica raises in round 3: worker 0 fails with it, and the launcher names
+    the replica's error. With 2 of 2 workers needed nothing commits without either; the launcher
+    starts each again with a fresh replica, which takes the inner state the worker healed from.
+    Every round is the static run's without replicas, bit for bit, and the audit holds."""
+    common = ("--topology.workers=2", "--train.rounds=5", "--train.grad_accum=2")
+    train(tiny(*common), str(tmp_path / "static"), quiet=True)
+    crash = f"--adversary.0=red_team:ReplicaCrashes:at=3,once={tmp_path / 'crashed'}"
+    _, summary = train(tiny(*common, *ELASTIC, "--topology.replicas=2", "--run.max_restarts=1", crash),
+                       str(tmp_path / "elastic"), quiet=True, faults=["die:1@2.2"])
+    a, b = rounds_of(tmp_path / "static"), rounds_of(tmp_path / "elastic")
+    assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    events = events_of(tmp_path / "elastic")
+    kinds = [(e["event"], e["worker"]) for e in events]
+    assert kinds.count(("started", 0)) == kinds.count(("started", 1)) == 2, kinds
+    died = {e["worker"]: e.get("error") for e in events if e["event"] == "died"}
+    assert died[1] is None  # killed: no error of its own, nor of its replica, which exited with it
+    assert died[0].startswith("its replica 1: RuntimeError: replica 1 of worker 0 crashes in round 3"), died[0]
+    assert summary["replicas"] == 2
+    assert audit_run(tmp_path / "elastic").ok

@@ -172,7 +172,6 @@ def test_replicas_of_stages_keep_the_inner_state_across_a_resume(tmp_path):
                                                          r"of 2 \(got 3\)"),
     (("--topology.replicas=0",), r"topology.replicas must be >= 1, got 0"),
     (("--topology.replicas=2", "--train.grad_accum=2", "--train.mode=ddp"), r"needs train.mode = 'diloco'"),
-    (("--topology.replicas=2", "--train.grad_accum=2", "--run.membership=elastic"), r"needs run.membership = 'static'"),
 ])
 def test_what_replicas_do_not_run_yet_is_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:

@@ -210,7 +210,8 @@ class TopologyConfig:
         "equal groups of consecutive parts, one per replica (with stages: through the replica's own "
         "pipeline), the groups' gradients summed in replica order; with one part each the run is bit for "
         "bit the one-process run (with stages: the S-stage run, untied), and replays reproduce it either "
-        "way; replica 0 takes part in the round. Needs static membership and train.mode 'diloco'",
+        "way; replica 0 takes part in the round. Needs train.mode 'diloco'; under elastic membership a "
+        "worker's process starts its replicas itself, on its machine, and they live and die with it",
     )
     shard_optimizer: bool = _f(
         True,
@@ -730,7 +731,6 @@ def _check_topology(cfg: Config) -> None:
     if p.replicas > 1:  # what the replicas' round is built for, so far
         checks += (
             (t.mode == "diloco", "topology.replicas > 1 needs train.mode = 'diloco'"),
-            (cfg.run.membership == "static", "topology.replicas > 1 needs run.membership = 'static'"),
         )
     for ok, msg in checks:
         if not ok:

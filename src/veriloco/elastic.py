@@ -1,6 +1,7 @@
 """The round loop under elastic membership: quorum, commit or retry, heal.
 
-`[run] membership = "elastic"` (membership.py). One process per worker, no fixed world. Round r on
+`[run] membership = "elastic"` (membership.py). One process per worker (which starts its
+`[topology] replicas`, if any, itself: WorkerReplicas), no fixed world. Round r on
 worker w:
 
     1-2. inner steps and encode, as in round.py (run_inner_and_send); the bundle is held
@@ -47,6 +48,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from safetensors.torch import load as st_load
@@ -107,7 +109,9 @@ def train_worker_elastic(
     injector = Injector(faults, worker)
     members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s,
                          host=store_host, round_deadline_s=cfg.run.round_deadline, workers=cfg.topology.workers)
-    w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True)
+    replicas = WorkerReplicas(cfg, task, worker, run_dir) if cfg.topology.replicas > 1 else None
+    w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True,
+                     process_rank=worker * cfg.topology.replicas)
     w.exchange = HoldingExchange()
     w.defer_entry = True  # commit() appends the ledger entry, once, under the commit lock
     base_task_batch = w.task.batch
@@ -118,51 +122,141 @@ def train_worker_elastic(
         return base_task_batch(j, r, step)
 
     w.task = _with_batch(w.task, batch)
-    done = len(w.run.rounds())
-    members.announce(first, wait=done == 0 and worker in first)
-    ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1,
-               _paced(cfg, w.encoder.link))
-    r = heal(w, done) if done else 0
-    if done:
-        members.heading(r)
-    pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
-    while r < end or pending is not None:
-        sent, behind = None, None
-        if r < end:
-            catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
-            follow_schedule(w, r)
-            if cfg.outer.overlap_steps:  # the previous round lands inside this one, after overlap_steps
-                try:
-                    sent = run_inner_and_send(w, r, _lander(ctx, r, pending))
-                except _Behind as e:  # it was committed without this worker's packet
-                    behind = e.view
-                    if w.inner.keep is not None:  # the states kept for this round's replays
-                        w.inner.keep.release()
-                        w.inner.keep = None
-                pending = None  # settled inside the round, or dropped
-            else:
-                sent = run_inner_and_send(w, r)
-            if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
-                time.sleep(injector.late_s(r))
-        if behind is None and cfg.outer.delay == 0:
-            behind = settle(ctx, _Flight(sent, sent.handle.bundle))
-        elif behind is None and pending is not None:  # finish the previous round (overlap_steps: the last)
-            behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
-            pending = None
-        if behind is not None:  # the others committed without this worker's packet: drop its work, heal
-            target = behind.round + 1 + cfg.outer.delay if len(behind.active) >= ctx.min_active else behind.round
-            _say(quiet, f"worker {worker}: a round was committed without it (quorum at round {behind.round}); "
-                 f"healing to round {target}")
-            if target > behind.round + 1:  # delay 1: round behind.round+1 forms without it; do not
-                members.pause()  # make the others wait for it (quorum() resumes the heartbeats)
-            r, pending = heal_toward(w, members, target, quiet), None
-            members.heading(r)  # the others' quorums of round r wait for it again
-            continue
-        if cfg.outer.delay and sent is not None:
-            pending = _Flight(sent, sent.handle.bundle)
-            pending.start(ctx)  # the quorum and the exchange, in the background
-        r += 1
+    try:
+        done = len(w.run.rounds())
+        members.announce(first, wait=done == 0 and worker in first)
+        ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1,
+                   _paced(cfg, w.encoder.link))
+        r = heal(w, done) if done else 0
+        if done:
+            members.heading(r)
+        pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
+        while r < end or pending is not None:
+            sent, behind = None, None
+            if r < end:
+                catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
+                follow_schedule(w, r)
+                if cfg.outer.overlap_steps:  # the previous round lands inside this one, after overlap_steps
+                    try:
+                        sent = run_inner_and_send(w, r, _lander(ctx, r, pending))
+                    except _Behind as e:  # it was committed without this worker's packet
+                        behind = e.view
+                        if w.inner.keep is not None:  # the states kept for this round's replays
+                            w.inner.keep.release()
+                            w.inner.keep = None
+                    pending = None  # settled inside the round, or dropped
+                else:
+                    sent = run_inner_and_send(w, r)
+                if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
+                    time.sleep(injector.late_s(r))
+            if behind is None and cfg.outer.delay == 0:
+                behind = settle(ctx, _Flight(sent, sent.handle.bundle))
+            elif behind is None and pending is not None:  # finish the previous round (overlap_steps: the last)
+                behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
+                pending = None
+            if behind is not None:  # the others committed without this worker's packet: drop its work, heal
+                target = behind.round + 1 + cfg.outer.delay if len(behind.active) >= ctx.min_active else behind.round
+                _say(quiet, f"worker {worker}: a round was committed without it (quorum at round {behind.round}); "
+                     f"healing to round {target}")
+                if target > behind.round + 1:  # delay 1: round behind.round+1 forms without it; do not
+                    members.pause()  # make the others wait for it (quorum() resumes the heartbeats)
+                r, pending = heal_toward(w, members, target, quiet), None
+                members.heading(r)  # the others' quorums of round r wait for it again
+                continue
+            if cfg.outer.delay and sent is not None:
+                pending = _Flight(sent, sent.handle.bundle)
+                pending.start(ctx)  # the quorum and the exchange, in the background
+            r += 1
+    except Exception as e:
+        lost = replicas.lost() if replicas is not None else None
+        if lost is not None:  # the cause, where a collective with the replica is all the worker saw
+            raise RuntimeError(f"worker {worker}: {lost}") from e
+        raise
+    if replicas is not None:
+        w.replicas.end()
+        replicas.join()
     members.close()
+
+
+class WorkerReplicas:
+    """`[topology] replicas` under elastic membership: the worker's process (replica 0) starts its
+    other replicas as its own children, and the R processes make their default torch.distributed
+    group over a TCPStore it hosts on loopback (a worker's replicas share a machine; the worker
+    joins the run's quorums alone). They then run what a fixed world's replicas run
+    (round.replica_steps, driven by round.ReplicaSync). Their lives are the worker's: a replica
+    whose worker died (killed, crashed) exits at once (`_replica_main`'s watch), and a worker
+    whose replica died fails at its next step with it, so the launcher sees one death and, under
+    `[run] max_restarts`, starts the worker again with fresh replicas (a healed worker sends them
+    the inner state it loaded: `heal`)."""
+
+    def __init__(self, cfg: Config, task: Task, worker: int, run_dir: str) -> None:
+        import torch.distributed as dist
+
+        from .procs import context
+        from .round import process_backend
+
+        R, timeout = cfg.topology.replicas, timedelta(seconds=cfg.run.timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, world_size=R, is_master=True, wait_for_workers=False, timeout=timeout)
+        ctx = context()
+        # the replicas' watch on this process: the write end stays here alone, so its death is their EOF
+        alive, self._alive = ctx.Pipe(duplex=False)
+        self.procs = [ctx.Process(target=_replica_main, args=(cfg, task, worker, i, store.port, run_dir, alive),
+                                  daemon=True) for i in range(1, R)]
+        for p in self.procs:
+            p.start()
+        alive.close()
+        dist.init_process_group(process_backend(cfg, R), store=dist.PrefixStore("replicas", store), rank=0,
+                                world_size=R, timeout=timeout)
+        self.store = store  # hosted here: kept alive with the group
+
+    def lost(self) -> str | None:
+        """Which replica has exited, if one has (after a failure of the worker's: the cause of a
+        collective that lost it)."""
+        for i, p in enumerate(self.procs, start=1):
+            p.join(timeout=1.0)  # its exit code arrives as its process is reaped
+            if p.exitcode is not None:
+                return f"its replica {i} exited (code {p.exitcode})"
+        return None
+
+    def join(self) -> None:
+        """After the replicas were told to stop (`ReplicaSync.end`): wait for them to exit."""
+        for p in self.procs:
+            p.join(timeout=30)
+
+
+def _replica_main(cfg: Config, task: Task, worker: int, index: int, port: int, run_dir: str, alive) -> None:
+    """Replica `index` of elastic worker `worker` (WorkerReplicas): its steps until the worker says
+    stop, or until the worker is gone (`alive`, the read end of a pipe only the worker writes to,
+    ends: killed, or crashed)."""
+    import sys
+
+    import torch.distributed as dist
+
+    from .round import process_backend, replica_steps
+
+    def watch() -> None:
+        try:
+            alive.recv()  # nothing is ever sent: this returns only when the worker's end closes
+        except (EOFError, OSError):
+            pass
+        os._exit(1)  # the worker died: nothing of this replica outlives it
+
+    threading.Thread(target=watch, daemon=True).start()
+    R, timeout = cfg.topology.replicas, timedelta(seconds=cfg.run.timeout_s)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        dist.init_process_group(process_backend(cfg, R), store=dist.PrefixStore("replicas", store), rank=index,
+                                world_size=R, timeout=timeout)
+        replica_steps(cfg, task, worker * R + index, worker, 0, dist.group.WORLD)
+    except Exception:  # its worker fails with it; the error is named in the run directory
+        if not alive.poll():  # (unless the worker is gone: then its death is the story, not this)
+            import traceback
+
+            (Path(run_dir) / f"error-{worker}-replica-{index}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as a forkserver child does: no teardown that would wait on the group
 
 
 class _Behind(Exception):
@@ -378,6 +472,8 @@ def heal(w: Worker, to_round: int) -> int:
         state = st_load(own.read_bytes())
         w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
         w.encoder.load_state_tensors(state)
+        if w.replicas is not None:  # the whole inner state goes to its replicas with the next round
+            w.replicas.state_sent = False
     w.own_decoded, w.own_packet = [], None
     w.bases, w.base_hashes, w.base_momenta, w.start_states, w.starts = {}, {}, {}, {}, {}  # (for rounds it will not finish)
     done = w.run.rounds()[:to_round]  # the bans in force: the last record it can see
@@ -529,7 +625,8 @@ def summarize(cfg: Config, records: list[dict], eval_start: float, wall: float) 
     last = records[-1] if records else {}
     return {
         "eval_loss_start": eval_start, "eval_loss_end": evals[-1] if evals else None,
-        "tokens": tokens, "rounds": len(records), "workers": W, "stages": 1, "wall_s": round(wall, 3),
+        "tokens": tokens, "rounds": len(records), "workers": W, "stages": 1, "replicas": cfg.topology.replicas,
+        "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
         "bytes_sent_per_worker": int(sum(sum(p["bytes_sent"]) for p in records) / W),
         "utilisation": round(sum(sum(p["inner_s"]) for p in records) / W / wall, 4) if wall > 0 else 0.0,
@@ -609,7 +706,8 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                                                      "worker": j, "round": seen, **extra})
 
     def start(j: int) -> None:
-        (run.root / f"error-{j}.txt").unlink(missing_ok=True)  # an earlier incarnation's
+        for old in [run.root / f"error-{j}.txt", *run.root.glob(f"error-{j}-replica-*.txt")]:  # an earlier incarnation's
+            old.unlink(missing_ok=True)
         procs[j] = host.start(j, dict(worker=j, faults=left[j], first=first, quiet=quiet, eval_start=eval_start,
                                       stop_after=stop_after))
         event("started", j)
@@ -975,13 +1073,18 @@ def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_h
 
 
 def _error_of(root: Path, j: int) -> str | None:
-    """The last line of worker j's traceback (RUN/error-J.txt, see _worker_main), if it left one."""
-    path = root / f"error-{j}.txt"
-    try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-    except OSError:
-        return None
-    return lines[-1].strip()[:300] if lines else None
+    """The last line of worker j's traceback (RUN/error-J.txt, see _worker_main), if it left one;
+    when one of its replicas failed first (RUN/error-J-replica-I.txt, `_replica_main`), that one's,
+    the cause (the worker's own is then a collective that lost the replica)."""
+    for path in [*sorted(root.glob(f"error-{j}-replica-*.txt")), root / f"error-{j}.txt"]:
+        try:
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+        except OSError:
+            continue
+        if lines:
+            replica = path.stem.split("-replica-")[1] if "-replica-" in path.stem else None
+            return (f"its replica {replica}: " if replica else "") + lines[-1].strip()[:300]
+    return None
 
 
 def _main(spec_path: str) -> None:

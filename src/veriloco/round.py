@@ -372,7 +372,9 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         worker_group, stage_group = topo.build_groups(timeout)  # main thread: pipeline, agreement, eval
         _, exchange_group = topo.build_groups(timeout)  # the exchange thread's own stage group
     replica_group = protocol_group = None  # [topology] replicas: made after the two above, as replica_loop does
-    if topo.replicas > 1:
+    if topo.replicas > 1 and elastic:  # the worker's own processes, which it started (elastic.WorkerReplicas)
+        replica_group = dist.group.WORLD
+    elif topo.replicas > 1:
         replica_group, protocol_group = topo.build_replica_groups(timeout)
         if stages > 1:
             topo.build_pipeline_groups(timeout)  # the other replicas' pipelines (collective)
@@ -1597,23 +1599,32 @@ def share_params(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
 
 
 def replica_loop(cfg: Config, rank: int, task: Task) -> None:
-    """A replica other than 0 of a worker (`[topology] replicas`): its part of every inner step
-    of the rounds replica 0 starts (`ReplicaSync`), until it says stop. It holds the model and
-    the inner optimizer, and nothing of the round (no exchange, records, eval or store)."""
+    """A replica other than 0 of a worker (`[topology] replicas`) in a fixed world: the groups
+    replica 0 makes (`setup_worker`), then `replica_steps` on its replica group."""
     torch.set_num_threads(cfg.train.threads)
     topo = Topology(cfg.topology.workers, cfg.topology.stages, replicas=cfg.topology.replicas)
-    device = process_device(cfg, rank)
-    take_device(device, cfg.verify.replay_match == "exact")
-    task = on_device(task, device, cfg.train.precision)
     timeout = timedelta(seconds=cfg.run.timeout_s)
     topo.build_groups(timeout)  # the groups replica 0 makes (setup_worker), in its order: new_group is collective
     topo.build_groups(timeout)
     group, _ = topo.build_replica_groups(timeout)
     pipeline = topo.build_pipeline_groups(timeout) if topo.stages > 1 else None
     protocol_rank = rank // topo.replicas
-    worker = topo.worker_of(protocol_rank)
-    model, inner = inner_loop_of(cfg, task, topo.stage_of(protocol_rank), pipeline, device, corpus_task_of(task))
-    inner.replicas = replicas = Replicas(group, rank % topo.replicas, topo.replicas, shard=shards_optimizer(cfg))
+    replica_steps(cfg, task, rank, topo.worker_of(protocol_rank), topo.stage_of(protocol_rank), group, pipeline)
+
+
+def replica_steps(cfg: Config, task: Task, rank: int, worker: int, stage: int, group: dist.ProcessGroup,
+                  pipeline: dist.ProcessGroup | None = None) -> None:
+    """A replica other than 0 of a worker: its part of every inner step of the rounds replica 0
+    starts (`ReplicaSync`) over `group` (the worker's replicas, replica 0 first), until it says
+    stop. It holds the model and the inner optimizer, and nothing of the round (no exchange,
+    records, eval or store). `rank`: the process's global rank (its device)."""
+    torch.set_num_threads(cfg.train.threads)
+    device = process_device(cfg, rank)
+    take_device(device, cfg.verify.replay_match == "exact")
+    task = on_device(task, device, cfg.train.precision)
+    model, inner = inner_loop_of(cfg, task, stage, pipeline, device, corpus_task_of(task))
+    inner.replicas = replicas = Replicas(group, rank % cfg.topology.replicas, cfg.topology.replicas,
+                                         shard=shards_optimizer(cfg))
     # the worker's adversary trains on what its batch hook gives on every replica (its other hooks
     # act on replica 0's round alone; how many steps it takes comes with each round's control)
     spec = cfg.adversary.get(str(worker))
