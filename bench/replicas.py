@@ -1,7 +1,7 @@
 """A worker on several processes (`[topology] replicas`): how much faster its inner steps run,
 and that the run is the one-process run bit for bit.
 
-    python bench/replicas.py [--workers 1] [--replicas 2] [--stages 1] [--rounds 3] [--repeats 2]
+    python bench/replicas.py [--workers 1] [--replicas 2] [--stages 1] [--rounds 3] [--repeats 2] [--bucket-mb 25]
                              [--config configs/default.toml] [--set section.key=value ...]
                              [--out bench/results/replicas.json]
 
@@ -11,7 +11,9 @@ step's grad_accum parts), alternating (the machine is shared and noisy). With `-
 a worker is an S-stage pipeline with `topology.microbatches = --replicas`, once on S processes
 and once on S x replicas (each replica's pipeline runs one micro-batch). A third way runs the
 replicas with `topology.shard_optimizer = false` (each steps the whole AdamW, against the default
-ZeRO-1 sharding). Per way: the median
+ZeRO-1 sharding). With one stage the replicas' gradient reduce runs in buckets of `--bucket-mb`
+started inside the backward (`topology.bucket_mb`), and a fourth way runs it after the backward
+(bucket_mb = 0), both sharded. Per way: the median
 tokens/s of the run and the median inner-step seconds per round (`inner_s` in the records,
 averaged over workers). The two ways must record the same params hash and eval loss in every
 round, or the bench fails. On this 2-core machine, run it with as many processes in all
@@ -52,18 +54,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--config", default=str(ROOT / "configs" / "default.toml"))
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="the replicas' topology.bucket_mb (one stage; a fourth way runs them with 0)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "replicas.json"))
     args = ap.parse_args(argv)
     if min(args.workers, args.rounds, args.repeats, args.stages) < 1 or args.replicas < 2:
         ap.error("--workers, --stages, --rounds and --repeats must be >= 1, --replicas >= 2")
+    if not args.bucket_mb >= 0:
+        ap.error(f"--bucket-mb must be >= 0, got {args.bucket_mb}")
     split = ([f"--topology.stages={args.stages}", f"--topology.microbatches={args.replicas}"] if args.stages > 1
              else [f"--train.grad_accum={args.replicas}"])
     common = [f"--topology.workers={args.workers}", *split, f"--train.rounds={args.rounds}", *(f"--{s}" for s in args.set)]
     alone, many = ("1 process", f"{args.replicas} replicas") if args.stages == 1 else \
         (f"{args.stages} stages", f"{args.stages} stages x {args.replicas} replicas")
-    ways = {alone: common, many: [*common, f"--topology.replicas={args.replicas}"]}
+    bucket = [f"--topology.bucket_mb={args.bucket_mb}"] if args.stages == 1 else []
+    ways = {alone: common, many: [*common, f"--topology.replicas={args.replicas}", *bucket]}
     ways[f"{many}, whole optimizer"] = [*ways[many], "--topology.shard_optimizer=false"]  # against ZeRO-1, the default
+    if args.stages == 1:  # the reduce in buckets started inside the backward, against after it
+        ways[f"{many}, reduce after the backward"] = [*common, f"--topology.replicas={args.replicas}",
+                                                      "--topology.bucket_mb=0"]
     runs: dict[str, list[dict]] = {way: [] for way in ways}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeats):
@@ -75,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
              "inner_s": round(statistics.median(r["inner_s"] for r in rs), 3)} for way, rs in runs.items()]
     result = {"config": Path(args.config).name, "workers": args.workers, "replicas": args.replicas,
               "stages": args.stages, "rounds": args.rounds, "repeats": args.repeats, "set": args.set, "rows": rows,
+              "bucket_mb": args.bucket_mb if args.stages == 1 else None,
               "speedup": round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 3),
               "final": runs[alone][0]["rounds"][-1]}
     print(f"{result['config']}, {args.workers} worker(s), {' '.join(split)}, {args.rounds} rounds, "

@@ -29,11 +29,12 @@ def _same(a: list[dict], b: list[dict]) -> None:
 def test_replicas_with_delay_1_are_the_one_process_run_and_their_replays_pass(tmp_path):
     """Delay 1 (the start point corrected by the worker's own delta), inner state reset every
     round, every worker replayed every round by the other; 3 replicas, so the order the parts are
-    added in matters (two floats add the same either way round, three need not)."""
+    added in matters (two floats add the same either way round, three need not). Their reduce
+    runs in 2 KB buckets, started inside the backward (`[topology] bucket_mb`)."""
     on = ("--train.rounds=3", "--outer.delay=1", "--train.inner_state=reset", "--verify.replay_probability=1.0",
           "--verify.trace_every=5", "--train.batch_size=6", "--train.grad_accum=3")
     one = _trained(tmp_path, "one", *on)
-    two = _trained(tmp_path, "two", *on, "--topology.replicas=3")
+    two = _trained(tmp_path, "two", *on, "--topology.replicas=3", "--topology.bucket_mb=0.002")
     _same(one, two)
     assert all(v == "accept" for rec in two for v in rec["verdicts"])
     assert all(sorted(rec["evidence"]) == ["0", "1"] and all("replayed" in ev for ev in rec["evidence"].values())
@@ -177,3 +178,60 @@ def test_what_replicas_do_not_run_yet_is_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         tiny(*overrides)
     assert "\n" not in str(e.value)
+
+
+def _buckets_in_the_backward(rank: int, port: int, out: str) -> None:
+    """Two replicas of a 4-layer MLP, 2 parts each: the bucketed reduce (small buckets, started
+    by the backward's hooks) against the reduce after the backward, sharded and not."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from veriloco.inner import Replicas
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    res = {}
+    for shard in (True, False):
+        for bucket in (0, 2000):
+            torch.manual_seed(0)  # the same model on both replicas; each its own data
+            model = torch.nn.Sequential(*(torch.nn.Linear(24, 24) for _ in range(4)))
+            replicas = Replicas(dist.group.WORLD, rank, 2, shard=shard, bucket_bytes=bucket)
+            gen = torch.Generator().manual_seed(1 + rank)
+            if bucket:
+                replicas.watch(model, 2)
+            for _ in range(2):
+                model(torch.randn(8, 24, generator=gen)).square().mean().backward()
+            started = len(replicas._watched.started) if bucket else 0  # reduces already under way
+            replicas.combine(model, torch.zeros(1))
+            res[f"{shard}-{bucket}"] = [p.grad.clone() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
+            res[f"{shard}-{bucket}-started"] = torch.tensor([started, len(replicas._watched.buckets) if bucket else 0])
+    torch.save(res, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_bucketed_reduce_starts_in_the_backward_and_sums_the_same_floats(tmp_path):
+    """`[topology] bucket_mb`: every bucket's reduce has started by the end of the backward (its
+    hooks started them, none was left for `combine`), and each replica's summed gradients are
+    the reduce-after-the-backward's, bit for bit, with the optimizer sharded and not."""
+    import socket
+
+    import torch
+
+    from veriloco.procs import start_workers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start_workers(_buckets_in_the_backward, (port, str(tmp_path)), 2)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for shard in (True, False):
+            started, buckets = res[f"{shard}-2000-started"].tolist()
+            assert buckets >= 4 and started == buckets, (started, buckets)
+            for a, b in zip(res[f"{shard}-0"], res[f"{shard}-2000"], strict=True):
+                assert torch.equal(a, b)
+            if shard:  # each replica keeps the summed gradients of the params it owns, the others none
+                assert 0 < sum(g.numel() > 0 for g in res[f"{shard}-0"]) < 8

@@ -11,6 +11,7 @@ style listings and the README's config reference are generated from (`describe()
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -212,6 +213,13 @@ class TopologyConfig:
         "bit the one-process run (with stages: the S-stage run, untied), and replays reproduce it either "
         "way; replica 0 takes part in the round. Needs train.mode 'diloco'; under elastic membership a "
         "worker's process starts its replicas itself, on its machine, and they live and die with it",
+    )
+    bucket_mb: float = _f(
+        25.0,
+        "replicas > 1, stages = 1: a step's gradients go to their owners in buckets of about this many "
+        "MB (float32), the params in reverse order as DDP's reducer groups them; each bucket's reduce "
+        "starts as soon as the backward has made all of its gradients, so it overlaps the rest of the "
+        "backward. 0 = all of them at once after the backward. The same run bit for bit either way",
     )
     shard_optimizer: bool = _f(
         True,
@@ -714,6 +722,7 @@ def _check_topology(cfg: Config) -> None:
         (p.stages == 1 or t.mode == "diloco",
          f"train.mode = 'ddp' runs one process per worker; topology.stages must be 1, got {p.stages}"),
         (p.replicas >= 1, f"topology.replicas must be >= 1, got {p.replicas}"),
+        (math.isfinite(p.bucket_mb) and p.bucket_mb >= 0, f"topology.bucket_mb must be a number >= 0, got {p.bucket_mb}"),
     )
     if p.replicas > 1 and p.stages == 1:
         checks += ((t.grad_accum % p.replicas == 0,

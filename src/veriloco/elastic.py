@@ -97,19 +97,21 @@ class HoldingExchange:
 def train_worker_elastic(
     cfg: Config, worker: int, task: Task, run_dir: str, lighthouse_addr: str, store_port: int,
     faults: list[Fault], first: list[int], quiet: bool = False, eval_start: float | None = None,
-    store_host: str = "127.0.0.1", stop_after: int | None = None,
+    store_host: str = "127.0.0.1", stop_after: int | None = None, replicas: WorkerReplicas | None = None,
 ) -> None:
     """The whole run of one worker process under elastic membership (see the module docstring).
 
     `first`: the workers the launcher starts together at round 0 (they wait for each other once);
     `eval_start`: the initial model's eval loss (the launcher's); `store_host`: the coordinator's;
     `stop_after`: stop once that many rounds are committed (a preemption point; a resumed run's
-    workers heal from the last record, as a restarted worker does)."""
+    workers heal from the last record, as a restarted worker does); `replicas`: the worker's
+    other processes, started (`[topology] replicas`)."""
+    if (replicas is None) != (cfg.topology.replicas == 1):
+        raise ValueError(f"worker {worker}: topology.replicas = {cfg.topology.replicas} needs its WorkerReplicas started")
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     injector = Injector(faults, worker)
     members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s,
                          host=store_host, round_deadline_s=cfg.run.round_deadline, workers=cfg.topology.workers)
-    replicas = WorkerReplicas(cfg, task, worker, run_dir) if cfg.topology.replicas > 1 else None
     w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True,
                      process_rank=worker * cfg.topology.replicas)
     w.exchange = HoldingExchange()
@@ -122,56 +124,50 @@ def train_worker_elastic(
         return base_task_batch(j, r, step)
 
     w.task = _with_batch(w.task, batch)
-    try:
-        done = len(w.run.rounds())
-        members.announce(first, wait=done == 0 and worker in first)
-        ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1,
-                   _paced(cfg, w.encoder.link))
-        r = heal(w, done) if done else 0
-        if done:
-            members.heading(r)
-        pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
-        while r < end or pending is not None:
-            sent, behind = None, None
-            if r < end:
-                catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
-                follow_schedule(w, r)
-                if cfg.outer.overlap_steps:  # the previous round lands inside this one, after overlap_steps
-                    try:
-                        sent = run_inner_and_send(w, r, _lander(ctx, r, pending))
-                    except _Behind as e:  # it was committed without this worker's packet
-                        behind = e.view
-                        if w.inner.keep is not None:  # the states kept for this round's replays
-                            w.inner.keep.release()
-                            w.inner.keep = None
-                    pending = None  # settled inside the round, or dropped
-                else:
-                    sent = run_inner_and_send(w, r)
-                if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
-                    time.sleep(injector.late_s(r))
-            if behind is None and cfg.outer.delay == 0:
-                behind = settle(ctx, _Flight(sent, sent.handle.bundle))
-            elif behind is None and pending is not None:  # finish the previous round (overlap_steps: the last)
-                behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
-                pending = None
-            if behind is not None:  # the others committed without this worker's packet: drop its work, heal
-                target = behind.round + 1 + cfg.outer.delay if len(behind.active) >= ctx.min_active else behind.round
-                _say(quiet, f"worker {worker}: a round was committed without it (quorum at round {behind.round}); "
-                     f"healing to round {target}")
-                if target > behind.round + 1:  # delay 1: round behind.round+1 forms without it; do not
-                    members.pause()  # make the others wait for it (quorum() resumes the heartbeats)
-                r, pending = heal_toward(w, members, target, quiet), None
-                members.heading(r)  # the others' quorums of round r wait for it again
-                continue
-            if cfg.outer.delay and sent is not None:
-                pending = _Flight(sent, sent.handle.bundle)
-                pending.start(ctx)  # the quorum and the exchange, in the background
-            r += 1
-    except Exception as e:
-        lost = replicas.lost() if replicas is not None else None
-        if lost is not None:  # the cause, where a collective with the replica is all the worker saw
-            raise RuntimeError(f"worker {worker}: {lost}") from e
-        raise
+    done = len(w.run.rounds())
+    members.announce(first, wait=done == 0 and worker in first)
+    ctx = _Ctx(w, members, injector, eval_start, quiet, cfg.run.min_workers or cfg.topology.workers // 2 + 1,
+               _paced(cfg, w.encoder.link))
+    r = heal(w, done) if done else 0
+    if done:
+        members.heading(r)
+    pending: _Flight | None = None  # delay 1: the round whose exchange runs under the next one's inner steps
+    while r < end or pending is not None:
+        sent, behind = None, None
+        if r < end:
+            catch_up(w, r - 1 - cfg.outer.delay)  # after a heal (delay 1), the round the others just committed
+            follow_schedule(w, r)
+            if cfg.outer.overlap_steps:  # the previous round lands inside this one, after overlap_steps
+                try:
+                    sent = run_inner_and_send(w, r, _lander(ctx, r, pending))
+                except _Behind as e:  # it was committed without this worker's packet
+                    behind = e.view
+                    if w.inner.keep is not None:  # the states kept for this round's replays
+                        w.inner.keep.release()
+                        w.inner.keep = None
+                pending = None  # settled inside the round, or dropped
+            else:
+                sent = run_inner_and_send(w, r)
+            if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
+                time.sleep(injector.late_s(r))
+        if behind is None and cfg.outer.delay == 0:
+            behind = settle(ctx, _Flight(sent, sent.handle.bundle))
+        elif behind is None and pending is not None:  # finish the previous round (overlap_steps: the last)
+            behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
+            pending = None
+        if behind is not None:  # the others committed without this worker's packet: drop its work, heal
+            target = behind.round + 1 + cfg.outer.delay if len(behind.active) >= ctx.min_active else behind.round
+            _say(quiet, f"worker {worker}: a round was committed without it (quorum at round {behind.round}); "
+                 f"healing to round {target}")
+            if target > behind.round + 1:  # delay 1: round behind.round+1 forms without it; do not
+                members.pause()  # make the others wait for it (quorum() resumes the heartbeats)
+            r, pending = heal_toward(w, members, target, quiet), None
+            members.heading(r)  # the others' quorums of round r wait for it again
+            continue
+        if cfg.outer.delay and sent is not None:
+            pending = _Flight(sent, sent.handle.bundle)
+            pending.start(ctx)  # the quorum and the exchange, in the background
+        r += 1
     if replicas is not None:
         w.replicas.end()
         replicas.join()
@@ -1062,13 +1058,19 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
 def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,
                  args: dict) -> None:
     _stacks_on_signal(run_dir, args["worker"])
+    replicas = None
     try:
+        if cfg.topology.replicas > 1:
+            replicas = WorkerReplicas(cfg, task, args["worker"], run_dir)
         train_worker_elastic(cfg, args["worker"], task, run_dir, lighthouse, store_port, args["faults"],
-                             args["first"], args["quiet"], args["eval_start"], store_host, args.get("stop_after"))
+                             args["first"], args["quiet"], args["eval_start"], store_host, args.get("stop_after"),
+                             replicas)
     except Exception:  # a planned death exits without one; this is a failure the launcher should name
         import traceback
 
-        (Path(run_dir) / f"error-{args['worker']}.txt").write_text(traceback.format_exc())
+        lost = replicas.lost() if replicas is not None else None  # the cause, where a collective is all it saw
+        last = f"RuntimeError: worker {args['worker']}: {lost}\n" if lost is not None else ""
+        (Path(run_dir) / f"error-{args['worker']}.txt").write_text(traceback.format_exc() + last)
         raise
 
 

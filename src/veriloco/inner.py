@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -138,11 +138,16 @@ class Replicas:
     the whole is hashed or saved (`gather_state`). Without, the owners broadcast the summed
     gradients instead, and every replica steps the whole optimizer. Either moves 2 (R-1)/R of the
     model per replica per step, as a ring all-reduce does, but in a fixed order, so a one-process
-    replay reproduces it exactly."""
+    replay reproduces it exactly. With `bucket_bytes` (`[topology] bucket_mb`) the gradients go to
+    their owners in buckets started inside the backward (`watch`, `_Buckets`), the same floats."""
 
-    def __init__(self, group: object, index: int, count: int, shard: bool = False) -> None:
+    def __init__(self, group: object, index: int, count: int, shard: bool = False, bucket_bytes: int = 0) -> None:
         self.group, self.index, self.count, self.shard = group, index, count, shard
         self._owners: list[int] | None = None
+        # `[topology] bucket_mb`: the reduce in buckets, each started as the backward finishes its
+        # gradients (`watch`); 0 = all at once after the backward
+        self.bucket_bytes = bucket_bytes
+        self._watched: _Buckets | None = None
 
     def owners(self, params: list[torch.Tensor]) -> list[int]:
         """`shard`: the replica that owns each param (its summed gradient, its AdamW state and its
@@ -159,6 +164,13 @@ class Replicas:
     def owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return [p for p, o in zip(params, self.owners(params), strict=True) if o == self.index]
 
+    def watch(self, model: nn.Module, parts: int) -> None:
+        """Before this replica's `parts` backward passes of a step (`bucket_bytes` > 0): start each
+        bucket's reduce (`_Buckets`) as soon as the last of them has made its gradients."""
+        if self._watched is None or self._watched.model is not model:
+            self._watched = _Buckets(self, model)
+        self._watched.begin(parts)
+
     def combine(self, model: nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
         """Every param's gradient becomes the groups' sum (in group order); returns every group's
         `loss` (a tensor of one shape on every replica), in group order. With `shard`, only the
@@ -167,10 +179,16 @@ class Replicas:
         import torch.distributed as dist
 
         params = list(model.parameters())
+        watched = self._watched if self._watched is not None and self._watched.model is model else None
         missing = [n for n, p in model.named_parameters() if p.grad is None]
         if missing:  # every part gives every param a gradient, or the one-process sum would differ
+            if watched is not None:
+                watched.abandon()
             raise RuntimeError(f"replicas: parameter {missing[0]} has no gradient after this replica's part")
-        self._reduce_to_owners(params)
+        if watched is not None and watched.parts is not None:
+            watched.finish()
+        else:
+            self._reduce_to_owners(params)
         if not self.shard:  # every replica steps the whole optimizer: every summed gradient everywhere
             self._from_owners(params, grads=True)
         losses = [torch.empty_like(loss) for _ in range(self.count)]
@@ -180,25 +198,41 @@ class Replicas:
     def _reduce_to_owners(self, params: list[torch.Tensor]) -> None:
         """Each replica gets every group's gradient of the params it owns (all_to_all, uneven) and
         adds them up in group order."""
+        self._take_sums(self._start_reduce(params, range(len(params))))
+
+    def _start_reduce(self, params: list[torch.Tensor], which: Iterable[int], async_op: bool = False) -> _Reduce:
+        """Start sending params `which` (indices) gradients to their owners: an uneven all_to_all
+        of them, owner by owner, in index order."""
         import torch.distributed as dist
 
         owners = self.owners(params)
-        by_owner = [[p for p, o in zip(params, owners, strict=True) if o == d] for d in range(self.count)]
-        sizes = [sum(p.numel() for p in ps) for ps in by_owner]
-        send = torch.cat([p.grad.reshape(-1) for ps in by_owner for p in ps])
+        which = list(which)
+        by_owner = [[j for j in which if owners[j] == d] for d in range(self.count)]
+        sizes = [sum(params[j].numel() for j in js) for js in by_owner]
+        send = torch.cat([params[j].grad.reshape(-1) for js in by_owner for j in js])
         mine = sizes[self.index]
         parts = send.new_empty(mine * self.count)  # [group 0's gradient of my params, group 1's, ...]
-        dist.all_to_all_single(parts, send, [mine] * self.count, sizes, group=self.group)
+        work = dist.all_to_all_single(parts, send, [mine] * self.count, sizes, group=self.group, async_op=async_op)
+        return _Reduce(params, which, by_owner[self.index], parts, send, work)
+
+    def _take_sums(self, reduce: _Reduce) -> None:
+        """A started reduce's sums, added up in group order, into the gradients of the params this
+        replica owns; the others' gradients go (None)."""
+        if reduce.work is not None:
+            reduce.work.wait()
+        mine, parts = len(reduce.parts) // self.count, reduce.parts
         total = parts[:mine].clone()
         for j in range(1, self.count):
             total += parts[j * mine : (j + 1) * mine]
         at = 0
-        for p, o in zip(params, owners, strict=True):
-            if o == self.index:
-                p.grad.copy_(total[at : at + p.numel()].view_as(p.grad))
-                at += p.numel()
-            else:
-                p.grad = None
+        for j in reduce.owned:
+            p = reduce.params[j]
+            p.grad.copy_(total[at : at + p.numel()].view_as(p.grad))
+            at += p.numel()
+        owned = set(reduce.owned)
+        for j in reduce.which:
+            if j not in owned:
+                reduce.params[j].grad = None
 
     def param_norms(self, params: list[torch.Tensor], foreach: bool = False) -> list[torch.Tensor]:
         """`shard`: every param's gradient norm, in param order, each from its owner (all_gather):
@@ -289,6 +323,74 @@ class Replicas:
             data = torch.empty(int(size), dtype=torch.uint8)
         dist.broadcast(data, group=self.group, group_src=0)
         return _state_of(data)
+
+
+@dataclass
+class _Reduce:
+    """One started reduce of some params' gradients to their owners (`Replicas._start_reduce`)."""
+
+    params: list[torch.Tensor]
+    which: list[int]  # the params it carries (indices into params)
+    owned: list[int]  # of which this replica owns these, in the order their sums arrive
+    parts: torch.Tensor  # every group's gradients of them, group by group, as they arrive
+    send: torch.Tensor  # (kept alive until the reduce is done)
+    work: object | None  # the async all_to_all; None when it ran to completion
+
+
+class _Buckets:
+    """`[topology] bucket_mb`: a replica's reduce of a step's gradients in buckets of about
+    `Replicas.bucket_bytes`, the params in reverse order (the backward makes the last layers'
+    gradients first), as DDP's reducer groups them. A param's gradient is final at the `parts`-th
+    time this step's backward passes accumulate into it (a post-accumulate hook counts them); a
+    bucket's reduce starts once all of its gradients are final and every bucket before it has
+    started, so every replica starts them in the same order whatever order its backward made them
+    in. Each param's sum is added up in group order as without buckets: the same floats."""
+
+    def __init__(self, replicas: Replicas, model: nn.Module) -> None:
+        self.replicas, self.model = replicas, model
+        self.params = list(model.parameters())
+        self.index = {id(p): j for j, p in enumerate(self.params)}
+        self.buckets: list[list[int]] = [[]]
+        size = 0
+        for j in reversed(range(len(self.params))):
+            if size >= replicas.bucket_bytes and self.buckets[-1]:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(j)
+            size += self.params[j].numel() * self.params[j].element_size()
+        self.bucket_of = {j: b for b, js in enumerate(self.buckets) for j in js}
+        self.parts: int | None = None  # watching a step: the backward passes that make its gradients
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def begin(self, parts: int) -> None:
+        self.parts, self.counts = parts, [0] * len(self.params)
+        self.left = [len(js) for js in self.buckets]
+        self.started: list[_Reduce] = []
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        if self.parts is None:  # a backward outside a watched step
+            return
+        j = self.index[id(p)]
+        self.counts[j] += 1
+        if self.counts[j] == self.parts:
+            self.left[self.bucket_of[j]] -= 1
+            while len(self.started) < len(self.buckets) and not self.left[len(self.started)]:
+                js = sorted(self.buckets[len(self.started)])
+                self.started.append(self.replicas._start_reduce(self.params, js, async_op=True))
+
+    def finish(self) -> None:
+        """After the backward: the buckets not started yet (none, when every gradient was made),
+        then every bucket's sums in start order."""
+        for b in range(len(self.started), len(self.buckets)):
+            self.started.append(self.replicas._start_reduce(self.params, sorted(self.buckets[b]), async_op=True))
+        started, self.parts = self.started, None
+        for reduce in started:
+            self.replicas._take_sums(reduce)
+
+    def abandon(self) -> None:
+        """A failed step: stop watching (the started reduces' partners fail the same way)."""
+        self.parts = None
 
 
 def _state_bytes(views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,6 +507,8 @@ class InnerLoop:
                 loss = part.detach() if loss is None else loss + part.detach()
             return loss
 
+        if self.replicas is not None and self.replicas.bucket_bytes:  # its reduce overlaps its backward
+            self.replicas.watch(self.model, k)
         losses = sum_groups(self.model, groups, group, self.replicas, self.opt.zero_grad)
         loss = losses[0]
         for other in losses[1:]:  # in group order

@@ -380,7 +380,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
             topo.build_pipeline_groups(timeout)  # the other replicas' pipelines (collective)
     model, inner = inner_loop_of(cfg, task, stage, worker_group, device, source)
     if replica_group is not None:
-        inner.replicas = Replicas(replica_group, 0, topo.replicas, shard=shards_optimizer(cfg))
+        inner.replicas = Replicas(replica_group, 0, topo.replicas, shard=shards_optimizer(cfg), bucket_bytes=bucket_bytes(cfg))
     outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)  # this stage's slice of G
     link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
     link = None if link.unlimited else link
@@ -1592,6 +1592,12 @@ def shards_optimizer(cfg: Config) -> bool:
     return cfg.topology.shard_optimizer and cfg.topology.replicas > 1
 
 
+def bucket_bytes(cfg: Config) -> int:
+    """`[topology] bucket_mb` in bytes, where it applies: replicas of a whole model (a pipeline
+    stage's backward runs inside its schedule, so its replicas reduce after it)."""
+    return int(cfg.topology.bucket_mb * 1e6) if cfg.topology.replicas > 1 and cfg.topology.stages == 1 else 0
+
+
 def share_params(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
     """Replica 0's params to every replica of its group (collective: each calls it)."""
     for p in model.parameters():
@@ -1624,7 +1630,7 @@ def replica_steps(cfg: Config, task: Task, rank: int, worker: int, stage: int, g
     task = on_device(task, device, cfg.train.precision)
     model, inner = inner_loop_of(cfg, task, stage, pipeline, device, corpus_task_of(task))
     inner.replicas = replicas = Replicas(group, rank % cfg.topology.replicas, cfg.topology.replicas,
-                                         shard=shards_optimizer(cfg))
+                                         shard=shards_optimizer(cfg), bucket_bytes=bucket_bytes(cfg))
     # the worker's adversary trains on what its batch hook gives on every replica (its other hooks
     # act on replica 0's round alone; how many steps it takes comes with each round's control)
     spec = cfg.adversary.get(str(worker))
