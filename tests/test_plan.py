@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import TINY, cli, rounds_of, tiny
 
+from veriloco.config import ConfigError
 from veriloco.link import Link
 from veriloco.plan import format_plan, make_plan, verify_plan
-from veriloco.run import train
+from veriloco.run import torchrun_main, train
 from veriloco.topology import build_stage_model
 
 
@@ -75,6 +76,12 @@ def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeyp
                          "--topology.microbatches=2", "--link.bandwidth=1gbit")
     assert code == 0 and not err
     assert "worker 1: stage 0: ranks 4-5; stage 1: ranks 6-7" in out and "--nnodes=2 --nproc-per-node=4" in out
+    code, err, out = cli(monkeypatch, capsys, "plan", str(TINY), "--topology.replicas=2", "--train.grad_accum=2",
+                         "--run.membership=elastic")
+    assert "elastic: `veriloco train` starts the workers" in out and "which starts its 1 other replica(s)" in out
+    assert "torchrun" not in out
+    with pytest.raises(ConfigError, match="not torchrun"):  # its launcher is veriloco's, which a plan names
+        torchrun_main([str(TINY), "--run.membership=elastic"])
     code, err, out = cli(monkeypatch, capsys, "plan", str(TINY), "--topology.replicas=2", "--train.grad_accum=2")
     owned = make_plan(tiny("--topology.replicas=2", "--train.grad_accum=2")).stages[0].owned
     assert code == 0 and sum(owned) == make_plan(tiny()).params and min(owned) > 0.4 * sum(owned)

@@ -212,7 +212,12 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
     if W > 2:
         last = f"ranks {(W - 1) * S * R}-{n - 1}" if S * R > 1 else f"rank {n - 1}"
         out.append(f"  ... worker {W - 1}: {last}")
-    out.append(f"  torchrun, a node per worker: --nnodes={W} --nproc-per-node={S * R} (or --nproc-per-node={n} on one machine)")
+    if cfg.run.membership == "elastic":
+        out.append("  elastic: `veriloco train` starts the workers (`veriloco join --workers ...` on other machines), "
+                   "a process each" + (f", which starts its {R - 1} other replica(s) on its machine" if R > 1 else ""))
+    else:
+        out.append(f"  torchrun, a node per worker: --nnodes={W} --nproc-per-node={S * R} (or --nproc-per-node={n} on one "
+                   "machine)")
     if cfg.train.mode == "ddp":
         out.append("train.mode = 'ddp': the DDP baseline, which all-reduces every step (its 'DDP' lines below); the "
                    "packets and exchange are what train.mode = 'diloco' would send")

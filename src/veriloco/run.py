@@ -289,6 +289,9 @@ def torchrun_main(argv: list[str]) -> None:
         out = rest[i + 1]
         rest = rest[:i] + rest[i + 2 :]
     cfg = load_config(rest[0] if rest else None, args)
+    if cfg.run.membership == "elastic":  # its quorums and restarts need veriloco's own launcher
+        raise ConfigError("run.membership = 'elastic' starts its workers with `veriloco train` (and `veriloco join` "
+                          "on other machines), not torchrun")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     per_worker = cfg.topology.stages * cfg.topology.replicas
     if world % per_worker:
