@@ -39,7 +39,7 @@ def _replica(rank: int, port: int, config: str, overrides: list[str], sizes: lis
 
     from veriloco.config import load_config
     from veriloco.hashing import tensors_hash
-    from veriloco.inner import InnerLoop, Replicas, _Buckets
+    from veriloco.inner import InnerLoop, Replicas
     from veriloco.model import build_model
     from veriloco.task import _gpt_loss
 
@@ -65,8 +65,7 @@ def _replica(rank: int, port: int, config: str, overrides: list[str], sizes: lis
             inner.step(x, y)
             times[i].append(time.perf_counter() - t0)
     if rank == 0:
-        buckets = [len(_Buckets(Replicas(None, 0, 2, bucket_bytes=int(mb * 1e6)), loops[i].model).buckets) if mb else 0
-                   for i, mb in enumerate(sizes)]
+        buckets = [len(inner.replicas._watched.buckets) if mb else 0 for inner, mb in zip(loops, sizes, strict=True)]
         hashes = [tensors_hash(dict(inner.model.named_parameters())) for inner in loops]
         torch.save({"times": torch.tensor(times), "buckets": torch.tensor(buckets), "same": len(set(hashes)) == 1,
                     "grad_mb": sum(p.numel() * 4 for p in loops[0].model.parameters()) / 1e6}, out)

@@ -189,7 +189,6 @@ class WorkerReplicas:
         import torch.distributed as dist
 
         from .procs import context
-        from .round import process_backend
 
         R, timeout = cfg.topology.replicas, timedelta(seconds=cfg.run.timeout_s)
         store = dist.TCPStore("127.0.0.1", 0, world_size=R, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -201,8 +200,7 @@ class WorkerReplicas:
         for p in self.procs:
             p.start()
         alive.close()
-        dist.init_process_group(process_backend(cfg, R), store=dist.PrefixStore("replicas", store), rank=0,
-                                world_size=R, timeout=timeout)
+        _join_replicas(cfg, store, 0)
         self.store = store  # hosted here: kept alive with the group
 
     def lost(self) -> str | None:
@@ -220,6 +218,18 @@ class WorkerReplicas:
             p.join(timeout=30)
 
 
+def _join_replicas(cfg: Config, store, index: int) -> None:
+    """This process's default torch.distributed group: its worker's replicas (WorkerReplicas), over
+    the worker's store, as replica `index`."""
+    import torch.distributed as dist
+
+    from .round import process_backend
+
+    dist.init_process_group(process_backend(cfg, cfg.topology.replicas), store=dist.PrefixStore("replicas", store),
+                            rank=index, world_size=cfg.topology.replicas,
+                            timeout=timedelta(seconds=cfg.run.timeout_s))
+
+
 def _replica_main(cfg: Config, task: Task, worker: int, index: int, port: int, run_dir: str, alive) -> None:
     """Replica `index` of elastic worker `worker` (WorkerReplicas): its steps until the worker says
     stop, or until the worker is gone (`alive`, the read end of a pipe only the worker writes to,
@@ -228,7 +238,7 @@ def _replica_main(cfg: Config, task: Task, worker: int, index: int, port: int, r
 
     import torch.distributed as dist
 
-    from .round import process_backend, replica_steps
+    from .round import replica_steps
 
     def watch() -> None:
         try:
@@ -240,9 +250,7 @@ def _replica_main(cfg: Config, task: Task, worker: int, index: int, port: int, r
     threading.Thread(target=watch, daemon=True).start()
     R, timeout = cfg.topology.replicas, timedelta(seconds=cfg.run.timeout_s)
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        dist.init_process_group(process_backend(cfg, R), store=dist.PrefixStore("replicas", store), rank=index,
-                                world_size=R, timeout=timeout)
+        _join_replicas(cfg, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout), index)
         replica_steps(cfg, task, worker * R + index, worker, 0, dist.group.WORLD)
     except Exception:  # its worker fails with it; the error is named in the run directory
         if not alive.poll():  # (unless the worker is gone: then its death is the story, not this)

@@ -179,13 +179,13 @@ class Replicas:
         import torch.distributed as dist
 
         params = list(model.parameters())
-        watched = self._watched if self._watched is not None and self._watched.model is model else None
+        watched = self._watched if self._watched is not None and self._watched.parts is not None else None
         missing = [n for n, p in model.named_parameters() if p.grad is None]
         if missing:  # every part gives every param a gradient, or the one-process sum would differ
             if watched is not None:
                 watched.abandon()
             raise RuntimeError(f"replicas: parameter {missing[0]} has no gradient after this replica's part")
-        if watched is not None and watched.parts is not None:
+        if watched is not None:  # this step's buckets, started in its backward (`watch`)
             watched.finish()
         else:
             self._reduce_to_owners(params)

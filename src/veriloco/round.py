@@ -1607,7 +1607,6 @@ def share_params(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
 def replica_loop(cfg: Config, rank: int, task: Task) -> None:
     """A replica other than 0 of a worker (`[topology] replicas`) in a fixed world: the groups
     replica 0 makes (`setup_worker`), then `replica_steps` on its replica group."""
-    torch.set_num_threads(cfg.train.threads)
     topo = Topology(cfg.topology.workers, cfg.topology.stages, replicas=cfg.topology.replicas)
     timeout = timedelta(seconds=cfg.run.timeout_s)
     topo.build_groups(timeout)  # the groups replica 0 makes (setup_worker), in its order: new_group is collective
