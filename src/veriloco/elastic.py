@@ -241,10 +241,9 @@ def _replica_main(cfg: Config, task: Task, worker: int, index: int, port: int, r
     from .round import replica_steps
 
     def watch() -> None:
-        try:
-            alive.recv()  # nothing is ever sent: this returns only when the worker's end closes
-        except (EOFError, OSError):
-            pass
+        from multiprocessing.connection import wait
+
+        wait([alive])  # nothing is ever sent (nor read: no unpickling): ready only when the worker's end closes
         os._exit(1)  # the worker died: nothing of this replica outlives it
 
     threading.Thread(target=watch, daemon=True).start()
