@@ -383,6 +383,25 @@ def test_tampered_packet_is_a_packet_error() -> None:
         decode_packet(bytes(data), {"w": (8, 8)}, max_bytes=1 << 16)
 
 
+@pytest.mark.parametrize("spec", ["fp32", "fp16"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_packet_that_decodes_to_a_non_finite_value_is_refused(spec: str, bad: float) -> None:
+    delta = {"a": torch.randn(4), "w": torch.randn(50, 40)}
+    shapes = {k: tuple(v.shape) for k, v in delta.items()}
+    data = encode_packet(delta, build_codecs(spec, shapes))
+    if spec != "fp32":  # a cast refuses to encode it (fp32 sends it as it is, and receivers refuse it)
+        with pytest.raises(ValueError, match="w: cannot encode a tensor with NaN or inf"):
+            encode_packet({**delta, "w": torch.where(delta["w"] > 2.5, bad, delta["w"])}, build_codecs(spec, shapes))
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    tensors = st_load(data)
+    name = next(k for k in tensors if k.startswith("w/"))
+    tensors[name].view(-1)[1234] = bad  # one element of 2000, written into a packet by hand
+    forged = st_save(tensors, metadata=header["__metadata__"])
+    with pytest.raises(PacketError, match="tensor w decodes to non-finite values"):
+        decode_packet(forged, shapes, max_bytes=1 << 20)
+    assert decode_packet(data, shapes, max_bytes=1 << 20).keys() == {"a", "w"}
+
+
 # ---------------------------------------------------------------- error feedback
 
 

@@ -511,7 +511,9 @@ def test_overlap_steps_elastic_is_the_static_run_and_survives_a_death(tmp_path):
     assert summary["complete"] and [r["round"] for r in recs] == list(range(6))
     kinds = [(e["event"], e["worker"]) for e in events_of(run_dir)]
     assert kinds.count(("started", 2)) == 2 and ("died", 2) in kinds
-    assert all(v in ("accept", "absent") for r in recs for v in r["verdicts"]), [r["verdicts"] for r in recs]
+    # no worker is ever refused; the restarted one is absent, or late where its start outlasts the
+    # round deadline on a loaded machine (seen once with the suite on 2 processes beside a 43M-param run)
+    assert all(v in ("accept", "absent", "late") for r in recs for v in r["verdicts"]), [r["verdicts"] for r in recs]
     assert recs[-1]["verdicts"] == ["accept"] * 3
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
     report = audit_run(run_dir)

@@ -302,6 +302,8 @@ def test_det_sum_and_row_sums_match_the_reference(threads):
             pairs = [(i, j) for i in range(4) for j in range(4)]
             sums[d, dtype] = RowSums()
             assert sums[d, dtype].dots(m, m, pairs) == [ref_det_dot(m[i], m[j]) for i, j in pairs]
+            rows = list(m)  # as the screen passes them: a square (i, i) is one row, converted once
+            assert RowSums().dots(rows, rows, pairs) == [ref_det_dot(m[i], m[j]) for i, j in pairs]
             assert sums[d, dtype].norms(m) == [ref_det_norm(r) for r in m]
             # rows of different dtypes, and as a list: each stands for its float64 values
             other = list(m.double().flip(0))

@@ -153,3 +153,34 @@ def test_det_sum_matches_fsum():
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call(rows([1, 2], [3, 4], [5, 6]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_mean_one_tensor_at_a_time_is_the_float64_matrix_mean_bit_for_bit(dtype):
+    """aggregate(.., "mean") sums each tensor in float64 on its own instead of stacking the
+    deltas into one [n, d] float64 matrix; the same adds in the same order, bit for bit."""
+    from veriloco.verify.aggregate import _mean_rows, stack, unflatten
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 5):
+        deltas = {w: {"b": torch.randn(7, generator=g).to(dtype) * 10 ** (w - 2),
+                      "a": torch.randn(3, 4, generator=g).to(dtype) * 1e-3} for w in (4, 0, 9, 2, 7)[:n]}
+        matrix, template = stack(deltas)
+        want = unflatten(_mean_rows(matrix), template)
+        got = aggregate(deltas, "mean")
+        assert list(got) == ["a", "b"] and all(got[k].dtype == dtype for k in got)
+        assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want), n
+    one = aggregate([torch.ones(4, dtype=dtype), torch.zeros(4, dtype=dtype)], "mean")
+    assert torch.equal(one, torch.full((4,), 0.5, dtype=dtype))
+
+
+def test_all_finite_is_isfinite_all_including_sums_that_overflow():
+    from veriloco.compress._common import all_finite
+
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum overflows: looked at element by element
+    assert all_finite(big) and all_finite(torch.zeros(0)) and all_finite(torch.arange(3))
+    for bad in (math.nan, math.inf, -math.inf):
+        x = torch.zeros(1000)
+        x[617] = bad
+        assert not all_finite(x) and not all_finite(x.to(torch.bfloat16))
+    assert not all_finite(torch.tensor([3e38, 3e38, math.inf]))

@@ -691,11 +691,12 @@ def _check_slice(
     one stage) as that slice's processes did: signatures, commitments, data, screen, loss gains.
     `where` starts every failure message ("round r: " or "round r: stage s: ")."""
     bundles: dict[int, bytes] = {}  # worker -> its bundle; a worker absent or late (elastic) has none
+    digests: dict[int, str] = {}  # what store.get checked each one against
     for j, digest in enumerate(part.get("bundles") or []):
         if digest is None and part.get("verdicts", [None] * (j + 1))[j] in (ABSENT, LATE):
             continue
         try:
-            bundles[j] = store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20))
+            bundles[j], digests[j] = store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20)), digest
         except StoreError as e:
             _fail(f"{where}bundle of worker {j}: {e}")
     present = [c for c in recorded if c["verdict"] not in (ABSENT, LATE)]
@@ -710,7 +711,7 @@ def _check_slice(
         bundles, run_id=run_id, round=r, base_hash=base, admitted_keys=admitted,
         shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
-        equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned,
+        equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned, bundle_hashes=digests,
     )
     return _Checked(check, base, set(bundles))
 

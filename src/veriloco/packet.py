@@ -19,6 +19,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .compress import Codec, CodecError, codec_from_spec
+from .compress._common import all_finite
 from .hashing import canonical_json
 
 FORMAT = "1"
@@ -116,7 +117,7 @@ def decode_packet(
             value = codec_from_spec(codecs[key]).decode(parts, tuple(want[key]))
         except CodecError as e:
             raise PacketError(f"tensor {key}: {e}") from None
-        if not torch.isfinite(value).all():
+        if not all_finite(value):
             raise PacketError(f"tensor {key} decodes to non-finite values")
         out[key] = value
     return out

@@ -577,7 +577,7 @@ def lookahead_momentum(cfg: Config, outer: OuterOptimizer) -> dict[str, torch.Te
 def private_state(w: Worker) -> dict[str, torch.Tensor]:
     """This process's private state (inner AdamW, error feedback, codec warm starts), copied:
     what a resume needs."""
-    return {k: v.clone() for k, v in (w.inner.state_tensors() | w.encoder.state_tensors()).items()}
+    return w.inner.state_tensors() | {k: v.clone() for k, v in w.encoder.state_tensors().items()}  # the first are copies
 
 
 def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None = None) -> Sent:
@@ -1133,7 +1133,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             trace_entries=trace_entries(cfg),
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
-            banned=w.banned,
+            banned=w.banned, bundle_hashes=bundle_hashes,
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])

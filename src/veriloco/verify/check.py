@@ -22,7 +22,7 @@ which is exact, decides. With "reject" (and whenever replays are off) it is reje
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,11 +119,13 @@ def check_bundles(
     equivocation: EquivocationDetector,
     trace_entries: int | None = None,
     banned: set[int] | frozenset[int] = frozenset(),
+    bundle_hashes: Mapping[int, str] | None = None,
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
     hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
     `decoded` holds the deltas that passed; they are ACCEPT so far, and `accepted` is empty until
-    `screen_checked`."""
+    `screen_checked`. `bundle_hashes`: the sha256 of each bundle where the caller has it (the
+    store's digest), so that a model-sized bundle is not hashed twice; a packet is hashed once."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -131,13 +133,14 @@ def check_bundles(
     evidence: dict[int, Any] = {}
     for w, data in (bundles.items() if isinstance(bundles, dict) else enumerate(bundles)):
         commitments[w] = None
-        packet_hashes[w] = sha256_hex(data)
         try:
             raw_commitment, packet, extras = decode_bundle(data)
             packet_hashes[w] = sha256_hex(packet)
             signed = parse_signed_commitment(raw_commitment)
             gossip = [parse_signed_commitment(x) for x in extras]
         except (PacketError, CommitmentError) as e:
+            if w not in packet_hashes:  # a bundle that is no bundle is known by its own hash
+                packet_hashes[w] = (bundle_hashes or {}).get(w) or sha256_hex(data)
             if w in banned:
                 verdicts[w] = BANNED
             else:
@@ -151,7 +154,7 @@ def check_bundles(
         reason = check_commitment(signed, admitted_keys, run_id=run_id, round=round, base_hash=base_hash)
         if reason is None and c.worker != w:
             reason = KEY_MISMATCH
-        reason = reason or check_packet(signed, packet)
+        reason = reason or check_packet(signed, packet, packet_hashes[w])
         if reason is None and c.batch_root != batch_root_of(w):
             reason, evidence[w] = WRONG_DATA, {"committed": c.batch_root, "assigned": batch_root_of(w)}
         if reason is None and (not c.trace or c.trace_root != hex_root(list(c.trace))):
