@@ -1,10 +1,10 @@
 """What a round costs outside its inner steps, at a model size where it shows: an older revision
 of veriloco against the working tree, the same run, alternately.
 
-    python bench/round_cost.py [--old REV] [--repeats 2] [--rounds 4] [--set KEY=VALUE ...]
-                               [--out bench/results/round_cost.json]
+    python bench/round_cost.py [--old REV] [--repeats 2] [--rounds 4] [--config FILE]
+                               [--set KEY=VALUE ...] [--out bench/results/round_cost.json]
 
-Both sides train the same config (default: configs/default.toml widened to d_model 768, 12
+Both sides train the same config (default: `--config configs/default.toml` widened to d_model 768, 12
 heads, 6 layers: 43.5M params, 174 MB of fp32; 2 workers, 2 inner steps of batch 2, fp32
 packets) with `veriloco train` in a fresh interpreter each, `--old` from `git archive REV src`
 on PYTHONPATH and the working tree's `src` for the new side, alternating, `--repeats` times each.
@@ -47,10 +47,10 @@ def source_of(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def run_once(src: Path, overrides: list[str], rounds: int, out: Path) -> list[dict]:
+def run_once(src: Path, config: str, overrides: list[str], rounds: int, out: Path) -> list[dict]:
     """`veriloco train` with the package at `src`; the round records."""
     env = dict(os.environ, PYTHONPATH=str(src))
-    argv = ["train", str(ROOT / "configs" / "default.toml"), "--out", str(out), "--quiet",
+    argv = ["train", config, "--out", str(out), "--quiet",
             f"--train.rounds={rounds}", *[f"--{o}" for o in overrides]]
     code = f"import sys; from veriloco.cli import main; sys.argv = ['veriloco', *{argv!r}]; main()"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -74,6 +74,7 @@ def main() -> int:
     ap.add_argument("--old", default="4a5212f", help="git revision of the old side (default: before this bench's changes)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "default.toml"), help="the config both sides train")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both sides")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "round_cost.json"))
     args = ap.parse_args()
@@ -86,7 +87,7 @@ def main() -> int:
         sides = {"old": source_of(args.old, Path(tmp)), "new": ROOT / "src"}
         for i in range(args.repeats):
             for side, src in sides.items():
-                records = run_once(src, overrides, args.rounds, Path(tmp) / f"{side}-{i}")
+                records = run_once(src, args.config, overrides, args.rounds, Path(tmp) / f"{side}-{i}")
                 got = [r["params_hash"] for r in records]
                 if hashes.setdefault("run", got) != got:
                     raise SystemExit(f"round_cost: {side} (repeat {i}) recorded other params than the first run")

@@ -193,3 +193,39 @@ def test_export_reads_the_checkpoint_a_tensor_at_a_time(tmp_path, monkeypatch, t
     if tie:  # the GPT's export repeats the tied head under its own name
         whole["lm_head.weight"] = whole["tok_emb.weight"].clone()
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == st_save(whole, metadata={"format": "pt"})
+
+
+def test_put_tensors_stores_safetensors_own_bytes_without_building_them(tmp_path, monkeypatch):
+    """What a round's checkpoint is stored with (round.finish_round): the blob and digest of
+    store.put(save(...)); a blob already there is not written again; mixed dtypes go through save;
+    tensors that change between the hash and the write leave an error and no blob."""
+    import veriloco.tensorfile as tf
+    from veriloco.store import StoreError
+
+    g = torch.Generator().manual_seed(0)
+    ckpt = {"param/w": torch.randn(6, 5, generator=g), "param/b": torch.randn(5, generator=g),
+            "outer/w/momentum": torch.randn(6, 5, generator=g)}
+    store = LocalStore(tmp_path / "store")
+    want = st_save(ckpt, metadata={"round": "3"})
+    monkeypatch.setattr(tf, "st_save", None)  # one dtype: never built
+    digest = tf.put_tensors(store, ckpt, {"round": "3"})
+    assert store.get(digest) == want and digest == LocalStore(tmp_path / "other").put(want)
+    written = []
+    monkeypatch.setattr(tf, "StagedBlob", lambda root: written.append(root))
+    assert tf.put_tensors(store, dict(ckpt), {"round": "3"}) == digest and written == []  # held: hashed only
+    monkeypatch.undo()
+
+    mixed = {**ckpt, "step": torch.tensor(7, dtype=torch.int64)}
+    assert store.get(tf.put_tensors(store, mixed, {"round": "4"})) == st_save(mixed, metadata={"round": "4"})
+
+    class Moving(dict):  # each read gives another tensor: what is written is not what was hashed
+        reads = 0
+
+        def __getitem__(self, k):
+            Moving.reads += 1
+            return super().__getitem__(k) + Moving.reads
+
+    before = set(store.digests())
+    with pytest.raises(StoreError, match="tensors changed while they were stored"):
+        tf.put_tensors(store, Moving({"w": torch.zeros(3)}), None)
+    assert Moving.reads == 2 and set(store.digests()) == before and not list((tmp_path / "store").glob(".tmp-*"))

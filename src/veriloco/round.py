@@ -105,6 +105,7 @@ from .task import (
     process_device,
     take_device,
 )
+from .tensorfile import put_tensors
 from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
@@ -1167,7 +1168,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
 
     # 6. record: checkpoint, private state, agreement check, eval, one line per round
     ckpt = {f"param/{k}": v for k, v in G.items()} | w.outer.state_tensors()
-    ckpt_digest = w.store.put(st_save(ckpt, metadata={"round": str(r)}))
+    ckpt_digest = put_tensors(w.store, ckpt, {"round": str(r)})  # store.put(st_save(ckpt, ...)), streamed
     params_hash = tensors_hash(G)
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)

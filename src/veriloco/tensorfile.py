@@ -16,6 +16,7 @@ is written one tensor at a time, so a reader or writer holds one tensor, not the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from safetensors.torch import save as st_save
+
+from .store import LocalStore, StagedBlob, StoreError
 
 FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPES = {**FLOATS, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
@@ -147,4 +151,37 @@ def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.
     return 8 + len(raw) + offset
 
 
-__all__ = ["DTYPES", "FLOATS", "FileTensors", "Layout", "TensorFile", "layout_of", "write_tensors"]
+class _Digest:
+    """A write-only file that keeps the sha256 of what is written to it, and nothing else."""
+
+    def __init__(self) -> None:
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.sha256.update(data)
+        return len(data)
+
+
+def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """`store.put(safetensors.torch.save(tensors, metadata))`: the same blob under the same
+    digest, without those bytes in memory (a round's checkpoint is the model and its outer
+    momentum: 56 GB for a 7B model, twice over while the bytes were built beside the tensors).
+    The file is hashed as `write_tensors` would write it; a blob the store already holds is not
+    written again, else it is written tensor by tensor to a staged file, hashed on the way, and
+    moved in. Tensors of more than one dtype go through `save`."""
+    layout = layout_of(tensors)
+    if len({dtype for dtype, _ in layout.values()}) != 1:
+        return store.put(st_save(dict(tensors), metadata=metadata))
+    sink = _Digest()
+    write_tensors(sink, layout, tensors.__getitem__, metadata)
+    digest = sink.sha256.hexdigest()
+    if store.has(digest):
+        return digest
+    with StagedBlob(store.root) as blob:
+        write_tensors(blob, layout, tensors.__getitem__, metadata)
+        if blob.close() != digest:
+            raise StoreError(f"tensors changed while they were stored (hashed as {digest[:12]}, written as {blob.digest[:12]})")
+        return store.adopt(blob)
+
+
+__all__ = ["DTYPES", "FLOATS", "FileTensors", "Layout", "TensorFile", "layout_of", "put_tensors", "write_tensors"]

@@ -1,0 +1,29 @@
+"""bench/round_cost.py: an old revision and the working tree train the same run, alternately."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import TINY, bench_arguments, run_bench
+
+SMALL = ["--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "model.n_layer=1"]
+
+
+def test_old_and_new_record_the_same_params_and_the_table_prints(tmp_path):
+    out = tmp_path / "round_cost.json"
+    p = run_bench("round_cost.py", "--old", "HEAD", "--repeats", "1", "--rounds", "2", "--config", str(TINY), *SMALL,
+                  "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())  # (the bench stops if the two sides' params differ)
+    assert result["old"] == "HEAD" and set(result["median"]) == {"old", "new"}
+    for side in ("old", "new"):
+        m = result["median"][side]
+        assert m["round_s"] > m["inner_s"] > 0
+        assert abs(m["round_s"] - m["inner_s"] - m["wait_s"] - m["verify_s"] - m["other_s"]) < 1e-9
+    assert "new/old" in p.stdout and "model.d_model=32" in result["overrides"]
+
+
+def test_bad_arguments_exit_2():
+    for args, message in [(("--repeats", "0"), "--repeats must be >= 1"), (("--rounds", "1"), "--rounds >= 2")]:
+        p = bench_arguments("round_cost.py", *args)
+        assert p.returncode == 2 and message in p.stderr, p.stderr
