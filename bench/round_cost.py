@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,9 @@ def run_once(src: Path, config: str, overrides: list[str], rounds: int, out: Pat
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"round_cost: the run with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-    return [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    shutil.rmtree(out)  # a round stores about 8x the model (checkpoint, bundles, packets, states)
+    return records
 
 
 def per_round(records: list[dict]) -> dict[str, float]:

@@ -229,3 +229,33 @@ def test_put_tensors_stores_safetensors_own_bytes_without_building_them(tmp_path
     with pytest.raises(StoreError, match="tensors changed while they were stored"):
         tf.put_tensors(store, Moving({"w": torch.zeros(3)}), None)
     assert Moving.reads == 2 and set(store.digests()) == before and not list((tmp_path / "store").glob(".tmp-*"))
+
+
+def test_a_state_file_of_several_dtypes_is_written_a_tensor_at_a_time_and_atomically(tmp_path):
+    """What a worker's private state is written with each round (round.finish_round): safetensors
+    reads it back, tensors and metadata; a write that fails half-way leaves the old file whole."""
+    from safetensors import safe_open
+    from safetensors.torch import load as st_load
+
+    from veriloco.tensorfile import write_tensors_file
+
+    g = torch.Generator().manual_seed(1)
+    state = {"inner/w/exp_avg": torch.randn(4, 3, generator=g), "inner/step": torch.tensor(12.0),
+             "codec/int8/w": torch.randn(5, generator=g).to(torch.bfloat16), "count": torch.tensor([3, 4], dtype=torch.int64)}
+    path = tmp_path / "state-3.safetensors"
+    write_tensors_file(path, state, {"history": '{"0": 3}'})
+    back = st_load(path.read_bytes())
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) and back[k].dtype == state[k].dtype for k in state)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"history": '{"0": 3}'}
+    before = path.read_bytes()
+
+    class Failing(dict):
+        def __getitem__(self, k):
+            if k == "inner/step":
+                raise OSError("disk gone")
+            return super().__getitem__(k)
+
+    with pytest.raises(OSError, match="disk gone"):
+        write_tensors_file(path, Failing(state))
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]

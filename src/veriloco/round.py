@@ -70,7 +70,6 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors import safe_open
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from .compress import (
     DEFAULT_LADDER,
@@ -94,7 +93,7 @@ from .model import model_from
 from .outer import OuterOptimizer
 from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
 from .pipeline import PipelineEval, PipelineInnerLoop
-from .records import RunDir, atomic_write
+from .records import RunDir
 from .store import LocalStore
 from .task import (
     CorpusTask,
@@ -105,7 +104,7 @@ from .task import (
     process_device,
     take_device,
 )
-from .tensorfile import put_tensors
+from .tensorfile import put_tensors, write_tensors_file
 from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
@@ -1175,8 +1174,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     # what a resume at round r+1 starts from: as round r+1 began (delay 1: before its inner steps, which
     # have run by now; at the run's end none has), and which round each worker's newest delta is from
     state = w.start_states.pop(r + 1, None) or private_state(w)
-    atomic_write(state_dir / f"state-{r}.safetensors",
-                 st_save(state, metadata={"history": json.dumps({str(j): x for j, x in sorted(w.history_rounds.items())})}))
+    write_tensors_file(state_dir / f"state-{r}.safetensors", state,
+                       {"history": json.dumps({str(j): x for j, x in sorted(w.history_rounds.items())})})
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()

@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
@@ -125,12 +126,14 @@ def layout_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtyp
 
 
 def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.Tensor],
-                  metadata: dict[str, str] | None = None) -> int:
+                  metadata: dict[str, str] | None = None, any_dtypes: bool = False) -> int:
     """Write a safetensors file of the tensors `layout` names (one dtype for all) to `f`, asking
     `tensor_of(name)` for each in turn, in name order; returns the bytes written. The bytes equal
-    `safetensors.torch.save` of the same tensors and `metadata`."""
+    `safetensors.torch.save` of the same tensors and `metadata`. `any_dtypes`: tensors of several
+    dtypes, still in name order: a file safetensors reads as any other, though not `save`'s bytes
+    (it puts larger dtypes first)."""
     dtypes = {dtype for dtype, _ in layout.values()}
-    if len(dtypes) > 1:  # safetensors orders mixed dtypes by its own enum; G_0 is all float32
+    if len(dtypes) > 1 and not any_dtypes:  # safetensors orders mixed dtypes by its own enum; G_0 is all float32
         raise ValueError(f"write_tensors takes one dtype, got {sorted(map(str, dtypes))}")
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -149,6 +152,26 @@ def write_tensors(f: BinaryIO, layout: Layout, tensor_of: Callable[[str], torch.
         if t.numel():
             f.write(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
     return 8 + len(raw) + offset
+
+
+def write_tensors_file(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
+                       metadata: dict[str, str] | None = None) -> None:
+    """`store.atomic_write(path, safetensors.torch.save(tensors, metadata))` without those bytes
+    in memory (a worker's private state each round: its inner AdamW state is twice the model): the
+    tensors written one at a time, in name order whatever their dtypes, to a private temporary
+    file, fsynced, then renamed over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write_tensors(f, layout_of(tensors), tensors.__getitem__, metadata, any_dtypes=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class _Digest:
@@ -184,4 +207,4 @@ def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata
         return store.adopt(blob)
 
 
-__all__ = ["DTYPES", "FLOATS", "FileTensors", "Layout", "TensorFile", "layout_of", "put_tensors", "write_tensors"]
+__all__ = ["DTYPES", "FLOATS", "FileTensors", "Layout", "TensorFile", "layout_of", "put_tensors", "write_tensors", "write_tensors_file"]
