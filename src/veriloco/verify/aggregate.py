@@ -271,7 +271,7 @@ def _mean_rows(rows: torch.Tensor) -> torch.Tensor:
 def _mean(items: list[Delta]) -> Delta:
     """unflatten(_mean_rows(stack(items)), items[0]), bit for bit (the same float64 adds in
     the same order, the same division and rounding, element by element), one tensor at a time:
-    no [n, d] float64 matrix and no flat copy, so a round's mean costs a fifth of the time."""
+    no [n, d] float64 matrix and no flat copy (bench/round_cost.py)."""
     parts = [flat_parts(d) for d in _structured(items)]
     bad = [i for i, p in enumerate(parts) if not all(all_finite(t.detach()) for t in p)]
     if bad:
