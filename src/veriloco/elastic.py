@@ -252,7 +252,11 @@ def _replica_main(cfg: Config, task: Task, worker: int, index: int, port: int, r
         _join_replicas(cfg, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout), index)
         replica_steps(cfg, task, worker * R + index, worker, 0, dist.group.WORLD)
     except Exception:  # its worker fails with it; the error is named in the run directory
-        if not alive.poll():  # (unless the worker is gone: then its death is the story, not this)
+        # (unless the worker is gone: then its death is the story, not this). A killed worker's
+        # sockets may close before its end of the pipe does, and a collective fail here first:
+        # wait a moment for the pipe, which a live worker never closes (seen once in a fresh
+        # clone's `make test` on 2 processes: the replica's "Connection closed" named a kill -9)
+        if not alive.poll(1.0):
             import traceback
 
             (Path(run_dir) / f"error-{worker}-replica-{index}.txt").write_text(traceback.format_exc())
