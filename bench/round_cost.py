@@ -5,7 +5,7 @@ of veriloco against the working tree, the same run, alternately.
                                [--set KEY=VALUE ...] [--out bench/results/round_cost.json]
 
 Both sides train the same config (default: `--config configs/default.toml` widened to d_model 768, 12
-heads, 6 layers: 43.5M params, 174 MB of fp32; 2 workers, 2 inner steps of batch 2, fp32
+heads, 6 layers: 43.0M params, 172 MB of fp32; 2 workers, 2 inner steps of batch 2, fp32
 packets) with `veriloco train` in a fresh interpreter each, `--old` from `git archive REV src`
 on PYTHONPATH and the working tree's `src` for the new side, alternating, `--repeats` times each.
 The inner steps are kept few and small so that a round is mostly what happens around them: the

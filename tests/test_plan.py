@@ -9,6 +9,7 @@ from veriloco.config import ConfigError
 from veriloco.link import Link
 from veriloco.plan import format_plan, make_plan, verify_plan
 from veriloco.run import torchrun_main, train
+from veriloco.store import LocalStore
 from veriloco.topology import build_stage_model
 
 
@@ -44,6 +45,10 @@ def test_the_traffic_it_plans_is_what_the_workers_send(tmp_path, monkeypatch, ca
         fetched += [n for n in rec["state_bytes_sent"] if n]
     assert fetched and set(fetched) == {plan.stages[0].state_bytes}, (fetched, plan.stages[0].state_bytes)
     recs = rounds_of(tmp_path / "run")
+    store = LocalStore(tmp_path / "run" / "store", create=False)
+    for rec in recs:  # what a round adds to the store: its checkpoint, bundles and packets, plus their headers
+        stored = sum(store.path_of(d).stat().st_size for d in [rec["checkpoint"], *rec["bundles"], *rec["packets"]])
+        assert 0 < stored - plan.store_per_round <= 2 * 3 * 12_000 + 8_000, (stored, plan.store_per_round)
     step = sorted(sum(r["inner_s"]) / 3 / 5 for r in recs)[0:2]  # two rounds: the median is their mean
     code, err, out = cli(monkeypatch, capsys, "plan", str(tmp_path / "run"), "--link.bandwidth=10mbit")
     assert code == 0 and not err, err

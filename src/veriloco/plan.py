@@ -66,6 +66,17 @@ class Plan:
         return sum(s.payload_bytes for s in self.stages) * (self.topo.workers - 1)
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """A round's checkpoint payload: G, and its outer momentum buffers when there is momentum."""
+        return self.params * PARAM_BYTES * (2 if self.cfg.outer.momentum > 0 else 1)
+
+    @property
+    def store_per_round(self) -> int:
+        """Payload bytes a round adds to a store all the workers share (RUN/store of a local run):
+        the checkpoint, every worker's bundle, and each worker's own packet, stored on its own too."""
+        return self.checkpoint_bytes + 2 * self.topo.workers * sum(s.payload_bytes for s in self.stages)
+
+    @property
     def ddp_per_round(self) -> float:
         """What a worker would send in the round's H steps with DDP: a ring all-reduce of the fp32
         gradient, 2 (W-1)/W of the model per step."""
@@ -246,6 +257,7 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
     if W > 1:
         out.append(f"  DDP in the same {H} inner steps: {_mb(plan.ddp_per_round)} sent per worker "
                    f"({plan.ddp_per_round / max(plan.sent_per_round, 1):,.0f}x the payload above)")
+    out.append(_store_line(plan, payload))
     out += _verify_lines(plan) + ([measured] if measured else [])
     slowest = max(plan.exchange_s(st.payload_bytes) for st in plan.stages)
     out.append(f"exchange on the link ({plan.link}): {slowest:.3f} s a round per stage process"
@@ -277,6 +289,20 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
         out.append(f"  the adaptive codec's budget: {_mb(budget)} a packet per stage process "
                    f"({budget / max(largest, 1):.2f}x the largest slice's {shown} packet)")
     return "\n".join(out)
+
+
+def _store_line(plan: Plan, payload: int) -> str:
+    """What a round adds to the run's store (RUN/store, one for all of a machine's workers): the
+    checkpoint (G and, with outer momentum, its buffers), every worker's bundle, and each worker's
+    own packet, which is stored on its own too; and the private states each process keeps."""
+    cfg, W, S = plan.cfg, plan.topo.workers, plan.topo.stages
+    model = plan.params * PARAM_BYTES
+    state = 2 * model + (model if cfg.compress.error_feedback else 0)  # AdamW moments (+ residuals)
+    return (f"store: each round adds {_mb(plan.store_per_round)} (a checkpoint of {_mb(plan.checkpoint_bytes)}, "
+            f"the {W} bundles and the {W} packets on their own, {_mb(W * payload)} each), "
+            f"{_mb(plan.store_per_round * cfg.train.rounds)} for {cfg.train.rounds} rounds, kept for the audit; "
+            f"each {'stage ' if S > 1 else ''}process also keeps its last two private states, {_mb(2 * state / S)} "
+            "(not counted: the corpus, G_0, replays' kept states)")
 
 
 def _verify_lines(plan: Plan) -> list[str]:
