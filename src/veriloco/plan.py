@@ -3,8 +3,8 @@
 For a DiLoCoX layout across sites it answers the questions to settle before renting the
 machines: which process is which (and what to give torchrun), what slice of the model each
 stage holds and the memory its weights and optimizers take, how many bytes a worker sends per
-round against what DDP would send, and whether the exchange hides under the inner steps on the
-configured `[link]`. Nothing is trained, no corpus is read and no weights are made: the model's
+round against what DDP would send, how much each round adds to the run's store, and whether the
+exchange hides under the inner steps on the configured `[link]`. Nothing is trained, no corpus is read and no weights are made: the model's
 structure is built on the meta device (`model.build_meta`), the packet sizes come from the
 codecs' own `estimate_bytes`, and the exchange time from the link model the run paces with
 (`round_budget_bytes`'s formula).
