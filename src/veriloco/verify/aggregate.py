@@ -155,24 +155,33 @@ class RowSums:
             return [0.0] * len(pairs)
         per_fold = min(len(pairs), max(1, _WORK // _padded_width(n)))
         buf = self._buffer(n, per_fold, first.device)
-        sums: list[float] = []
-        for start in range(0, len(pairs), per_fold):
-            chunk = pairs[start : start + per_fold]
+        sums: list[float] = [0.0] * len(pairs)
+        # each pair's sum is its own row of the fold, so the pairs may be taken in any order: those
+        # with the same second row one after another, which is then converted once for all of them
+        order = sorted(range(len(pairs)), key=lambda k: pairs[k][1])
+        held = None  # the row whose float64 values self._converted holds, in this call
+        for start in range(0, len(order), per_fold):
+            chunk = order[start : start + per_fold]
             buf[: len(chunk), n:].zero_()  # det_sum's padding
-            for k, (i, j) in enumerate(chunk):
+            for k, (i, j) in enumerate(pairs[p] for p in chunk):
                 x, out = a[i].detach().reshape(-1), buf[k, :n]
                 if b[j] is a[i] and not difference:  # a square: the row is converted once, not twice
                     if x.dtype != torch.float64:
                         x = out.copy_(x)
                     torch.mul(x, x, out=out)
                     continue
-                y = self._as_float64(b[j].detach().reshape(-1))
+                if b[j] is held:
+                    y = self._converted
+                else:
+                    y = self._as_float64(b[j].detach().reshape(-1))
+                    held = b[j] if y is self._converted else None
                 if x.dtype != torch.float64:
                     x = out.copy_(x)  # exact, as .double()
                 (torch.sub if difference else torch.mul)(x, y, out=out)
                 if difference:
                     out.mul_(out)
-            sums += _fold_(buf[: len(chunk)]).tolist()
+            for p, total in zip(chunk, _fold_(buf[: len(chunk)]).tolist(), strict=True):
+                sums[p] = total
         return sums
 
 
