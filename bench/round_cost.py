@@ -85,14 +85,15 @@ def main() -> int:
         ap.error("--repeats must be >= 1 and --rounds >= 2 (round 0 is not counted)")
     overrides = SIZE + args.set
     results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
-    hashes: dict[str, list[str]] = {}
+    first: list[str] | None = None  # the first run's params hashes, round by round
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"old": source_of(args.old, Path(tmp)), "new": ROOT / "src"}
         for i in range(args.repeats):
             for side, src in sides.items():
                 records = run_once(src, args.config, overrides, args.rounds, Path(tmp) / f"{side}-{i}")
                 got = [r["params_hash"] for r in records]
-                if hashes.setdefault("run", got) != got:
+                first = first or got
+                if got != first:
                     raise SystemExit(f"round_cost: {side} (repeat {i}) recorded other params than the first run")
                 results[side].append(per_round(records))
                 print(f"{side} {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in results[side][-1].items()), flush=True)

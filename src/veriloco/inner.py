@@ -358,6 +358,7 @@ class _Buckets:
                 size = 0
             self.buckets[-1].append(j)
             size += self.params[j].numel() * self.params[j].element_size()
+        self.buckets = [sorted(js) for js in self.buckets]  # each sent in param order
         self.bucket_of = {j: b for b, js in enumerate(self.buckets) for j in js}
         self.parts: int | None = None  # watching a step: the backward passes that make its gradients
         for p in self.params:
@@ -376,14 +377,14 @@ class _Buckets:
         if self.counts[j] == self.parts:
             self.left[self.bucket_of[j]] -= 1
             while len(self.started) < len(self.buckets) and not self.left[len(self.started)]:
-                js = sorted(self.buckets[len(self.started)])
-                self.started.append(self.replicas._start_reduce(self.params, js, async_op=True))
+                self.started.append(self.replicas._start_reduce(self.params, self.buckets[len(self.started)],
+                                                                async_op=True))
 
     def finish(self) -> None:
         """After the backward: the buckets not started yet (none, when every gradient was made),
         then every bucket's sums in start order."""
         for b in range(len(self.started), len(self.buckets)):
-            self.started.append(self.replicas._start_reduce(self.params, sorted(self.buckets[b]), async_op=True))
+            self.started.append(self.replicas._start_reduce(self.params, self.buckets[b], async_op=True))
         started, self.parts = self.started, None
         for reduce in started:
             self.replicas._take_sums(reduce)

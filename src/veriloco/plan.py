@@ -4,10 +4,10 @@ For a DiLoCoX layout across sites it answers the questions to settle before rent
 machines: which process is which (and what to give torchrun), what slice of the model each
 stage holds and the memory its weights and optimizers take, how many bytes a worker sends per
 round against what DDP would send, how much each round adds to the run's store, and whether the
-exchange hides under the inner steps on the configured `[link]`. Nothing is trained, no corpus is read and no weights are made: the model's
-structure is built on the meta device (`model.build_meta`), the packet sizes come from the
-codecs' own `estimate_bytes`, and the exchange time from the link model the run paces with
-(`round_budget_bytes`'s formula).
+exchange hides under the inner steps on the configured `[link]`. Nothing is trained, no corpus
+is read and no weights are made: the model's structure is built on the meta device
+(`model.build_meta`), the packet sizes come from the codecs' own `estimate_bytes`, and the
+exchange time from the link model the run paces with (`round_budget_bytes`'s formula).
 
 What it cannot know is the time of an inner step on your hardware; give it (`--step-s`, e.g.
 from a short run's `inner_s / inner_steps`) and it says whether the exchange hides, the
@@ -61,9 +61,14 @@ class Plan:
         return sum(s.params for s in self.stages)
 
     @property
+    def payload(self) -> int:
+        """A worker's packet payload per round: its stages' together."""
+        return sum(s.payload_bytes for s in self.stages)
+
+    @property
     def sent_per_round(self) -> int:
         """Payload bytes one worker sends per round: each stage's packet to the W-1 others."""
-        return sum(s.payload_bytes for s in self.stages) * (self.topo.workers - 1)
+        return self.payload * (self.topo.workers - 1)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -74,7 +79,7 @@ class Plan:
     def store_per_round(self) -> int:
         """Payload bytes a round adds to a store all the workers share (RUN/store of a local run):
         the checkpoint, every worker's bundle, and each worker's own packet, stored on its own too."""
-        return self.checkpoint_bytes + 2 * self.topo.workers * sum(s.payload_bytes for s in self.stages)
+        return self.checkpoint_bytes + 2 * self.topo.workers * self.payload
 
     @property
     def ddp_per_round(self) -> float:
@@ -247,7 +252,7 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
                    f"{mine}, + {_mb(2 * memory)}{outer} for G and the outer momentum (not counted: activations, "
                    "error-feedback residuals, delay 1's kept deltas)")
     codec = cfg.compress.codec
-    payload = sum(st.payload_bytes for st in plan.stages)
+    payload = plan.payload
     shown = "fp32" if codec == "adaptive" else codec
     what = "adaptive: at most its fp32 figure, each round within its budget" if codec == "adaptive" else codec
     packets = f"packets of {_mb(payload)} (its {S} stages')" if S > 1 else f"a packet of {_mb(payload)}"
@@ -257,7 +262,7 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
     if W > 1:
         out.append(f"  DDP in the same {H} inner steps: {_mb(plan.ddp_per_round)} sent per worker "
                    f"({plan.ddp_per_round / max(plan.sent_per_round, 1):,.0f}x the payload above)")
-    out.append(_store_line(plan, payload))
+    out.append(_store_line(plan))
     out += _verify_lines(plan) + ([measured] if measured else [])
     slowest = max(plan.exchange_s(st.payload_bytes) for st in plan.stages)
     out.append(f"exchange on the link ({plan.link}): {slowest:.3f} s a round per stage process"
@@ -291,7 +296,7 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
     return "\n".join(out)
 
 
-def _store_line(plan: Plan, payload: int) -> str:
+def _store_line(plan: Plan) -> str:
     """What a round adds to the run's store (RUN/store, one for all of a machine's workers): the
     checkpoint (G and, with outer momentum, its buffers), every worker's bundle, and each worker's
     own packet, which is stored on its own too; and the private states each process keeps."""
@@ -299,7 +304,7 @@ def _store_line(plan: Plan, payload: int) -> str:
     model = plan.params * PARAM_BYTES
     state = 2 * model + (model if cfg.compress.error_feedback else 0)  # AdamW moments (+ residuals)
     return (f"store: each round adds {_mb(plan.store_per_round)} (a checkpoint of {_mb(plan.checkpoint_bytes)}, "
-            f"the {W} bundles and the {W} packets on their own, {_mb(W * payload)} each), "
+            f"the {W} bundles and the {W} packets on their own, {_mb(W * plan.payload)} each), "
             f"{_mb(plan.store_per_round * cfg.train.rounds)} for {cfg.train.rounds} rounds, kept for the audit; "
             f"each {'stage ' if S > 1 else ''}process also keeps its last two private states, {_mb(2 * state / S)} "
             "(not counted: the corpus, G_0, replays' kept states)")

@@ -20,7 +20,9 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from .hashing import sha256_hex
 
@@ -29,15 +31,19 @@ _REF = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}(/[a-z0-9][a-z0-9._-]{0,127}){0,3
 MAX_REF_BYTES = 1 << 20
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], object], mode: int = 0o644) -> None:
     """Write `data` to `path` via a private temporary file, fsync, chmod `mode`, rename: readers
-    see the old file or the whole new one, never a part (a crash leaves no partial file)."""
+    see the old file or the whole new one, never a part (a crash leaves no partial file). `data`
+    may be a function that writes the file's bytes to the file it is given (a piece at a time)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # created 0600
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
@@ -28,7 +27,7 @@ from typing import BinaryIO
 import torch
 from safetensors.torch import save as st_save
 
-from .store import LocalStore, StagedBlob, StoreError
+from .store import LocalStore, StagedBlob, StoreError, atomic_write
 
 FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPES = {**FLOATS, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
@@ -158,20 +157,9 @@ def write_tensors_file(path: str | os.PathLike[str], tensors: Mapping[str, torch
                        metadata: dict[str, str] | None = None) -> None:
     """`store.atomic_write(path, safetensors.torch.save(tensors, metadata))` without those bytes
     in memory (a worker's private state each round: its inner AdamW state is twice the model): the
-    tensors written one at a time, in name order whatever their dtypes, to a private temporary
-    file, fsynced, then renamed over `path`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write_tensors(f, layout_of(tensors), tensors.__getitem__, metadata, any_dtypes=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    tensors written one at a time, in name order whatever their dtypes."""
+    layout = layout_of(tensors)
+    atomic_write(path, lambda f: write_tensors(f, layout, tensors.__getitem__, metadata, any_dtypes=True))
 
 
 class _Digest:
