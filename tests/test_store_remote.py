@@ -56,6 +56,25 @@ def test_corrupt_blob_is_detected(store: FsspecStore) -> None:
         store.get(d)
 
 
+@pytest.mark.parametrize("local", [False, True])
+def test_verify_streams_and_delete_removes(store: FsspecStore, tmp_path: Path, local: bool) -> None:
+    """verify (the audit's check of a checkpoint, read as a stream) and delete (run.keep_checkpoints),
+    on a remote store and a local one."""
+    s = LocalStore(tmp_path / "local") if local else store
+    big = bytes(range(256)) * (1 << 15)  # 8 MiB: two reads of 4 MiB
+    d, other = s.put(big), s.put(b"other")
+    s.verify(d)
+    if local:
+        Path(s.path_of(other)).write_bytes(b"forged")
+    else:
+        s.fs.pipe_file(s.path_of(other), b"forged")
+    with pytest.raises(StoreError, match=f"blob {other} is corrupt"):
+        s.verify(other)
+    assert s.delete(d) and not s.has(d) and not s.delete(d)
+    with pytest.raises(StoreError, match=f"blob {d} is missing"):
+        s.verify(d)
+
+
 def test_missing_blob_and_bad_names(store: FsspecStore) -> None:
     d = sha256_hex(b"never stored")
     assert not store.has(d)

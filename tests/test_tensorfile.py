@@ -210,6 +210,8 @@ def test_put_tensors_stores_safetensors_own_bytes_without_building_them(tmp_path
     monkeypatch.setattr(tf, "st_save", None)  # one dtype: never built
     digest = tf.put_tensors(store, ckpt, {"round": "3"})
     assert store.get(digest) == want and digest == LocalStore(tmp_path / "other").put(want)
+    assert tf.tensors_digest(ckpt, {"round": "3"}) == digest  # what the audit recomputes, as a stream
+    assert tf.tensors_digest(ckpt, {"round": "4"}) != digest
     written = []
     monkeypatch.setattr(tf, "StagedBlob", lambda root: written.append(root))
     assert tf.put_tensors(store, dict(ckpt), {"round": "3"}) == digest and written == []  # held: hashed only
@@ -217,6 +219,7 @@ def test_put_tensors_stores_safetensors_own_bytes_without_building_them(tmp_path
 
     mixed = {**ckpt, "step": torch.tensor(7, dtype=torch.int64)}
     assert store.get(tf.put_tensors(store, mixed, {"round": "4"})) == st_save(mixed, metadata={"round": "4"})
+    assert tf.tensors_digest(mixed, {"round": "4"}) == LocalStore(tmp_path / "other").put(st_save(mixed, metadata={"round": "4"}))
 
     class Moving(dict):  # each read gives another tensor: what is written is not what was hashed
         reads = 0

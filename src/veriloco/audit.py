@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from .config import config_from_dict
 from .data import DataError
@@ -69,7 +68,7 @@ from .link import Link
 from .model import build_meta, build_model, model_from
 from .outer import OuterOptimizer
 from .pipeline import EmulatedPipeline
-from .records import RunDir, RunDirError
+from .records import RunDir, RunDirError, pruned
 from .round import (
     StepSchedule,
     aggregate_deltas,
@@ -97,6 +96,7 @@ from .task import (
     on_device,
     take_device,
 )
+from .tensorfile import tensors_digest
 from .topology import build_stage_model, stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
@@ -539,7 +539,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
         params = dict(model.named_parameters())
         slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},
                              EquivocationDetector(admitted)))
-    counts.update(signatures=0, bundles=0, checkpoints=0, replays=0)
+    counts.update(signatures=0, bundles=0, checkpoints=0, checkpoints_stored=0, checkpoints_pruned=0, replays=0)
     schedule = _step_schedule(cfg, records)
     stored_states = _stored_states(store, manifest["run_id"], stage_models)  # replay_extent "state": what auditors replayed from
     base_cfg = cfg
@@ -571,10 +571,13 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
                    for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres,
                                                                    strict=True)]
         for where, (_, digest, _) in zip(wheres, claims, strict=True):  # each slice's checkpoint is stored
-            try:
-                store.get(digest)
+            try:  # unless [run] keep_checkpoints has pruned it: its digest was recomputed all the same
+                store.verify(digest)
+                counts["checkpoints_stored"] += 1
             except StoreError as e:
-                _fail(f"{where}checkpoint: {e}")
+                if not (pruned(cfg.run.keep_checkpoints, len(records), r) and not store.has(digest)):
+                    _fail(f"{where}checkpoint: {e}")
+                counts["checkpoints_pruned"] += 1
             counts["checkpoints"] += 1
         if stages == 1:
             continue
@@ -828,7 +831,7 @@ def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, record
         sl.bases.append({k: v.clone() for k, v in sl.outer.params.items()})
         sl.momenta.append(lookahead_momentum(cfg, sl.outer))
     ckpt = {f"param/{k}": v for k, v in sl.outer.params.items()} | sl.outer.state_tensors()
-    digest = sha256_hex(st_save(ckpt, metadata={"round": str(r)}))
+    digest = tensors_digest(ckpt, {"round": str(r)})  # the bytes round.finish_round stored, hashed as a stream
     if digest != claimed_checkpoint or (claimed_params or params_hash) != params_hash:
         _fail(f"{where}the outer step recomputes to checkpoint {digest[:16]}, the entry claims {str(claimed_checkpoint)[:16]}")
     return _Redone(digest, params_hash, aggregate_hash)

@@ -242,7 +242,9 @@ def audit(
         typer.echo(
             f"audit ok: {report.rounds} rounds, {c.get('ledger_entries', 0)} ledger entries "
             f"(root {report.ledger_root}), {c.get('signatures', 0)} signatures, {c.get('bundles', 0)} "
-            f"bundles, {c.get('checkpoints', 0)} checkpoints recomputed, {c.get('replays', 0)} replays, "
+            f"bundles, {c.get('checkpoints', 0)} checkpoints recomputed"
+            + (f" ({c['checkpoints_pruned']} pruned from the store: run.keep_checkpoints)" if c.get("checkpoints_pruned") else "")
+            + f", {c.get('replays', 0)} replays, "
             f"{c.get('corpus_chunks', 0)} "
             f"corpus chunks, in {report.seconds:.1f}s"
         )

@@ -390,6 +390,12 @@ class RunConfig:
     )
     timeout_s: float = _f(120.0, "collective timeout: a dead peer is an error after this long")
     max_packet_bytes: int = _f(1 << 30, "packets larger than this are rejected before decoding")
+    keep_checkpoints: int = _f(
+        0, "round checkpoints the run's store keeps: 0 every round's; N >= 2 the newest N rounds', older ones "
+        "deleted as rounds are recorded (a round's is G and its outer momentum: twice the model). A resume and "
+        "a rejoining worker read the newest two; `veriloco audit` recomputes every round's checkpoint from the "
+        "packets either way and checks the kept ones; `veriloco export --round` needs a kept one",
+    )
     membership: str = _f(
         "static",
         "'static': a fixed world, a dead worker stops the run; 'elastic': a quorum per round from torchft's "
@@ -642,6 +648,8 @@ def validate(cfg: Config) -> None:
     need(r.round_deadline >= 0, f"run.round_deadline must be >= 0, got {r.round_deadline}")
     need(r.heartbeat_timeout_s > 0, f"run.heartbeat_timeout_s must be > 0, got {r.heartbeat_timeout_s}")
     need(r.max_restarts >= 0, f"run.max_restarts must be >= 0, got {r.max_restarts}")
+    need(r.keep_checkpoints == 0 or r.keep_checkpoints >= 2,
+         f"run.keep_checkpoints must be 0 (keep all) or >= 2 (a resume reads the newest two), got {r.keep_checkpoints}")
     if r.membership == "elastic":
         need(cfg.train.mode == "diloco", "run.membership = 'elastic' needs train.mode = 'diloco' "
              "(the DDP baseline all-reduces every step over a fixed world)")

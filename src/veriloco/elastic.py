@@ -62,6 +62,7 @@ from .link import Link
 from .membership import Membership, MembershipError, QuorumView
 from .outer import OuterOptimizer
 from .packet import PacketError, decode_bundle, decode_packet
+from .records import prune_checkpoints, pruned
 from .round import (
     Participants,
     Sent,
@@ -75,7 +76,7 @@ from .round import (
     run_inner_and_send,
     setup_worker,
 )
-from .store import atomic_write
+from .store import StoreError, atomic_write
 from .task import Task, on_device
 from .verify import ABSENT, LATE
 
@@ -451,6 +452,8 @@ def commit(w: Worker, rec: dict, quiet: bool) -> None:
         if w.ledger is not None:
             rec["entry"] = append_entry(w, rec, entry_commitments)
         w.run.append_round(rec)
+        if w.cfg.run.keep_checkpoints:  # the committer prunes: every machine of an elastic run shares its directory
+            prune_checkpoints(w.store, [*records[-w.cfg.run.keep_checkpoints:], rec], w.cfg.run.keep_checkpoints)
         elapsed = sum(p["round_s"] for p in records) + rec["round_s"]
         tokens = sum(p["tokens"] for p in records) + rec["tokens"]
         inner = [x for x, v in zip(rec["inner_s"], rec["train_loss"], strict=True) if v is not None]
@@ -554,7 +557,13 @@ def catch_up(w: Worker, round: int) -> None:
     if round < 0 or w.applied >= round:
         return
     record = _await_record(w, round)
-    ckpt = st_load(w.store.get(record["checkpoint"]))  # the store checks the blob's hash
+    try:
+        ckpt = st_load(w.store.get(record["checkpoint"]))  # the store checks the blob's hash
+    except StoreError:
+        if pruned(w.cfg.run.keep_checkpoints, len(w.run.rounds()), round):  # the others went on while it healed
+            raise MembershipError(f"round {round}'s checkpoint was pruned (run.keep_checkpoints = "
+                                  f"{w.cfg.run.keep_checkpoints}) before this worker read it") from None
+        raise
     params = {k[len("param/"):]: v for k, v in ckpt.items() if k.startswith("param/")}
     if tensors_hash(params) != record["params_hash"]:
         raise RuntimeError(f"checkpoint of round {round} does not match its record")

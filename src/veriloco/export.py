@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from .config import Config, ConfigError, config_from_dict
 from .hashing import TensorsHasher
-from .records import RunDir
+from .records import RunDir, pruned
 from .store import LocalStore, StoreError
 from .tensorfile import FileTensors, TensorFile, write_tensors
 
@@ -111,6 +111,10 @@ def open_round(run_dir: str | Path, round: int | None = None) -> Opened:
     if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("checkpoint"), str)
                                               and isinstance(p.get("params_hash"), str) for p in parts):
         raise ExportError(f"round {r}: its record does not name a checkpoint and params hash for every stage")
+    keep = cfg.run.keep_checkpoints
+    if pruned(keep, len(records), r) and not all(store.has(p["checkpoint"]) for p in parts):
+        raise ExportError(f"round {r}'s checkpoint was pruned: run.keep_checkpoints = {keep} keeps rounds "
+                          f"{len(records) - keep}..{len(records) - 1}")
     params = RoundParams(store, parts, r)
     params.check()
     return Opened(manifest, store, cfg, params, r)

@@ -303,9 +303,12 @@ def _store_line(plan: Plan) -> str:
     cfg, W, S = plan.cfg, plan.topo.workers, plan.topo.stages
     model = plan.params * PARAM_BYTES
     state = 2 * model + (model if cfg.compress.error_feedback else 0)  # AdamW moments (+ residuals)
+    rounds, keep = cfg.train.rounds, cfg.run.keep_checkpoints
+    held = plan.store_per_round * rounds - plan.checkpoint_bytes * max(rounds - keep, 0) * (keep > 0)
+    kept = f"the newest {keep} checkpoints kept (run.keep_checkpoints)" if keep else "kept for the audit"
     return (f"store: each round adds {_mb(plan.store_per_round)} (a checkpoint of {_mb(plan.checkpoint_bytes)}, "
             f"the {W} bundles and the {W} packets on their own, {_mb(W * plan.payload)} each), "
-            f"{_mb(plan.store_per_round * cfg.train.rounds)} for {cfg.train.rounds} rounds, kept for the audit; "
+            f"{_mb(held)} for {rounds} rounds, {kept}; "
             f"each {'stage ' if S > 1 else ''}process also keeps its last two private states, {_mb(2 * state / S)} "
             "(not counted: the corpus, G_0, replays' kept states)")
 

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .hashing import canonical_json, json_hash
 from .store import atomic_write
+
+if TYPE_CHECKING:
+    from .store import FsspecStore, LocalStore
 
 
 class RunDirError(ValueError):
@@ -109,3 +113,27 @@ class RunDir:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary_path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+
+
+def checkpoint_blobs(record: dict[str, Any]) -> set[str]:
+    """The model-sized blobs a round record names: its checkpoint, or a pipelined run's stage
+    checkpoints (the stage-checkpoint manifest it names instead is a few hundred bytes: kept)."""
+    parts = record.get("stages") or [record]
+    return {p["checkpoint"] for p in parts if isinstance(p, dict) and isinstance(p.get("checkpoint"), str)}
+
+
+def prune_checkpoints(store: LocalStore | FsspecStore, records: Sequence[dict[str, Any]], keep: int) -> list[str]:
+    """`[run] keep_checkpoints`: delete the checkpoints of all but the newest `keep` of `records`
+    (a run's records in round order: all of them at a resume, the newest keep + 1 after each
+    round), except a blob a kept round names too. keep = 0 keeps all. Idempotent; returns the
+    digests it deleted."""
+    if keep <= 0 or len(records) <= keep:
+        return []
+    kept = set().union(*(checkpoint_blobs(r) for r in records[-keep:]))
+    return [d for rec in records[:-keep] for d in sorted(checkpoint_blobs(rec) - kept) if store.delete(d)]
+
+
+def pruned(keep: int, n_records: int, r: int) -> bool:
+    """Whether round r's checkpoint is one `[run] keep_checkpoints = keep` deletes once n_records
+    rounds are recorded."""
+    return keep > 0 and r < n_records - keep

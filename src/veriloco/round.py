@@ -93,7 +93,7 @@ from .model import model_from
 from .outer import OuterOptimizer
 from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
 from .pipeline import PipelineEval, PipelineInnerLoop
-from .records import RunDir
+from .records import RunDir, prune_checkpoints
 from .store import LocalStore
 from .task import (
     CorpusTask,
@@ -1464,6 +1464,10 @@ def train_worker(
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     pending: Sent | None = None
     warned = False
+    # [run] keep_checkpoints: every process prunes its store (a machine of a multi-machine run may have its own),
+    # another than the recorder one round later: the record naming its newest checkpoint may not be written yet
+    keep = cfg.run.keep_checkpoints + (0 if w.is_recorder or not cfg.run.keep_checkpoints else 1)
+    recent = list(prior[-keep:]) if keep else []  # the newest records, for pruning
 
     def land(overlapped_s: float) -> None:  # overlap_steps: round r-1's update lands inside round r
         nonlocal pending
@@ -1476,6 +1480,8 @@ def train_worker(
     def record(rec: dict) -> None:
         nonlocal tokens0, warned
         rec["eval_loss_start"] = eval_start
+        if keep:
+            recent[:] = [*recent, rec][-keep - 1:]
         if w.is_recorder:
             elapsed = time.perf_counter() - wall0
             tokens0 += rec["tokens"]
@@ -1493,6 +1499,8 @@ def train_worker(
                 if warning is not None and not warned:  # once a run: the records keep every round's
                     warned = True
                     print(warning, flush=True)
+        if keep:  # after the record that names the newer checkpoints is written
+            prune_checkpoints(w.store, recent, keep)
 
     for r in range(start_round, end + cfg.outer.delay):
         if r < end:

@@ -24,7 +24,7 @@ from .hashing import canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_meta, build_model
 from .procs import start_workers
-from .records import RunDir, RunDirError
+from .records import RunDir, RunDirError, checkpoint_blobs, prune_checkpoints
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, StagedBlob, run_ref
 from .task import CorpusTask, Task, initial_digest
@@ -230,6 +230,13 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
         except ValueError as e:
             raise RunDirError(str(e)) from None
     run.truncate_to(done)
+    store = LocalStore(run.store_dir)
+    prune_checkpoints(store, records, cfg.run.keep_checkpoints)  # what a crash between a record and its pruning left
+    for rec in records[-1 - cfg.outer.delay:] if done else []:  # what the workers restore from
+        for digest in sorted(checkpoint_blobs(rec)):
+            if not store.has(digest):
+                raise RunDirError(f"round {rec['round']}'s checkpoint {digest[:16]} is missing from {run.store_dir} "
+                                  f"(a resume reads the newest {1 + cfg.outer.delay} rounds' checkpoints)")
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
 

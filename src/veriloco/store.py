@@ -206,6 +206,20 @@ class LocalStore:
         _VERIFIED.add(seen)
         return path
 
+    def verify(self, digest: str) -> None:
+        """StoreError unless blob `digest` is present and its bytes hash to its name (read as a
+        stream: a checkpoint need not fit in memory)."""
+        self.verified_path(digest)
+
+    def delete(self, digest: str) -> bool:
+        """Remove blob `digest`; True when it was there. Content addressing lets two names share
+        bytes, so a caller deletes only what nothing it keeps names (`prune_checkpoints`)."""
+        try:
+            self._path(digest).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
     def path_of(self, digest: str) -> Path:
         """Where blob `digest` lives on disk (for tests and tools that corrupt it on purpose)."""
         return self._path(digest)
@@ -334,6 +348,27 @@ class FsspecStore:
     def has(self, digest: str) -> bool:
         """True when blob `digest` is present (its hash is checked on `get`, not here)."""
         return bool(self.fs.exists(self._path(digest)))
+
+    def verify(self, digest: str) -> None:
+        """StoreError unless blob `digest` is present and its bytes hash to its name (read as a
+        stream: a checkpoint need not fit in memory)."""
+        h = hashlib.sha256()
+        try:
+            with self.fs.open(self._path(digest), "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
+        except FileNotFoundError:
+            raise StoreError(f"blob {digest} is missing from {self.url}") from None
+        if h.hexdigest() != digest:
+            raise StoreError(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
+
+    def delete(self, digest: str) -> bool:
+        """Remove blob `digest`; True when it was there (see LocalStore.delete)."""
+        try:
+            self.fs.rm_file(self._path(digest))
+        except FileNotFoundError:
+            return False
+        return True
 
     def path_of(self, digest: str) -> str:
         """The blob's path inside `self.fs` (for tests and tools that corrupt it on purpose)."""

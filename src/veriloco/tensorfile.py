@@ -173,6 +173,17 @@ class _Digest:
         return len(data)
 
 
+def tensors_digest(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """`sha256_hex(safetensors.torch.save(tensors, metadata))` without those bytes in memory (one
+    dtype: the file `write_tensors` writes, hashed as it goes; several go through `save`)."""
+    layout = layout_of(tensors)
+    if len({dtype for dtype, _ in layout.values()}) != 1:
+        return hashlib.sha256(st_save(dict(tensors), metadata=metadata)).hexdigest()
+    sink = _Digest()
+    write_tensors(sink, layout, tensors.__getitem__, metadata)
+    return sink.sha256.hexdigest()
+
+
 def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
     """`store.put(safetensors.torch.save(tensors, metadata))`: the same blob under the same
     digest, without those bytes in memory (a round's checkpoint is the model and its outer
@@ -183,9 +194,7 @@ def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata
     layout = layout_of(tensors)
     if len({dtype for dtype, _ in layout.values()}) != 1:
         return store.put(st_save(dict(tensors), metadata=metadata))
-    sink = _Digest()
-    write_tensors(sink, layout, tensors.__getitem__, metadata)
-    digest = sink.sha256.hexdigest()
+    digest = tensors_digest(tensors, metadata)
     if store.has(digest):
         return digest
     with StagedBlob(store.root) as blob:
@@ -195,4 +204,4 @@ def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata
         return store.adopt(blob)
 
 
-__all__ = ["DTYPES", "FLOATS", "FileTensors", "Layout", "TensorFile", "layout_of", "put_tensors", "write_tensors", "write_tensors_file"]
+__all__ = ["DTYPES", "FLOATS", "FileTensors", "Layout", "TensorFile", "layout_of", "put_tensors", "tensors_digest", "write_tensors", "write_tensors_file"]

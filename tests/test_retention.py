@@ -1,0 +1,103 @@
+"""`[run] keep_checkpoints`: the store keeps the newest N rounds' checkpoints, and nothing else changes.
+
+A round's checkpoint is G and its outer momentum (twice the model), so a long run's store grows
+by that every round; with keep_checkpoints = N the older ones are deleted as rounds are recorded.
+Training, resume, the audit (which recomputes every round's checkpoint from the packets) and
+export of a kept round work as before; a pruned round is named as such."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cli, rounds_of, tiny
+
+from veriloco.config import ConfigError
+from veriloco.records import checkpoint_blobs, prune_checkpoints, pruned
+from veriloco.run import resume, train
+from veriloco.store import LocalStore
+
+DELAY1 = ("--train.rounds=5", "--outer.delay=1", "--outer.momentum=0.5")
+
+
+def held(store: LocalStore, recs: list[dict]) -> list[bool]:
+    """Per round: whether the store holds its checkpoint(s)."""
+    return [all(store.has(d) for d in checkpoint_blobs(r)) for r in recs]
+
+
+def test_prune_keeps_the_newest_and_what_they_name(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    blobs = [store.put(f"ckpt {i}".encode()) for i in range(5)]
+    recs = [{"round": i, "checkpoint": blobs[i]} for i in range(4)] + [{"round": 4, "checkpoint": blobs[1]}]
+    assert prune_checkpoints(store, recs, 0) == [] and all(map(store.has, blobs))  # 0: keep all
+    assert prune_checkpoints(store, recs, 2) == [blobs[0], blobs[2]]  # round 1's bytes are round 4's too
+    assert [store.has(b) for b in blobs] == [False, True, False, True, True]  # blob 4 no record names
+    assert prune_checkpoints(store, recs, 2) == []  # idempotent
+    # a pipelined run's record names its stage checkpoints; its small stage manifest stays
+    st = [store.put(f"stage {i}".encode()) for i in range(4)]
+    man = store.put(b"manifest")
+    staged = [{"round": 0, "checkpoint": man, "stages": [{"checkpoint": st[0]}, {"checkpoint": st[1]}]},
+              {"round": 1, "checkpoint": man, "stages": [{"checkpoint": st[2]}, {"checkpoint": st[3]}]}]
+    assert checkpoint_blobs(staged[0]) == {st[0], st[1]}
+    assert sorted(prune_checkpoints(store, staged, 1)) == sorted(st[:2]) and store.has(man)
+    assert [pruned(2, 5, r) for r in range(5)] == [True, True, True, False, False] and not pruned(0, 5, 0)
+
+
+def test_keep_checkpoints_must_leave_a_resume_its_two(monkeypatch, capsys):
+    with pytest.raises(ConfigError, match="run.keep_checkpoints must be 0"):
+        tiny("--run.keep_checkpoints=1")
+    code, lines, _ = cli(monkeypatch, capsys, "plan", "--run.keep_checkpoints=-1")
+    assert code == 2 and len(lines) == 1 and "run.keep_checkpoints" in lines[0]
+
+
+def test_a_pruned_run_trains_resumes_audits_and_exports_as_a_full_one(tmp_path, monkeypatch, capsys):
+    """Delay 1, stopped after 3 rounds and resumed, keep 2: the same params every round as the run
+    that keeps everything; its store holds the newest two checkpoints; the audit recomputes all
+    five and says three were pruned; export takes a kept round and names a pruned one."""
+    full, _ = train(tiny(*DELAY1), str(tmp_path / "full"), quiet=True)
+    run, _ = train(tiny(*DELAY1, "--run.keep_checkpoints=2"), str(tmp_path / "kept"), quiet=True, stop_after=3)
+    store = LocalStore(run.store_dir)
+    assert held(store, rounds_of(run.root)) == [False, True, True]  # what the resume reads: rounds 1 and 2
+    # a crash between a record and its pruning leaves an old checkpoint: the resume deletes it (the
+    # full run's round 0 checkpoint is the same bytes: the same params and momentum)
+    store.put(LocalStore(full.store_dir).get(rounds_of(run.root)[0]["checkpoint"]))
+    assert held(store, rounds_of(run.root)) == [True, True, True]
+    resume(str(run.root), quiet=True)
+    a, b = rounds_of(full.root), rounds_of(run.root)
+    assert [r["params_hash"] for r in a] == [r["params_hash"] for r in b]
+    assert [r["eval_loss"] for r in a] == [r["eval_loss"] for r in b]
+    assert held(store, b) == [False, False, False, True, True]
+    assert all(held(LocalStore(full.store_dir), a))
+
+    code, _, out = cli(monkeypatch, capsys, "audit", str(run.root))
+    assert code == 0 and "5 checkpoints recomputed (3 pruned from the store: run.keep_checkpoints)" in out, out
+    code, lines, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / "r0"), "--round", "0")
+    assert code == 2 and len(lines) == 1 and "round 0's checkpoint was pruned" in lines[0] and "rounds 3..4" in lines[0]
+    assert not (tmp_path / "r0").exists()
+    code, _, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / "r4"))
+    assert code == 0 and (tmp_path / "r4").is_dir()
+
+    # a kept round's checkpoint is still required: gone, the audit fails on it, and so does a resume
+    store.delete(b[-1]["checkpoint"])
+    code, lines, _ = cli(monkeypatch, capsys, "audit", str(run.root))
+    assert code == 1 and "round 4: checkpoint: blob" in lines[0], lines
+
+
+def test_resume_names_a_missing_checkpoint_before_starting_workers(tmp_path):
+    from veriloco.records import RunDirError
+
+    run, _ = train(tiny("--train.rounds=3"), str(tmp_path / "r"), quiet=True, stop_after=2)
+    LocalStore(run.store_dir).delete(rounds_of(run.root)[-1]["checkpoint"])
+    with pytest.raises(RunDirError, match="round 1's checkpoint .* is missing from"):
+        resume(str(run.root), quiet=True)
+
+
+def test_pipelined_and_elastic_runs_prune_too(tmp_path, monkeypatch, capsys):
+    """Two stages (the recorder prunes at once, the other stage process a round later) and elastic
+    membership (the member that commits a round prunes): the newest two rounds' checkpoints stay
+    and the audit passes."""
+    for name, extra, gone in (("stages", ("--topology.stages=2", "--model.n_layer=2"), 4),  # 2 rounds x 2 stages
+                              ("elastic", ("--run.membership=elastic", "--run.timeout_s=30", "--run.heartbeat_timeout_s=1.5"), 2)):
+        run, _ = train(tiny("--train.rounds=4", "--run.keep_checkpoints=2", *extra), str(tmp_path / name), quiet=True)
+        recs = rounds_of(run.root)
+        assert held(LocalStore(run.store_dir), recs) == [False, False, True, True], name
+        code, _, out = cli(monkeypatch, capsys, "audit", str(run.root))
+        assert code == 0 and f"({gone} pruned from the store" in out, (name, out)
