@@ -46,9 +46,10 @@ def test_the_traffic_it_plans_is_what_the_workers_send(tmp_path, monkeypatch, ca
     assert fetched and set(fetched) == {plan.stages[0].state_bytes}, (fetched, plan.stages[0].state_bytes)
     recs = rounds_of(tmp_path / "run")
     store = LocalStore(tmp_path / "run" / "store", create=False)
-    for rec in recs:  # what a round adds to the store: its checkpoint, bundles and packets, plus their headers
-        stored = sum(store.path_of(d).stat().st_size for d in [rec["checkpoint"], *rec["bundles"], *rec["packets"]])
-        assert 0 < stored - plan.store_per_round <= 2 * 3 * 12_000 + 8_000, (stored, plan.store_per_round)
+    for rec in recs:  # what a round adds to the store: its checkpoint and bundles, plus headers and commitments
+        stored = sum(store.path_of(d).stat().st_size for d in [rec["checkpoint"], *rec["bundles"]])
+        assert 0 < stored - plan.store_per_round <= 3 * 12_000 + 8_000, (stored, plan.store_per_round)
+        assert not any(map(store.has, rec["packets"]))  # a packet is stored inside its bundle only
     step = sorted(sum(r["inner_s"]) / 3 / 5 for r in recs)[0:2]  # two rounds: the median is their mean
     code, err, out = cli(monkeypatch, capsys, "plan", str(tmp_path / "run"), "--link.bandwidth=10mbit")
     assert code == 0 and not err, err

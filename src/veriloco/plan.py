@@ -78,8 +78,8 @@ class Plan:
     @property
     def store_per_round(self) -> int:
         """Payload bytes a round adds to a store all the workers share (RUN/store of a local run):
-        the checkpoint, every worker's bundle, and each worker's own packet, stored on its own too."""
-        return self.checkpoint_bytes + 2 * self.topo.workers * self.payload
+        the checkpoint and every worker's bundle (its packet and signed commitment)."""
+        return self.checkpoint_bytes + self.topo.workers * self.payload
 
     @property
     def ddp_per_round(self) -> float:
@@ -298,8 +298,8 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
 
 def _store_line(plan: Plan) -> str:
     """What a round adds to the run's store (RUN/store, one for all of a machine's workers): the
-    checkpoint (G and, with outer momentum, its buffers), every worker's bundle, and each worker's
-    own packet, which is stored on its own too; and the private states each process keeps."""
+    checkpoint (G and, with outer momentum, its buffers) and every worker's bundle; and the
+    private states each process keeps."""
     cfg, W, S = plan.cfg, plan.topo.workers, plan.topo.stages
     model = plan.params * PARAM_BYTES
     state = 2 * model + (model if cfg.compress.error_feedback else 0)  # AdamW moments (+ residuals)
@@ -307,7 +307,7 @@ def _store_line(plan: Plan) -> str:
     held = plan.store_per_round * rounds - plan.checkpoint_bytes * max(rounds - keep, 0) * (keep > 0)
     kept = f"the newest {keep} checkpoints kept (run.keep_checkpoints)" if keep else "kept for the audit"
     return (f"store: each round adds {_mb(plan.store_per_round)} (a checkpoint of {_mb(plan.checkpoint_bytes)}, "
-            f"the {W} bundles and the {W} packets on their own, {_mb(W * plan.payload)} each), "
+            f"the {W} bundles, {_mb(W * plan.payload)}), "
             f"{_mb(held)} for {rounds} rounds, {kept}; "
             f"each {'stage ' if S > 1 else ''}process also keeps its last two private states, {_mb(2 * state / S)} "
             "(not counted: the corpus, G_0, replays' kept states)")

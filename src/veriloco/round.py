@@ -656,7 +656,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
         decoded = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
     w.own_decoded = (w.own_decoded + [decoded])[-2:]
     w.own_packet = packet
-    packet_hash = w.store.put(packet)
+    packet_hash = sha256_hex(packet)  # stored inside its bundle (finish_round), not a second time on its own
     losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
     commitment = {
         "run_id": w.identity.run_id, "round": r, "worker": w.worker, "base_hash": w.base_hashes[r],
