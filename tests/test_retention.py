@@ -15,7 +15,8 @@ from veriloco.records import checkpoint_blobs, prune_checkpoints, pruned
 from veriloco.run import resume, train
 from veriloco.store import LocalStore
 
-DELAY1 = ("--train.rounds=5", "--outer.delay=1", "--outer.momentum=0.5")
+DELAY1 = ("--train.rounds=5", "--outer.delay=1", "--outer.momentum=0.5", "--outer.lookahead=true",
+          "--train.inner_state=reset", "--verify.replay_probability=1.0", "--verify.trace_every=5")
 
 
 def held(store: LocalStore, recs: list[dict]) -> list[bool]:
@@ -49,9 +50,10 @@ def test_keep_checkpoints_must_leave_a_resume_its_two(monkeypatch, capsys):
 
 
 def test_a_pruned_run_trains_resumes_audits_and_exports_as_a_full_one(tmp_path, monkeypatch, capsys):
-    """Delay 1, stopped after 3 rounds and resumed, keep 2: the same params every round as the run
-    that keeps everything; its store holds the newest two checkpoints; the audit recomputes all
-    five and says three were pruned; export takes a kept round and names a pruned one."""
+    """Delay 1 with every round replayed, stopped after 3 rounds and resumed, keep 2: the same
+    params every round as the run that keeps everything; its store holds the newest two
+    checkpoints; the audit recomputes all five, re-runs the replays and says three were pruned;
+    export takes a kept round and names a pruned one."""
     full, _ = train(tiny(*DELAY1), str(tmp_path / "full"), quiet=True)
     run, _ = train(tiny(*DELAY1, "--run.keep_checkpoints=2"), str(tmp_path / "kept"), quiet=True, stop_after=3)
     store = LocalStore(run.store_dir)
@@ -67,8 +69,19 @@ def test_a_pruned_run_trains_resumes_audits_and_exports_as_a_full_one(tmp_path, 
     assert held(store, b) == [False, False, False, True, True]
     assert all(held(LocalStore(full.store_dir), a))
 
-    code, _, out = cli(monkeypatch, capsys, "audit", str(run.root))
+    import veriloco.audit as audit
+
+    held_bases, finish = [], audit._finish_slice
+
+    def counting(cfg, sl, *args):  # the audit holds the newest two rounds' params, not every round's
+        out = finish(cfg, sl, *args)
+        held_bases.append(sorted(sl.bases))
+        return out
+
+    monkeypatch.setattr(audit, "_finish_slice", counting)
+    code, _, out = cli(monkeypatch, capsys, "audit", str(run.root), "--replay", "10")
     assert code == 0 and "5 checkpoints recomputed (3 pruned from the store: run.keep_checkpoints)" in out, out
+    assert "10 replays" in out and held_bases == [[0], [0, 1], [1, 2], [2, 3], [3, 4]], (out, held_bases)
     code, lines, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / "r0"), "--round", "0")
     assert code == 2 and len(lines) == 1 and "round 0's checkpoint was pruned" in lines[0] and "rounds 3..4" in lines[0]
     assert not (tmp_path / "r0").exists()

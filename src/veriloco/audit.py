@@ -416,8 +416,10 @@ class _Slice:
     params_after: list = field(default_factory=list)  # params hash after each round
     previous: tuple = ({}, {})  # last round's decoded packet hashes and accepted deltas (screen)
     earlier: dict = field(default_factory=dict)  # the round before's accepted deltas (round.screens_earlier)
-    bases: list = field(default_factory=list)  # params after each round (replay start points)
-    momenta: list = field(default_factory=list)  # the outer momentum after each round (lookahead)
+    # round -> the params after it (replay and loss-gain start points) and its outer momentum (lookahead), for the
+    # newest two rounds: a round starts from the one before it, or with delay 1 the one before that
+    bases: dict = field(default_factory=dict)
+    momenta: dict = field(default_factory=dict)
     history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
     banned: set = field(default_factory=set)  # workers convicted so far (verify.OFFENCES)
     disputes: set = field(default_factory=set)  # (auditor, worker) pairs whose states now go public
@@ -828,8 +830,10 @@ def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, record
     params_hash = tensors_hash(sl.outer.params)
     sl.params_after.append(params_hash)
     if cfg.verify.replay_probability > 0 or cfg.verify.loss_gain_batches:
-        sl.bases.append({k: v.clone() for k, v in sl.outer.params.items()})
-        sl.momenta.append(lookahead_momentum(cfg, sl.outer))
+        sl.bases[r] = {k: v.clone() for k, v in sl.outer.params.items()}
+        sl.momenta[r] = lookahead_momentum(cfg, sl.outer)
+        sl.bases.pop(r - 2, None)  # (before: the audit held every round's, its memory growing with the run)
+        sl.momenta.pop(r - 2, None)
     ckpt = {f"param/{k}": v for k, v in sl.outer.params.items()} | sl.outer.state_tensors()
     digest = tensors_digest(ckpt, {"round": str(r)})  # the bytes round.finish_round stored, hashed as a stream
     if digest != claimed_checkpoint or (claimed_params or params_hash) != params_hash:
