@@ -53,7 +53,7 @@ def test_a_pruned_run_trains_resumes_audits_and_exports_as_a_full_one(tmp_path, 
     """Delay 1 with every round replayed, stopped after 3 rounds and resumed, keep 2: the same
     params every round as the run that keeps everything; its store holds the newest two
     checkpoints; the audit recomputes all five, re-runs the replays and says three were pruned;
-    export takes a kept round and names a pruned one."""
+    export takes a kept round, and rebuilds a pruned one from G_0 and the packets."""
     full, _ = train(tiny(*DELAY1), str(tmp_path / "full"), quiet=True)
     run, _ = train(tiny(*DELAY1, "--run.keep_checkpoints=2"), str(tmp_path / "kept"), quiet=True, stop_after=3)
     store = LocalStore(run.store_dir)
@@ -82,11 +82,20 @@ def test_a_pruned_run_trains_resumes_audits_and_exports_as_a_full_one(tmp_path, 
     code, _, out = cli(monkeypatch, capsys, "audit", str(run.root), "--replay", "10")
     assert code == 0 and "5 checkpoints recomputed (3 pruned from the store: run.keep_checkpoints)" in out, out
     assert "10 replays" in out and held_bases == [[0], [0, 1], [1, 2], [2, 3], [3, 4]], (out, held_bases)
-    code, lines, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / "r0"), "--round", "0")
-    assert code == 2 and len(lines) == 1 and "round 0's checkpoint was pruned" in lines[0] and "rounds 3..4" in lines[0]
-    assert not (tmp_path / "r0").exists()
-    code, _, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / "r4"))
-    assert code == 0 and (tmp_path / "r4").is_dir()
+    # export of a pruned round rebuilds it from G_0 and the packets: the full run's checkpoint's params, bit for bit
+    for name, root, r in (("full-1", full.root, "1"), ("kept-1", run.root, "1"), ("kept-4", run.root, "4")):
+        code, lines, _ = cli(monkeypatch, capsys, "export", str(root), "--out", str(tmp_path / name), "--round", r)
+        assert code == 0, lines
+    weights = lambda name: (tmp_path / name / "model.safetensors").read_bytes()  # noqa: E731
+    assert weights("kept-1") == weights("full-1") != weights("kept-4")
+    # a rebuild checks every round it redoes: a bundle that is not what the run accepted stops it in one line
+    accepted_bundle = store.path_of(b[0]["bundles"][1])
+    good = accepted_bundle.read_bytes()
+    accepted_bundle.write_bytes(good[:-4] + bytes(4))
+    code, lines, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / "bad"), "--round", "1")
+    assert code == 2 and len(lines) == 1 and "round 0: worker 1's accepted packet does not load" in lines[0], lines
+    assert not (tmp_path / "bad").exists()
+    accepted_bundle.write_bytes(good)
 
     # a kept round's checkpoint is still required: gone, the audit fails on it, and so does a resume
     store.delete(b[-1]["checkpoint"])
@@ -114,3 +123,17 @@ def test_pipelined_and_elastic_runs_prune_too(tmp_path, monkeypatch, capsys):
         assert held(LocalStore(run.store_dir), recs) == [False, False, True, True], name
         code, _, out = cli(monkeypatch, capsys, "audit", str(run.root))
         assert code == 0 and f"({gone} pruned from the store" in out, (name, out)
+        code, lines, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / f"{name}-0"), "--round", "0")
+        assert (code, name) == (0, "elastic") or (code == 2 and "a pipelined run's pruned rounds are not rebuilt" in lines[0]), lines
+
+
+def test_a_rebuild_takes_the_accepted_packets_only(tmp_path, monkeypatch, capsys):
+    """Worker 2 sends noise, rejected in round 0: rebuilding round 0 aggregates the other two
+    packets, as the round did (its aggregate hash would not match otherwise)."""
+    run, _ = train(tiny("--train.rounds=3", "--topology.workers=3", "--run.keep_checkpoints=2", "--adversary.2=noise"),
+                   str(tmp_path / "r"), quiet=True)
+    recs = rounds_of(run.root)
+    assert recs[0]["verdicts"] == ["accept", "accept", "norm_outlier"], recs[0]["verdicts"]
+    assert held(LocalStore(run.store_dir), recs) == [False, True, True]
+    code, lines, _ = cli(monkeypatch, capsys, "export", str(run.root), "--out", str(tmp_path / "e"), "--round", "0")
+    assert code == 0 and (tmp_path / "e" / "model.safetensors").is_file(), lines

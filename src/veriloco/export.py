@@ -2,7 +2,8 @@
 
 The params come from the round's checkpoint in the run's store (a pipelined run's stage
 checkpoints, merged), each checked against the params hash its round record names; the store
-checks every blob against its digest. What is written:
+checks every blob against its digest. A round whose checkpoint `[run] keep_checkpoints` pruned is
+rebuilt from G_0 and the rounds' accepted packets (`rebuild`, one stage only). What is written:
 
 - `[model] arch` a transformers architecture (hf.py): `config.json` and `model.safetensors`, which
   `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as it is;
@@ -23,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
+
+import torch
 
 from .config import Config, ConfigError, config_from_dict
 from .hashing import TensorsHasher
@@ -73,7 +76,7 @@ class Opened(NamedTuple):
     manifest: dict
     store: LocalStore
     cfg: Config
-    params: RoundParams
+    params: RoundParams | RebuiltParams
     round: int
 
     def tokenizer_json(self) -> bytes | None:
@@ -85,6 +88,59 @@ class Opened(NamedTuple):
             return self.store.get(digest)
         except StoreError as e:
             raise ExportError(f"the run's tokenizer does not load from its store: {str(e).splitlines()[0]}") from None
+
+
+class RebuiltParams(dict):
+    """The global params after a round whose checkpoint `[run] keep_checkpoints` pruned, redone
+    from G_0 and the packets (`rebuild`), which checked them round by round."""
+
+    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {k: (v.dtype, tuple(v.shape)) for k, v in self.items()}
+
+    def check(self) -> None:
+        """Nothing left to check: every round's aggregate and params hash were, as it was rebuilt."""
+
+
+def rebuild(store: LocalStore, manifest: dict, cfg: Config, records: list[dict]) -> RebuiltParams:
+    """G after the last of `records` (rounds 0..r, in order) without its checkpoint: from G_0 (the
+    store's, or the seed's for a run that kept none), each round's accepted packets (its record's
+    verdicts) decoded from their bundles, aggregated as the run did and stepped by the outer
+    optimizer, as `veriloco audit` redoes the rounds; each round's aggregate and params hash must
+    be its record's. ExportError, one line, where one is not."""
+    from .hashing import tensors_hash
+    from .model import build_model
+    from .outer import OuterOptimizer
+    from .packet import PacketError, decode_bundle, decode_packet
+    from .round import aggregate_deltas
+    from .task import StoredParams, initial_digest
+
+    digest = initial_digest(manifest)
+    try:
+        start = StoredParams(store, digest) if digest else dict(build_model(cfg.model, cfg.run.seed).named_parameters())
+        outer = OuterOptimizer({k: start[k].detach().clone() for k in start}, cfg.outer)
+    except StoreError as e:
+        raise ExportError(f"G_0 does not load from the run's store: {str(e).splitlines()[0]}") from None
+    shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
+    for r, rec in enumerate(records):
+        accepted = {}
+        verdicts, bundles = rec.get("verdicts"), rec.get("bundles")
+        if not (isinstance(verdicts, list) and isinstance(bundles, list) and len(verdicts) == len(bundles)):
+            raise ExportError(f"round {r}: its record does not name a verdict and a bundle for every worker")
+        for j, verdict in enumerate(verdicts):
+            if verdict == "accept":
+                try:
+                    packet = decode_bundle(store.get(bundles[j], max_bytes=cfg.run.max_packet_bytes + (1 << 20)))[1]
+                    accepted[j] = decode_packet(packet, shapes, cfg.run.max_packet_bytes)
+                except (StoreError, PacketError, ValueError, TypeError) as e:
+                    raise ExportError(f"round {r}: worker {j}'s accepted packet does not load: {str(e).splitlines()[0]}") from None
+        aggregate = aggregate_deltas(accepted, cfg.verify) if accepted else None
+        if (tensors_hash(aggregate) if aggregate is not None else None) != rec.get("aggregate_hash"):
+            raise ExportError(f"round {r}: the accepted packets do not aggregate to its record's aggregate hash")
+        if aggregate is not None:
+            outer.step(aggregate)
+        if tensors_hash(outer.params) != rec.get("params_hash"):
+            raise ExportError(f"round {r}: the outer step does not give its record's params hash")
+    return RebuiltParams(outer.params)
 
 
 def open_round(run_dir: str | Path, round: int | None = None) -> Opened:
@@ -113,8 +169,12 @@ def open_round(run_dir: str | Path, round: int | None = None) -> Opened:
         raise ExportError(f"round {r}: its record does not name a checkpoint and params hash for every stage")
     keep = cfg.run.keep_checkpoints
     if pruned(keep, len(records), r) and not all(store.has(p["checkpoint"]) for p in parts):
-        raise ExportError(f"round {r}'s checkpoint was pruned: run.keep_checkpoints = {keep} keeps rounds "
-                          f"{len(records) - keep}..{len(records) - 1}")
+        if cfg.topology.stages > 1:
+            raise ExportError(f"round {r}'s checkpoint was pruned: run.keep_checkpoints = {keep} keeps rounds "
+                              f"{len(records) - keep}..{len(records) - 1} (a pipelined run's pruned rounds are not rebuilt)")
+        if sorted(x for x in rounds if x <= r) != list(range(r + 1)):
+            raise ExportError(f"{run.root}/rounds.jsonl does not hold rounds 0..{r}, which rebuild round {r}")
+        return Opened(manifest, store, cfg, rebuild(store, manifest, cfg, [rounds[x] for x in range(r + 1)]), r)
     params = RoundParams(store, parts, r)
     params.check()
     return Opened(manifest, store, cfg, params, r)
@@ -167,4 +227,4 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
     return out, r
 
 
-__all__ = ["ExportError", "Opened", "RoundParams", "export_run", "open_round", "run_params"]
+__all__ = ["ExportError", "Opened", "RebuiltParams", "RoundParams", "export_run", "open_round", "rebuild", "run_params"]
