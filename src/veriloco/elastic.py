@@ -62,7 +62,7 @@ from .link import Link
 from .membership import Membership, MembershipError, QuorumView
 from .outer import OuterOptimizer
 from .packet import PacketError, decode_bundle, decode_packet
-from .records import prune_checkpoints, pruned
+from .records import RoundsFollower, prune_checkpoints, pruned
 from .round import (
     Participants,
     Sent,
@@ -580,8 +580,9 @@ def _await_record(w: Worker, round: int) -> dict | None:
     if round < 0:
         return None
     deadline = time.monotonic() + w.cfg.run.timeout_s
+    follower = RoundsFollower(w.run)  # polled every 20 ms: only what was appended is parsed
     while True:
-        records = w.run.rounds()
+        records = follower.rounds()
         if len(records) > round:
             return records[round]
         if time.monotonic() > deadline:
@@ -738,8 +739,9 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
                 start(j)
         complete_at, progress_at = None, time.perf_counter()
         stall_s = max(3 * cfg.run.timeout_s, 60.0)
+        rounds = RoundsFollower(run)  # polled every 50 ms: only what was appended is parsed
         while True:
-            records = run.rounds()
+            records = rounds.rounds()
             done = len(records)
             if done > seen:
                 progress_at = time.perf_counter()

@@ -115,6 +115,49 @@ class RunDir:
         atomic_write(self.summary_path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
 
 
+class RoundsFollower:
+    """A run's rounds.jsonl read as it grows, for a process that polls it many times a second
+    (the elastic launcher, a worker awaiting a record): each call parses only the lines appended
+    since the last. `RunDir.rounds` reads the whole file, 73 ms at 1000 rounds of 4 workers (2.3
+    KB a record), which a 20 Hz poll turned into most of a core. A line counts once its newline
+    is written (a torn last line waits); a file that shrank or was replaced (a resume truncates
+    it) is read again whole; a complete line that is not a JSON object is a RunDirError."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.path = run.rounds_path
+        self._records: list[dict[str, Any]] = []
+        self._offset, self._file = 0, None
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """Every complete record so far (the caller must not change the list)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        file = (st.st_dev, st.st_ino) if st else None
+        if file != self._file or (st is not None and st.st_size < self._offset):
+            self._records, self._offset, self._file = [], 0, file
+        if st is None or st.st_size == self._offset:
+            return self._records
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(st.st_size - self._offset)
+        end = data.rfind(b"\n") + 1
+        first = len(self._records)
+        for i, raw in enumerate(data[:end].split(b"\n")[:-1]):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                obj = None
+            if not isinstance(obj, dict):
+                raise RunDirError(f"{self.path.name} line {first + i + 1} is not a JSON object")
+            self._records.append(obj)
+        self._offset += end
+        return self._records
+
+
 def checkpoint_blobs(record: dict[str, Any]) -> set[str]:
     """The model-sized blobs a round record names: its checkpoint, or a pipelined run's stage
     checkpoints (the stage-checkpoint manifest it names instead is a few hundred bytes: kept)."""
