@@ -1465,7 +1465,7 @@ def train_worker(
     pending: Sent | None = None
     warned = False
     # [run] keep_checkpoints: every process prunes its store (a machine of a multi-machine run may have its own),
-    # another than the recorder one round later: the record naming its newest checkpoint may not be written yet
+    # any but the recorder one round later: the record that names its newest checkpoint may not be written yet
     keep = cfg.run.keep_checkpoints + (0 if w.is_recorder or not cfg.run.keep_checkpoints else 1)
     recent = list(prior[-keep:]) if keep else []  # the newest records, for pruning
 
