@@ -2,9 +2,10 @@
 (`RunDir.rounds`) against only what was appended (`RoundsFollower`, what the elastic launcher and
 a worker awaiting a record poll, every 50 and 20 ms).
 
-    python bench/records_poll.py [--rounds 100,1000,10000] [--workers 4] [--out bench/results/records_poll.json]
+    python bench/records_poll.py [--rounds 100,1000,10000] [--workers 4] [--config FILE]
+                                 [--out bench/results/records_poll.json]
 
-A real record first: a 1-round run of `configs/default.toml` with `--topology.workers W`
+A real record first: a 1-round run of `--config` (default `configs/default.toml`) with `--topology.workers W`
 (`--train.inner_steps=1`); its rounds.jsonl line is then written N times. For each N: the median
 of 5 whole reads, the follower's first read, and the median of 1000 polls after it with nothing
 new, then with one record appended before each poll. Both must give the same records.
@@ -42,6 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", default="100,1000,10000", help="record counts, comma-separated")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "default.toml"), help="the config of the run whose record is copied")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "records_poll.json"))
     args = ap.parse_args()
     try:
@@ -53,7 +55,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
-        done = subprocess.run([sys.executable, "-m", "veriloco.cli", "train", str(ROOT / "configs" / "default.toml"),
+        done = subprocess.run([sys.executable, "-m", "veriloco.cli", "train", args.config,
                                "--out", str(src), "--quiet", "--train.rounds=1", "--train.inner_steps=1",
                                "--train.eval_batches=1", f"--topology.workers={args.workers}"],
                               capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from conftest import bench_arguments, run_bench
+from conftest import TINY, bench_arguments, run_bench
 
 
 def test_the_follower_reads_the_same_records_and_the_table_prints(tmp_path):
     out = tmp_path / "records_poll.json"
-    p = run_bench("records_poll.py", "--rounds", "10,50", "--workers", "2", "--out", str(out))
+    p = run_bench("records_poll.py", "--rounds", "10,50", "--workers", "2", "--config", str(TINY), "--out", str(out))
     assert p.returncode == 0, p.stderr
     result = json.loads(out.read_text())  # (the bench stops if the follower reads other records)
     assert [r["records"] for r in result["rows"]] == [10, 50] and result["record_bytes"] > 500
