@@ -164,3 +164,27 @@ def test_the_rounds_follower_reads_what_was_appended_and_starts_over_on_a_new_fi
         f.write("[1, 2]\n")
     with pytest.raises(RunDirError, match="rounds.jsonl line 4 is not a JSON object"):
         follower.rounds()
+
+
+def test_a_run_that_will_not_fit_on_its_disk_says_so_and_runs(tmp_path, monkeypatch, capsys):
+    """`veriloco train` and a resume warn (one line on stderr) when the plan's store and private
+    states for the rounds to come exceed the free space of the run's filesystem; nothing else."""
+    import shutil
+    from collections import namedtuple
+
+    from veriloco.plan import disk_warning, make_plan
+
+    cfg = tiny("--train.rounds=2")
+    plan = make_plan(cfg)
+    need = plan.store_held(2) + plan.private_state_bytes * 2
+    assert plan.store_held(2) == 2 * (plan.checkpoint_bytes + 2 * plan.payload)
+    assert make_plan(tiny("--train.rounds=5", "--run.keep_checkpoints=2")).store_held(5, 1) == 4 * 2 * plan.payload + plan.checkpoint_bytes
+    assert disk_warning(cfg, tmp_path) is None  # this disk has room for a tiny run
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(need, need - 1000, 1000))
+    line = disk_warning(cfg, tmp_path)
+    assert line.startswith("warning: rounds 0..1 will write about ") and "has 1.0 KB free" in line
+    assert "--run.keep_checkpoints=2" in line
+    capsys.readouterr()
+    run, summary = train(cfg, str(tmp_path / "r"), quiet=True)
+    assert summary["complete"] and "warning: rounds 0..1 will write about" in capsys.readouterr().err

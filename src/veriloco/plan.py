@@ -81,6 +81,21 @@ class Plan:
         the checkpoint and every worker's bundle (its packet and signed commitment)."""
         return self.checkpoint_bytes + self.topo.workers * self.payload
 
+    def store_held(self, rounds: int, done: int = 0) -> int:
+        """Payload bytes the store gains from round `done` to `rounds` (round by round: the
+        bundles; the checkpoints, of which `[run] keep_checkpoints` = N keeps the newest N)."""
+        keep, new = self.cfg.run.keep_checkpoints, max(rounds - done, 0)
+        checkpoints = new if not keep else max(min(rounds, keep) - min(done, keep), 0)  # pruned as others come
+        return new * self.topo.workers * self.payload + checkpoints * self.checkpoint_bytes
+
+    @property
+    def private_state_bytes(self) -> int:
+        """What one process keeps on disk of its private state: its last two (AdamW moments, and
+        with error feedback the residuals, of its stage's slice)."""
+        model = self.params * PARAM_BYTES
+        state = 2 * model + (model if self.cfg.compress.error_feedback else 0)
+        return int(2 * state / self.topo.stages)
+
     @property
     def ddp_per_round(self) -> float:
         """What a worker would send in the round's H steps with DDP: a ring all-reduce of the fp32
@@ -301,16 +316,39 @@ def _store_line(plan: Plan) -> str:
     checkpoint (G and, with outer momentum, its buffers) and every worker's bundle; and the
     private states each process keeps."""
     cfg, W, S = plan.cfg, plan.topo.workers, plan.topo.stages
-    model = plan.params * PARAM_BYTES
-    state = 2 * model + (model if cfg.compress.error_feedback else 0)  # AdamW moments (+ residuals)
     rounds, keep = cfg.train.rounds, cfg.run.keep_checkpoints
-    held = plan.store_per_round * rounds - plan.checkpoint_bytes * max(rounds - keep, 0) * (keep > 0)
     kept = f"the newest {keep} checkpoints kept (run.keep_checkpoints)" if keep else "kept for the audit"
     return (f"store: each round adds {_mb(plan.store_per_round)} (a checkpoint of {_mb(plan.checkpoint_bytes)}, "
             f"the {W} bundles, {_mb(W * plan.payload)}), "
-            f"{_mb(held)} for {rounds} rounds, {kept}; "
-            f"each {'stage ' if S > 1 else ''}process also keeps its last two private states, {_mb(2 * state / S)} "
+            f"{_mb(plan.store_held(rounds))} for {rounds} rounds, {kept}; "
+            f"each {'stage ' if S > 1 else ''}process also keeps its last two private states, {_mb(plan.private_state_bytes)} "
             "(not counted: the corpus, G_0, replays' kept states)")
+
+
+def disk_warning(cfg: Config, directory: str | Path, done: int = 0) -> str | None:
+    """One line when the rounds `done`.. of `cfg` will write more to `directory`'s filesystem
+    (the run's store and its processes' private states, as `veriloco plan` counts them) than it
+    has free now; None when they fit. A warning, not a refusal: compressed packets vary."""
+    import shutil
+
+    plan = make_plan(cfg)
+    states = plan.private_state_bytes * plan.topo.workers * plan.topo.stages if done == 0 else 0  # then already there
+    need = plan.store_held(cfg.train.rounds, done) + states
+    free = shutil.disk_usage(directory).free
+    if need <= free:
+        return None
+    hint = ""
+    if not cfg.run.keep_checkpoints:
+        pruning = copy.deepcopy(cfg)
+        pruning.run.keep_checkpoints = 2
+        hint = (f"; with --run.keep_checkpoints=2 (the newest two checkpoints kept) it would be "
+                f"{_size(make_plan(pruning).store_held(cfg.train.rounds, done) + states)}")
+    return (f"warning: rounds {done}..{cfg.train.rounds - 1} will write about {_size(need)} to {directory} "
+            f"(`veriloco plan` counts it) and it has {_size(free)} free{hint}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else _mb(n)
 
 
 def _verify_lines(plan: Plan) -> list[str]:

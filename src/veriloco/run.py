@@ -189,7 +189,20 @@ def train(
             raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
         parse_faults(faults, cfg.topology.workers)
     run, task = prepare_run(cfg, out)
+    warn_disk(cfg, run, 0)
     return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults, placement)
+
+
+def warn_disk(cfg: Config, run: RunDir, done: int) -> None:
+    """A line on stderr when the run's rounds from `done` on will not fit on its disk as it is now
+    (`plan.disk_warning`); the run goes on (a DDP baseline writes no checkpoints: nothing said)."""
+    if cfg.train.mode != "diloco":
+        return
+    from .plan import disk_warning
+
+    warning = disk_warning(cfg, run.root, done)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
 
 
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
@@ -237,6 +250,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
             if not store.has(digest):
                 raise RunDirError(f"round {rec['round']}'s checkpoint {digest[:16]} is missing from {run.store_dir} "
                                   f"(a resume reads the newest {1 + cfg.outer.delay} rounds' checkpoints)")
+    warn_disk(cfg, run, done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
 
