@@ -91,12 +91,13 @@ from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import (
     CorpusTask,
     StoredCorpus,
+    StoredParams,
     Task,
     model_init_hash,
     on_device,
     take_device,
 )
-from .tensorfile import tensors_digest
+from .tensorfile import layout_of, tensors_digest
 from .topology import build_stage_model, stage_model
 from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
@@ -476,11 +477,12 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     store = src.store
     initial, key = None, "initial_params" if "initial_params" in manifest else "init"
     if key in manifest:  # G_0 as the store keeps it (the [model] init weights, or the seed's)
-        try:
-            initial = st_load(store.get(manifest[key]))
+        try:  # a local store's read a tensor at a time when asked for (hashed as a stream first), never held whole
+            initial = StoredParams(store, manifest[key]) if isinstance(store, LocalStore) else st_load(store.get(manifest[key]))
         except (StoreError, SafetensorError, ValueError, TypeError) as e:
             _fail(f"manifest: the starting weights it names ({key}) do not load from the store: {str(e).splitlines()[0]}")
-        if {k: tuple(v.shape) for k, v in initial.items()} != {k: tuple(p.shape) for k, p in build_meta(cfg.model).named_parameters()}:
+        if {k: shape for k, (_, shape) in layout_of(initial).items()} != \
+                {k: tuple(p.shape) for k, p in build_meta(cfg.model).named_parameters()}:
             _fail(f"manifest: the starting weights it names ({key}) are not this config's model")
     from_disk = "init" in manifest  # [model] init: G_0 is weights from disk, not the seed's
     G0 = build_model(cfg.model, cfg.run.seed) if initial is None or not from_disk else model_from(cfg.model, initial)
