@@ -142,6 +142,15 @@ def check_digest(digest: str) -> str:
 _VERIFIED: set[tuple[str, str, int, int]] = set()  # (path, digest, size, mtime) hashed here: LocalStore.verified_path
 
 
+def _check_stream(digest: str, f: BinaryIO) -> None:
+    """StoreError unless what is left to read of `f` hashes to `digest` (read 4 MiB at a time)."""
+    h = hashlib.sha256()
+    while chunk := f.read(1 << 22):
+        h.update(chunk)
+    if h.hexdigest() != digest:
+        raise StoreError(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
+
+
 class LocalStore:
     """Blobs under `root/ab/cdef...` on local disk; refs under `root/refs/`.
 
@@ -196,13 +205,9 @@ class LocalStore:
                 seen = (str(path), digest, st.st_size, st.st_mtime_ns)
                 if seen in _VERIFIED:
                     return path
-                h = hashlib.sha256()
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
+                _check_stream(digest, f)
         except FileNotFoundError:
             raise StoreError(f"blob {digest} is missing from {self.root}") from None
-        if h.hexdigest() != digest:
-            raise StoreError(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
         _VERIFIED.add(seen)
         return path
 
@@ -352,15 +357,11 @@ class FsspecStore:
     def verify(self, digest: str) -> None:
         """StoreError unless blob `digest` is present and its bytes hash to its name (read as a
         stream: a checkpoint need not fit in memory)."""
-        h = hashlib.sha256()
         try:
             with self.fs.open(self._path(digest), "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
+                _check_stream(digest, f)
         except FileNotFoundError:
             raise StoreError(f"blob {digest} is missing from {self.url}") from None
-        if h.hexdigest() != digest:
-            raise StoreError(f"blob {digest} is corrupt: its bytes hash to {h.hexdigest()}")
 
     def delete(self, digest: str) -> bool:
         """Remove blob `digest`; True when it was there (see LocalStore.delete)."""
