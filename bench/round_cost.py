@@ -16,7 +16,8 @@ record the same params hash every round, or the script stops.
 From each run's round records (rounds 1..; round 0 also starts the processes), per round:
 `round_s` (the recorder's round, start to record), the slowest worker's `inner_s`, `wait_s`
 (waiting for the exchange) and `verify_s` (the checks), and `other_s`, what is left: aggregate,
-outer step, checkpoint, state, hashes, record. Prints the medians and new/old ratios.
+outer step, checkpoint, state, hashes, record; and `peak_rss_mb`, the largest worker process's
+peak resident memory so far (MB). Prints the medians and new/old ratios.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = ["model.d_model=768", "model.n_head=12", "model.n_layer=6", "topology.workers=2", "train.inner_steps=2",
         "train.batch_size=2", "train.eval_batches=1", "train.eval_every=100"]
-FIELDS = ("round_s", "inner_s", "wait_s", "verify_s", "other_s")
+FIELDS = ("round_s", "inner_s", "wait_s", "verify_s", "other_s", "peak_rss_mb")
 
 
 def source_of(rev: str, into: Path) -> Path:
@@ -68,7 +69,7 @@ def per_round(records: list[dict]) -> dict[str, float]:
     for r in records[1:]:
         inner, wait, verify = max(r["inner_s"]), max(r["wait_s"]), max(r["verify_s"])
         rows.append({"round_s": r["round_s"], "inner_s": inner, "wait_s": wait, "verify_s": verify,
-                     "other_s": r["round_s"] - inner - wait - verify})
+                     "other_s": r["round_s"] - inner - wait - verify, "peak_rss_mb": max(r["peak_rss_mb"])})
     return {k: statistics.median(x[k] for x in rows) for k in FIELDS}
 
 
@@ -99,11 +100,11 @@ def main() -> int:
                 print(f"{side} {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in results[side][-1].items()), flush=True)
     medians = {side: {k: statistics.median(x[k] for x in rows) for k in FIELDS} for side, rows in results.items()}
     print(f"\nmedian seconds a round over rounds 1-{args.rounds - 1}, {args.repeats} runs each (old = {args.old})")
-    print(f"{'':10s}" + "".join(f"{k:>11s}" for k in FIELDS))
+    print(f"{'':10s}" + "".join(f"{k:>12s}" for k in FIELDS))
     for side in ("old", "new"):
-        print(f"{side:10s}" + "".join(f"{medians[side][k]:11.3f}" for k in FIELDS))
+        print(f"{side:10s}" + "".join(f"{medians[side][k]:12.3f}" for k in FIELDS))
     ratio = {k: medians["new"][k] / medians["old"][k] if medians["old"][k] else float("nan") for k in FIELDS}
-    print(f"{'new/old':10s}" + "".join(f"{ratio[k]:11.3f}" for k in FIELDS))
+    print(f"{'new/old':10s}" + "".join(f"{ratio[k]:12.3f}" for k in FIELDS))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"old": args.old, "overrides": overrides, "rounds": args.rounds,
                                           "repeats": args.repeats, "runs": results, "median": medians,

@@ -421,7 +421,7 @@ class _Slice:
     # newest two rounds: a round starts from the one before it, or with delay 1 the one before that
     bases: dict = field(default_factory=dict)
     momenta: dict = field(default_factory=dict)
-    history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (eager)
+    history: dict = field(default_factory=dict)  # worker -> [its newest decoded delta] (eager replay starts)
     banned: set = field(default_factory=set)  # workers convicted so far (verify.OFFENCES)
     disputes: set = field(default_factory=set)  # (auditor, worker) pairs whose states now go public
 
@@ -804,7 +804,7 @@ def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, record
         _fail(f"{where}the record lists disputed pairs {part.get('disputes', [])}, the replays so far "
               f"{sorted([a, j] for a, j in sl.disputes)}")
     for j, d in check.decoded.items():
-        sl.history[j] = (sl.history.get(j, []) + [d])[-2:]
+        sl.history[j] = [d]  # the next round's replays start from it (start_point: the newest counts)
     for c in recorded:
         j, verdict = c["worker"], c["verdict"]
         if j not in checked.present:  # absent or late: nothing of it may be in the round

@@ -172,7 +172,7 @@ class Worker:
     earlier: dict = field(default_factory=dict)  # the round before's accepted deltas (screens_earlier)
     resumed_view: dict | None = None  # delay 1, resumed: the deltas an adversary saw as previous then
     adversary: Adversary | None = None  # set only when this worker is configured to attack
-    history: dict = field(default_factory=dict)  # worker -> its last two decoded deltas (replay starts)
+    history: dict = field(default_factory=dict)  # worker -> [its newest decoded delta] (replay starts; until the 26th session its last two)
     history_rounds: dict = field(default_factory=dict)  # worker -> the round of its newest delta in history
     bases: dict = field(default_factory=dict)  # round -> G its delta is measured from (replay, loss gains)
     starts: dict = field(default_factory=dict)  # overlap_steps: round -> G when its inner steps began (replay)
@@ -1144,7 +1144,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     if cfg.verify.ban:
         w.banned |= {j for j, v in check.verdicts.items() if v in OFFENCES}
     for j, d in check.decoded.items():
-        w.history[j] = (w.history.get(j, []) + [d])[-2:]
+        w.history[j] = [d]  # a replay of the next round starts from it (start_point: the newest counts)
         w.history_rounds[j] = r
     for r_old in [x for x in w.bases if x <= r]:
         w.bases.pop(r_old)
