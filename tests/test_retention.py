@@ -188,3 +188,33 @@ def test_a_run_that_will_not_fit_on_its_disk_says_so_and_runs(tmp_path, monkeypa
     capsys.readouterr()
     run, summary = train(cfg, str(tmp_path / "r"), quiet=True)
     assert summary["complete"] and "warning: rounds 0..1 will write about" in capsys.readouterr().err
+
+
+def test_the_rounds_follower_is_shared_safely_by_threads(tmp_path):
+    """An elastic worker's exchange thread awaits records while its main thread commits rounds
+    (one follower per process): polled from four threads while records are appended, every
+    thread sees a prefix of the file's records, never a record twice or a line cut in the middle."""
+    import threading
+
+    from veriloco.records import RoundsFollower, RunDir
+
+    run = RunDir(tmp_path)
+    follower, seen, errors = RoundsFollower(run), [[] for _ in range(4)], []
+    pad = "x" * 3000  # records of several pages, as a run of many workers writes
+
+    def poll(out: list) -> None:
+        try:
+            while len(out) < 300:
+                got = follower.rounds()
+                assert [r["round"] for r in got] == list(range(len(got))), [r["round"] for r in got][:10]
+                out[:] = got
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=poll, args=(s,)) for s in seen]
+    [t.start() for t in threads]
+    for r in range(300):
+        run.append_round({"round": r, "pad": pad})
+    [t.join(timeout=60) for t in threads]
+    assert not errors, errors[0]
+    assert all(len(s) == 300 for s in seen) and follower.rounds() == run.rounds()

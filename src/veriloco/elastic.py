@@ -441,8 +441,7 @@ _FOLLOWERS: dict[Path, RoundsFollower] = {}
 
 def _records(run: RunDir) -> list[dict]:
     """The run's records as they stand, read incrementally by this process's follower of them
-    (every member reads them each round to commit it; a whole read is 0.7 s at 10,000 rounds).
-    The caller must not change the list."""
+    (every member reads them each round to commit it; a whole read is 0.7 s at 10,000 rounds)."""
     if run.root not in _FOLLOWERS:
         _FOLLOWERS[run.root] = RoundsFollower(run)
     return _FOLLOWERS[run.root].rounds()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,9 +129,14 @@ class RoundsFollower:
         self.path = run.rounds_path
         self._records: list[dict[str, Any]] = []
         self._offset, self._file = 0, None
+        self._lock = threading.Lock()  # an elastic worker's exchange thread awaits records beside its main thread
 
     def rounds(self) -> list[dict[str, Any]]:
-        """Every complete record so far (the caller must not change the list)."""
+        """Every complete record so far (a list of its own; the records in it are shared)."""
+        with self._lock:
+            return list(self._read())
+
+    def _read(self) -> list[dict[str, Any]]:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -144,7 +150,7 @@ class RoundsFollower:
             f.seek(self._offset)
             data = f.read(st.st_size - self._offset)
         end = data.rfind(b"\n") + 1
-        first = len(self._records)
+        new = []
         for i, raw in enumerate(data[:end].split(b"\n")[:-1]):
             if not raw.strip():
                 continue
@@ -153,8 +159,9 @@ class RoundsFollower:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 obj = None
             if not isinstance(obj, dict):
-                raise RunDirError(f"{self.path.name} line {first + i + 1} is not a JSON object")
-            self._records.append(obj)
+                raise RunDirError(f"{self.path.name} line {len(self._records) + i + 1} is not a JSON object")
+            new.append(obj)
+        self._records += new  # all of it or (an error above) none, so the next call reads the same lines again
         self._offset += end
         return self._records
 
