@@ -218,3 +218,28 @@ def test_the_rounds_follower_is_shared_safely_by_threads(tmp_path):
     [t.join(timeout=60) for t in threads]
     assert not errors, errors[0]
     assert all(len(s) == 300 for s in seen) and follower.rounds() == run.rounds()
+
+
+def test_a_healer_whose_checkpoint_was_pruned_meanwhile_heals_to_a_newer_round(tmp_path):
+    """Elastic: the others may record two more rounds while a worker heals, and with keep 2 the
+    checkpoint it set out to load is gone. catch_up says so as a MembershipError, which
+    heal_toward answers by healing to the newest round (test_elastic); a checkpoint missing
+    from a round that was kept is still the store's error."""
+    from types import SimpleNamespace
+
+    from veriloco import elastic
+    from veriloco.membership import MembershipError
+    from veriloco.records import RunDir
+    from veriloco.store import StoreError
+
+    run, store = RunDir(tmp_path), LocalStore(tmp_path / "store")
+    gone = [store.put(f"checkpoint {r}".encode()) for r in range(4)]
+    for r in range(4):
+        run.append_round({"round": r, "checkpoint": gone[r]})
+        store.delete(gone[r])
+    w = SimpleNamespace(run=run, store=store, applied=-1, worker=2,
+                        cfg=tiny("--run.membership=elastic", "--run.keep_checkpoints=2", "--run.timeout_s=5"))
+    with pytest.raises(MembershipError, match="round 1's checkpoint was pruned .* before this worker read it"):
+        elastic.catch_up(w, 1)
+    with pytest.raises(StoreError, match="is missing"):
+        elastic.catch_up(w, 2)  # rounds 2 and 3 are the two kept: not pruned, missing
