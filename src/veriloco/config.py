@@ -394,7 +394,8 @@ class RunConfig:
         0, "round checkpoints the run's store keeps: 0 every round's; N >= 2 the newest N rounds', older ones "
         "deleted as rounds are recorded (a round's is G and its outer momentum: twice the model). A resume and "
         "a rejoining worker read the newest two; `veriloco audit` recomputes every round's checkpoint from the "
-        "packets either way and checks the kept ones; `veriloco export --round` needs a kept one",
+        "packets either way and checks the kept ones; `veriloco export --round` of a pruned round rebuilds it from "
+        "the packets (one stage)",
     )
     membership: str = _f(
         "static",

@@ -571,7 +571,7 @@ def catch_up(w: Worker, round: int) -> None:
     try:
         ckpt = st_load(w.store.get(record["checkpoint"]))  # the store checks the blob's hash
     except StoreError:
-        if pruned(w.cfg.run.keep_checkpoints, len(w.run.rounds()), round):  # the others went on while it healed
+        if pruned(w.cfg.run.keep_checkpoints, len(_records(w.run)), round):  # the others went on while it healed
             raise MembershipError(f"round {round}'s checkpoint was pruned (run.keep_checkpoints = "
                                   f"{w.cfg.run.keep_checkpoints}) before this worker read it") from None
         raise

@@ -172,7 +172,7 @@ class Worker:
     earlier: dict = field(default_factory=dict)  # the round before's accepted deltas (screens_earlier)
     resumed_view: dict | None = None  # delay 1, resumed: the deltas an adversary saw as previous then
     adversary: Adversary | None = None  # set only when this worker is configured to attack
-    history: dict = field(default_factory=dict)  # worker -> [its newest decoded delta] (replay starts; until the 26th session its last two)
+    history: dict = field(default_factory=dict)  # worker -> [its newest decoded delta] (replay starts)
     history_rounds: dict = field(default_factory=dict)  # worker -> the round of its newest delta in history
     bases: dict = field(default_factory=dict)  # round -> G its delta is measured from (replay, loss gains)
     starts: dict = field(default_factory=dict)  # overlap_steps: round -> G when its inner steps began (replay)
@@ -1466,7 +1466,9 @@ def train_worker(
     warned = False
     # [run] keep_checkpoints: every process prunes its store (a machine of a multi-machine run may have its own),
     # any but the recorder one round later: the record that names its newest checkpoint may not be written yet
-    keep = cfg.run.keep_checkpoints + (0 if w.is_recorder or not cfg.run.keep_checkpoints else 1)
+    keep = cfg.run.keep_checkpoints
+    if keep and not w.is_recorder:
+        keep += 1
     recent = list(prior[-keep:]) if keep else []  # the newest records, for pruning
 
     def land(overlapped_s: float) -> None:  # overlap_steps: round r-1's update lands inside round r

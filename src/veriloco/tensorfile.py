@@ -173,15 +173,21 @@ class _Digest:
         return len(data)
 
 
-def tensors_digest(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
-    """`sha256_hex(safetensors.torch.save(tensors, metadata))` without those bytes in memory (one
-    dtype: the file `write_tensors` writes, hashed as it goes; several go through `save`)."""
-    layout = layout_of(tensors)
+def _written_digest(layout: Layout, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None) -> str | None:
+    """The sha256 of the file `write_tensors` writes of `tensors` (hashed as it goes, nothing kept),
+    or None when they are of several dtypes (`save`'s bytes are not that file then)."""
     if len({dtype for dtype, _ in layout.values()}) != 1:
-        return hashlib.sha256(st_save(dict(tensors), metadata=metadata)).hexdigest()
+        return None
     sink = _Digest()
     write_tensors(sink, layout, tensors.__getitem__, metadata)
     return sink.sha256.hexdigest()
+
+
+def tensors_digest(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """`sha256_hex(safetensors.torch.save(tensors, metadata))` without those bytes in memory (one
+    dtype: the file `write_tensors` writes, hashed as it goes; several go through `save`)."""
+    return _written_digest(layout_of(tensors), tensors, metadata) or \
+        hashlib.sha256(st_save(dict(tensors), metadata=metadata)).hexdigest()
 
 
 def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
@@ -192,9 +198,9 @@ def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata
     written again, else it is written tensor by tensor to a staged file, hashed on the way, and
     moved in. Tensors of more than one dtype go through `save`."""
     layout = layout_of(tensors)
-    if len({dtype for dtype, _ in layout.values()}) != 1:
+    digest = _written_digest(layout, tensors, metadata)
+    if digest is None:
         return store.put(st_save(dict(tensors), metadata=metadata))
-    digest = tensors_digest(tensors, metadata)
     if store.has(digest):
         return digest
     with StagedBlob(store.root) as blob:
