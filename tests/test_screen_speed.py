@@ -9,6 +9,7 @@ run with 1 and 2 torch threads.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import math
@@ -27,6 +28,8 @@ from veriloco.verify import (
     NORM_OUTLIER,
 )
 from veriloco.verify.aggregate import (
+    FlatRow,
+    MedianRow,
     RowSums,
     aggregate,
     centered_clip,
@@ -38,6 +41,9 @@ from veriloco.verify.aggregate import (
     trimmed_mean,
 )
 from veriloco.verify.screen import ScreenConfig, Verdict, screen_round
+
+# the module, not the function of the same name that veriloco.verify exports
+aggregate_module = importlib.import_module("veriloco.verify.aggregate")
 
 # ---- the reference: the algorithms as they were before RowSums and the min/max network ----
 
@@ -442,3 +448,79 @@ def test_screen_of_float64_and_plain_tensor_deltas():
     assert as_json(screen_round(deltas, previous_deltas=previous)) == as_json(
         ref_screen(deltas, previous_deltas=previous)
     )
+
+
+@pytest.fixture
+def long_rows(monkeypatch):
+    """Rows count as long (summed a chunk at a time, read from their tensors) from 2 blocks on,
+    in chunks of `chunk` blocks: every level of the fold and every odd block out is reached
+    with small inputs."""
+
+    def set_chunk(chunk: int) -> None:
+        monkeypatch.setattr(aggregate_module, "_WORK", 2 * 1024)
+        monkeypatch.setattr(aggregate_module, "_CHUNK", chunk)
+        monkeypatch.setattr(aggregate_module, "_GROUP", 3)
+
+    set_chunk(1)
+    return set_chunk
+
+
+def test_long_rows_are_summed_a_chunk_at_a_time_bit_for_bit(long_rows, threads):
+    g = torch.Generator().manual_seed(40 + threads)
+    rng = random.Random(threads)
+    for chunk in (1, 2, 3, 5):
+        long_rows(chunk)
+        # block counts with odd counts at different levels, and rows that do not fill their last block
+        for n in (2049, 3 * 1024, 5 * 1024 - 1, 7 * 1024 + 5, 13 * 1024, 29 * 1024 + 17, 45 * 1024 + 1):
+            m = matrix(5, n, torch.float32, "zeros" if n % 2 else "normal", g) * 10 ** rng.uniform(-3, 3)
+            cuts = [sorted(rng.sample(range(1, n), 3)) for _ in m]
+            flat = [FlatRow(list(torch.tensor_split(r, c))) for r, c in zip(m, cuts, strict=True)]
+            flat[4] = FlatRow(list(torch.tensor_split(m[4].double(), cuts[4])))  # a float64 row
+            rows = [*m[:4], m[4].double()]
+            pairs = [(i, j) for i in range(5) for j in range(5)]
+            want = [ref_det_dot(rows[i], rows[j]) for i, j in pairs]
+            assert RowSums().dots(flat, flat, pairs) == want, (chunk, n)
+            assert RowSums().dots(rows, flat, pairs) == want  # plain tensors take the same path
+            assert RowSums().norms(m) == [ref_det_norm(r) for r in m]  # a [rows, n] tensor's rows
+            want = [ref_det_norm(rows[i].double() - rows[j].double()) for i, j in pairs]
+            assert RowSums().distances(flat, rows, pairs) == want
+            centre = ref_median(torch.stack(rows[:3]).double())
+            lazy = MedianRow(flat[:3])
+            assert same_bits(lazy.tensor(), centre)
+            got = RowSums().dots([*flat, lazy], [*flat, lazy], [(5, 5), *[(i, 5) for i in range(5)]])
+            assert got == [ref_det_dot(centre, centre), *[ref_det_dot(r, centre) for r in rows]]
+
+
+def test_flat_row_reads_across_its_tensors():
+    parts = [torch.arange(3.0), torch.arange(3.0, 4.0), torch.arange(4.0, 10.0)]
+    row = FlatRow([p.reshape(-1, 1) if p.numel() == 3 else p for p in parts])
+    assert row.numel() == 10 and row.dtype == torch.float32
+    assert row.chunk(2, 7).tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]
+    assert row.chunk(5, 8).data_ptr() == parts[2][1:].data_ptr()  # within one tensor: a view
+    assert row.chunk(4, 4).numel() == 0 and same_bits(row.tensor(), torch.arange(10.0))
+    assert FlatRow([torch.ones(2), torch.ones(2, dtype=torch.float64)]).tensor().dtype == torch.float64
+    assert row.all_finite()
+    parts[2][3] = float("inf")
+    assert not row.all_finite()
+
+
+def test_screen_of_long_deltas_builds_no_flat_copy(long_rows, threads):
+    """Deltas longer than one fold are screened from their own tensors (FlatRow, MedianRow)
+    with the same verdicts and evidence, every bit, as the reference."""
+    rng, g = random.Random(50 + threads), torch.Generator().manual_seed(50 + threads)
+    for chunk in (1, 3):
+        long_rows(chunk)
+        for _ in range(6):
+            shapes = {"w": (70, 60), "b": (1100,), "c": (3,)}
+            base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+            deltas = {w: {k: v + torch.randn(v.shape, generator=g) for k, v in base.items()}
+                      for w in rng.sample(range(9), rng.randint(3, 7))}
+            first = min(deltas)
+            deltas[first]["w"][0, 0] = float("nan") if rng.random() < 0.5 else deltas[first]["w"][0, 0]
+            previous = {0: {k: v.clone() for k, v in deltas[max(deltas)].items()}, 1: base}
+            for centre in ("median", "geometric_median"):
+                cfg = ScreenConfig(centre=centre, weiszfeld_iterations=3)
+                got = screen_round(deltas, previous_deltas=previous, config=cfg)
+                want = ref_screen(deltas, previous_deltas=previous, config=cfg)
+                assert as_json(got) == as_json(want)
+    assert all(isinstance(r, FlatRow) for r in aggregate_module.sum_rows([base, base]))

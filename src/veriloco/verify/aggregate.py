@@ -48,6 +48,10 @@ _BLOCK = 1024  # det_sum block length; a power of two so the last fold halves ev
 # float64 elements per RowSums fold (8 MB): a larger buffer costs more in page faults and cache
 # misses than the Python calls it saves
 _WORK = 1 << 20
+# blocks per chunk where a row is longer than _WORK and is summed a chunk at a time
+# (RowSums._chunked_sums): one level's scratch is _GROUP pairs x _CHUNK blocks of float64 (4 MB)
+_CHUNK = 64
+_GROUP = 8
 
 
 def _fold_(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +93,107 @@ def det_sum(x: torch.Tensor) -> torch.Tensor:
     return _fold_(buf)[0]
 
 
-Rows = torch.Tensor | Sequence[torch.Tensor]  # a [rows, n] tensor, or a list of n-vectors
+class FlatRow:
+    """A delta's tensors as one row, in `flatten`'s order, without concatenating them: RowSums
+    reads a long row a chunk at a time, so a screen of model-sized deltas never holds a flat
+    copy of each (`sum_rows`)."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        self.parts = [p.detach().reshape(-1) for p in parts]
+        if not self.parts:
+            raise ValueError("a row needs at least one tensor")
+        dtypes = {p.dtype for p in self.parts}
+        self.dtype = self.parts[0].dtype if len(dtypes) == 1 else torch.float64
+        self.device = self.parts[0].device
+        self.starts = [0]
+        for p in self.parts:
+            self.starts.append(self.starts[-1] + p.numel())
+
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def chunk(self, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the row: a view where one tensor holds them all."""
+        pieces = []
+        for k, p in enumerate(self.parts):
+            lo, hi = max(start, self.starts[k]), min(stop, self.starts[k + 1])
+            if lo < hi:
+                pieces.append(p[lo - self.starts[k] : hi - self.starts[k]])
+        if not pieces:
+            return self.parts[0].new_empty(0, dtype=self.dtype)
+        if len(pieces) == 1 and pieces[0].dtype == self.dtype:
+            return pieces[0]
+        return torch.cat([x.to(self.dtype) for x in pieces])
+
+    def all_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.parts)
+
+    def tensor(self) -> torch.Tensor:
+        return self.chunk(0, self.numel())
+
+
+class MedianRow:
+    """The coordinate median (float64) of rows, computed a chunk at a time where RowSums reads
+    it: bit for bit `coordinate_median(rows, torch.float64)`, whose every element depends on its
+    own column only."""
+
+    def __init__(self, rows: Sequence[torch.Tensor | FlatRow]) -> None:
+        self.rows = list(rows)
+        self.dtype = torch.float64
+        self.device = self.rows[0].device
+
+    def numel(self) -> int:
+        return self.rows[0].numel()
+
+    def chunk(self, start: int, stop: int) -> torch.Tensor:
+        return coordinate_median([_row_chunk(r, start, stop) for r in self.rows], torch.float64)
+
+    def tensor(self) -> torch.Tensor:
+        return self.chunk(0, self.numel())
+
+
+Row = torch.Tensor | FlatRow | MedianRow
+Rows = torch.Tensor | Sequence[Row]  # a [rows, n] tensor, or a list of rows
+
+
+def _row_chunk(row: Row, start: int, stop: int) -> torch.Tensor:
+    if isinstance(row, torch.Tensor):
+        return row.detach().reshape(-1)[start:stop]
+    return row.chunk(start, stop)
+
+
+def _row_tensor(row: Row) -> torch.Tensor:
+    return row if isinstance(row, torch.Tensor) else row.tensor()
+
+
+def row_finite(row: Row) -> bool:
+    """Every element of the row is finite."""
+    if isinstance(row, FlatRow):
+        return row.all_finite()
+    return bool(torch.isfinite(_row_tensor(row)).all())
+
+
+def sum_rows(items: Sequence[Delta]) -> list[Row]:
+    """Rows for RowSums, one per delta (`flatten`'s order): a flat tensor each where a row is
+    short enough for several pairs to share a fold (float32 deltas stay float32: RowSums
+    converts exactly where it computes), else a `FlatRow`, read a chunk at a time."""
+    parts = [flat_parts(d) for d in items]
+    if not parts:
+        return []
+    n = sum(t.numel() for t in parts[0])
+    if _padded_width(n) > _WORK:
+        return [FlatRow(p) for p in parts]
+    compact = all(t.dtype == torch.float32 for p in parts for t in p)
+    dtype = torch.float32 if compact else torch.float64
+    return [torch.cat([t.detach().reshape(-1).to(dtype) for t in p]) for p in parts]
+
+
+def median_row(rows: Sequence[Row]) -> Row:
+    """`coordinate_median(rows, torch.float64)`, as a tensor for short rows and as a `MedianRow`
+    (never built whole) for the long rows `sum_rows` leaves as `FlatRow`s."""
+    if all(isinstance(r, torch.Tensor) for r in rows):
+        return coordinate_median(list(rows), torch.float64)
+    return MedianRow(rows)
 
 
 class RowSums:
@@ -101,6 +205,10 @@ class RowSums:
     reuses, and the rows of the buffer are summed together by one in-place fold. That is the
     point: a fresh tensor per pair costs more in page faults than its arithmetic, and one
     Python call per pair more than the fold.
+
+    A row longer than one fold's work (`_WORK` elements) is summed a chunk at a time instead
+    (`_chunked_sums`), so that no scratch of the row's length is ever allocated: such rows may be
+    `FlatRow`s and `MedianRow`s, which are never built whole.
     """
 
     def __init__(self) -> None:
@@ -153,6 +261,11 @@ class RowSums:
             raise ValueError(f"rows of different sizes {sorted(sizes)[:6]}")
         if n == 0:
             return [0.0] * len(pairs)
+        if _padded_width(n) > _WORK:
+            return _chunked_sums(a, b, pairs, difference, n)
+        if not all(isinstance(x, torch.Tensor) for i, j in pairs for x in (a[i], b[j])):
+            a, b = _tensors(a), _tensors(b)  # short rows: built whole, as the fold below reads them
+            first = a[pairs[0][0]]
         per_fold = min(len(pairs), max(1, _WORK // _padded_width(n)))
         buf = self._buffer(n, per_fold, first.device)
         sums: list[float] = [0.0] * len(pairs)
@@ -183,6 +296,106 @@ class RowSums:
             for p, total in zip(chunk, _fold_(buf[: len(chunk)]).tolist(), strict=True):
                 sums[p] = total
         return sums
+
+
+def _tensors(rows: Rows) -> Rows:
+    if isinstance(rows, torch.Tensor):
+        return rows
+    return [_row_tensor(r) for r in rows]
+
+
+def _chunked_sums(
+    a: Rows, b: Rows, pairs: Sequence[tuple[int, int]], difference: bool, n: int
+) -> list[float]:
+    """RowSums._sums for rows of n > _WORK elements, without a scratch of their length.
+
+    det_sum's fold first halves the row's blocks level by level (level l + 1's block i is
+    level l's i plus its i + half, and an odd block out goes onto block 0) until one block is
+    left. A block of a level deep enough to have at most `_CHUNK` blocks is a fixed sum of
+    blocks of the row, two contiguous runs per level down: so that level is computed by
+    recursion from `_CHUNK`-block pieces of the row, each read, converted and multiplied where
+    it is needed, with the same adds on the same operands as the whole fold. `_fold_` then
+    finishes from that level. Pairs go `_GROUP` at a time, each row's piece converted once for
+    all the pairs of the group that read it."""
+    # lists hold each row as one object (a [rows, n] tensor makes a new one per index): a piece is
+    # converted once per row object, found by id
+    same = b is a
+    a = list(a)
+    b = a if same else list(b)
+    fold = _ChunkedFold(n, min(len(pairs), _GROUP), difference, a[pairs[0][0]].device)
+    sums: list[float] = [0.0] * len(pairs)
+    order = sorted(range(len(pairs)), key=lambda k: (pairs[k][1], pairs[k][0]))
+    for start in range(0, len(order), _GROUP):
+        group = order[start : start + _GROUP]
+        totals = fold.sums([(a[pairs[p][0]], b[pairs[p][1]]) for p in group])
+        for p, total in zip(group, totals, strict=True):
+            sums[p] = total
+    return sums
+
+
+class _ChunkedFold:
+    """det_sum of the products (or squared differences) of up to `group` pairs of rows of n
+    elements, from `_CHUNK`-block pieces (`_chunked_sums`): one float64 buffer per level of the
+    recursion and one per row a group reads, reused for every group."""
+
+    def __init__(self, n: int, group: int, difference: bool, device: torch.device) -> None:
+        self.n, self.difference = n, difference
+        self.counts = [_padded_width(n) // _BLOCK]  # blocks at each level, down to one of <= _CHUNK
+        while self.counts[-1] > _CHUNK:
+            self.counts.append(self.counts[-1] // 2)
+        width = self.counts[-1] * _BLOCK
+        # level l's scratch: what the second run of its blocks sums to; level 0's is the result
+        self.levels = [torch.empty(group, width, dtype=torch.float64, device=device) for _ in self.counts]
+        self.pieces = torch.empty(2 * group, width, dtype=torch.float64, device=device)  # rows' converted pieces
+        self.pairs: list[tuple[Row, Row]] = []
+
+    def sums(self, pairs: list[tuple[Row, Row]]) -> list[float]:
+        self.pairs = pairs
+        out = self.levels[0][: len(pairs)]
+        top = len(self.counts) - 1
+        self._level(top, 0, self.counts[top], out)
+        return _fold_(out).tolist()
+
+    def _level(self, lv: int, first: int, stop: int, out: torch.Tensor) -> None:
+        """Blocks [first, stop) of level lv of every pair, into out [pairs, (stop - first) * 1024]."""
+        if lv == 0:
+            self._leaf(first, stop, out)
+            return
+        half = self.counts[lv - 1] // 2
+        self._level(lv - 1, first, stop, out)
+        second = self.levels[lv][: out.shape[0], : out.shape[1]]
+        self._level(lv - 1, first + half, stop + half, second)
+        out += second
+        if first == 0 and self.counts[lv - 1] % 2:
+            odd = self.levels[lv][: out.shape[0], :_BLOCK]
+            self._level(lv - 1, 2 * half, 2 * half + 1, odd)
+            out[:, :_BLOCK] += odd
+
+    def _leaf(self, first: int, stop: int, out: torch.Tensor) -> None:
+        """The products of blocks [first, stop) of the rows of every pair, into out."""
+        lo, hi = first * _BLOCK, min(stop * _BLOCK, self.n)
+        length = hi - lo
+        if length < out.shape[1]:
+            out[:, max(length, 0) :].zero_()  # det_sum's padding
+        if length <= 0:
+            return
+        held: dict[int, torch.Tensor] = {}
+
+        def piece(row: Row) -> torch.Tensor:
+            if id(row) not in held:
+                x = _row_chunk(row, lo, hi)
+                if x.dtype != torch.float64:
+                    x = self.pieces[len(held), :length].copy_(x)  # exact, as .double()
+                held[id(row)] = x
+            return held[id(row)]
+
+        for k, (ra, rb) in enumerate(self.pairs):
+            dst, x, y = out[k, :length], piece(ra), piece(rb)
+            if self.difference:
+                torch.sub(x, y, out=dst)
+                dst.mul_(dst)
+            else:
+                torch.mul(x, y, out=dst)
 
 
 def det_dot(a: torch.Tensor, b: torch.Tensor) -> float:

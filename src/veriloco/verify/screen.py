@@ -54,7 +54,8 @@ bounds what they can do in a round.
 Every number is computed with deterministic float64 reductions (aggregate.det_sum), so all
 workers reach the same verdicts bit for bit. They are batched (aggregate.RowSums: every norm,
 dot product and distance of the round through one reused buffer), which changes no bit: each
-sum is det_sum's, add for add.
+sum is det_sum's, add for add. Model-sized deltas are read a chunk at a time where they are
+summed (aggregate.sum_rows, median_row): no flat copy of a delta and no centre vector is built.
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ from . import (
 from .aggregate import (
     Delta,
     RowSums,
-    coordinate_median,
     flat_parts,
+    flatten,
     geometric_median,
     median_of,
+    median_row,
+    row_finite,
+    sum_rows,
 )
 
 CENTRES = ("median", "geometric_median")
@@ -255,15 +259,6 @@ def _flat_size(delta: Delta) -> int:
     return sum(t.numel() for t in flat_parts(delta))
 
 
-def _flat_rows(items: list[Delta]) -> list[torch.Tensor]:
-    """flatten(item) for each item, except that float32 deltas stay float32 (half the memory;
-    RowSums and coordinate_median convert to float64 exactly where they compute)."""
-    parts = [flat_parts(d) for d in items]
-    compact = all(t.dtype == torch.float32 for p in parts for t in p)
-    dtype = torch.float32 if compact else torch.float64
-    return [torch.cat([t.detach().reshape(-1).to(dtype) for t in p]) for p in parts]
-
-
 def screen_round(
     deltas: Mapping[int, Delta],
     *,
@@ -298,7 +293,7 @@ def screen_round(
     if not workers:
         return {}
     # this round's deltas, then the previous round's, as rows (row numbers below)
-    rows = _flat_rows(items)
+    rows = sum_rows(items)
     row = {w: i for i, w in enumerate(workers)}
     prev_row = {w: len(workers) + i for i, w in enumerate(prev_workers)}
     early_row = {w: len(workers) + len(prev_workers) + i for i, w in enumerate(early_workers)}
@@ -307,7 +302,7 @@ def screen_round(
     # only a row whose sum overflowed or is not finite is looked at element by element
     squares = sums.dots(rows, rows, [(i, i) for i in range(len(rows))])
     finite_rows = [
-        math.isfinite(sq) or bool(torch.isfinite(r).all())
+        math.isfinite(sq) or row_finite(r)
         for sq, r in zip(squares, rows, strict=True)
     ]
     flags: dict[int, list[str]] = {w: [] for w in workers}
@@ -406,9 +401,9 @@ def screen_round(
     ev_common: dict[str, Any] = {"centre": cfg.centre, "consensus_workers": candidates}
     if len(candidates) >= cfg.min_workers:
         if cfg.centre == "median":
-            centre = coordinate_median([rows[row[w]] for w in candidates], torch.float64)
+            centre = median_row([rows[row[w]] for w in candidates])
         else:
-            chosen = torch.stack([rows[row[w]].double() for w in candidates])
+            chosen = torch.stack([flatten(items[row[w]]) for w in candidates])
             centre = geometric_median(chosen, cfg.weiszfeld_iterations)
         measured = [w for w in workers if w in finite]
         centre_norm = sums.norms([centre])[0]
