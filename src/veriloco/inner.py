@@ -535,10 +535,11 @@ class InnerLoop:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state as named tensors (safetensors-ready), plus the step counter."""
-        return {k: v.clone() for k, v in self._whole_state_views().items()}
+        return {k: v.clone() for k, v in self.state_views().items()}
 
-    def _whole_state_views(self) -> dict[str, torch.Tensor]:
-        """The whole optimizer state: with sharded replicas (replica 0), its own and the others'
+    def state_views(self) -> dict[str, torch.Tensor]:
+        """state_tensors without the copies (the live moments, which the next step changes): the whole
+        optimizer state: with sharded replicas (replica 0), its own and the others'
         (between rounds it first asks them for it: `ask_state`, round.ReplicaSync)."""
         views = self._state_views()
         r = self.replicas
@@ -556,7 +557,7 @@ class InnerLoop:
             del self.opt.state[p]
 
     def _state_views(self) -> dict[str, torch.Tensor]:
-        """state_tensors without the copies (the live tensors: read them before the next step)."""
+        """This process's own part of state_views."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = {"inner/step_count": torch.tensor(self.step_count, dtype=torch.int64)}
         for p, st in self.opt.state.items():
@@ -582,7 +583,7 @@ class InnerLoop:
     def state_hash(self) -> str:
         """Hash of params + optimizer state: one trace entry."""
         tensors = {f"param/{n}": p.detach() for n, p in self.model.named_parameters()}
-        tensors.update(self._whole_state_views())
+        tensors.update(self.state_views())
         if self.keep is not None:
             self.keep.append(tensors)
         return tensors_hash(tensors)

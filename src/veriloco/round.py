@@ -574,9 +574,12 @@ def lookahead_momentum(cfg: Config, outer: OuterOptimizer) -> dict[str, torch.Te
     return outer.state_tensors() if o.delay and o.lookahead and o.momentum > 0 else None
 
 
-def private_state(w: Worker) -> dict[str, torch.Tensor]:
-    """This process's private state (inner AdamW, error feedback, codec warm starts), copied:
-    what a resume needs."""
+def private_state(w: Worker, copy: bool = True) -> dict[str, torch.Tensor]:
+    """This process's private state (inner AdamW, error feedback, codec warm starts): what a resume
+    needs. Copied; with `copy=False` the live tensors (twice the model and more not allocated), for a
+    caller that is done with them before the next inner step or encode."""
+    if not copy:
+        return w.inner.state_views() | w.encoder.state_tensors()
     return w.inner.state_tensors() | {k: v.clone() for k, v in w.encoder.state_tensors().items()}  # the first are copies
 
 
@@ -1173,7 +1176,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     state_dir.mkdir(parents=True, exist_ok=True)
     # what a resume at round r+1 starts from: as round r+1 began (delay 1: before its inner steps, which
     # have run by now; at the run's end none has), and which round each worker's newest delta is from
-    state = w.start_states.pop(r + 1, None) or private_state(w)
+    state = w.start_states.pop(r + 1, None) or private_state(w, copy=False)  # written before they move
     write_tensors_file(state_dir / f"state-{r}.safetensors", state,
                        {"history": json.dumps({str(j): x for j, x in sorted(w.history_rounds.items())})})
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
