@@ -166,7 +166,7 @@ class Worker:
     eval_set: list
     identity: Identity
     ledger: Ledger | None  # the recorder's (rank 0) ledger
-    own_decoded: list = field(default_factory=list)  # this worker's last two decoded deltas
+    own_decoded: list = field(default_factory=list)  # [this worker's newest decoded delta] (delay 1, adversaries)
     base_hashes: dict = field(default_factory=dict)  # round -> hash of G when its inner steps began
     previous: tuple = ({}, {})  # last round's decoded packet hashes and accepted deltas (replay screen)
     earlier: dict = field(default_factory=dict)  # the round before's accepted deltas (screens_earlier)
@@ -529,8 +529,8 @@ def start_point(cfg: Config, G: dict[str, torch.Tensor], own: list, workers: int
                 momentum: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """S_r: the canonical G, plus the correction when the exchange runs one round late.
 
-    `own`: the worker's own last decoded deltas (public: its packets), oldest first; the newest
-    (round r-1's, in no average G holds yet) is the one that counts (module docstring).
+    `own`: [the worker's own newest decoded delta] (public: its packet), or [] before it has one:
+    round r-1's, in no average G holds yet (module docstring).
     `momentum`: the outer optimizer's buffers with G (OuterOptimizer.state_tensors, public: in
     the checkpoint). With `[outer] lookahead`, S_r is G after a dry run of the outer step that G
     still lacks, with the correction's estimate (own/W for eager, own for local) standing in for
@@ -657,7 +657,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     packet = adv.packet(r, packet, view)
     if w.adversary is not None:  # what receivers decode is what it really sent
         decoded = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
-    w.own_decoded = (w.own_decoded + [decoded])[-2:]
+    # start_point (delay 1) and an adversary's view read the newest; at delay 0 nothing else would
+    w.own_decoded = [decoded] if cfg.outer.delay or w.adversary is not None else []
     w.own_packet = packet
     packet_hash = sha256_hex(packet)  # stored inside its bundle (finish_round), not a second time on its own
     losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
