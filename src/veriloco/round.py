@@ -659,7 +659,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
         decoded = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
     # start_point (delay 1) and an adversary's view read the newest; at delay 0 nothing else would
     w.own_decoded = [decoded] if cfg.outer.delay or w.adversary is not None else []
-    w.own_packet = packet
+    w.own_packet = packet if w.adversary is not None else None  # read by nothing else: not kept a round
     packet_hash = sha256_hex(packet)  # stored inside its bundle (finish_round), not a second time on its own
     losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
     commitment = {
