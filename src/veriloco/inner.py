@@ -524,6 +524,7 @@ class InnerLoop:
             return run_steps(self.step, self.state_hash, batch_of_step, steps, trace_every, land)
         finally:
             self.in_steps = False
+            self.opt.zero_grad(set_to_none=True)  # the last step's gradients, not held through the round's checks
 
     def reset_state(self) -> None:
         """Forget the AdamW moments (the step counter, which drives the LR schedule, stays).

@@ -282,6 +282,7 @@ class PipelineInnerLoop(InnerLoop):
             return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land)
         finally:
             self.in_steps = False
+            self.opt.zero_grad(set_to_none=True)  # the last step's gradients, not held through the round's checks
 
     def worker_state_hash(self) -> str:
         """`combine_stage_hashes` of every stage's `state_hash()` (collective over the worker)."""
