@@ -22,10 +22,19 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+def _send_view(packet: bytes) -> torch.Tensor:
+    """`packet` as a uint8 tensor without a copy, for sending only: torch warns that the bytes
+    are read-only, which a send never writes (a bytearray copy was the packet's size again)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(packet, dtype=torch.uint8)
 
 
 class ExchangeError(RuntimeError):
@@ -120,7 +129,7 @@ class Exchange:
             # (one hop, latency paid once). One broadcast per source, as before, ran the sources
             # one after another through gloo's work queue, over a tree: on a kernel-shaped link
             # (bench/kernel_link.py, 3 workers, 10 Mbit/s) it took 1.9x what the link allows
-            own = torch.frombuffer(bytearray(packet), dtype=torch.uint8).to(self.device) if packet else None
+            own = _send_view(packet).to(self.device) if packet else None
             bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device) for r, n in enumerate(sizes_list)
                     if r != self.rank and n}
             peers_of = [r for r in range(self.size) if r != self.rank]
@@ -134,7 +143,9 @@ class Exchange:
                 ops += [dist.P2POp(dist.irecv, buf, self._ranks[r], group=self.group) for r, buf in bufs.items()]
                 for w in dist.batch_isend_irecv(ops) if ops else []:
                     w.wait()
-            box["packets"] = [packet if r == self.rank else bytes(bufs[r].cpu().numpy().tobytes()) if r in bufs else b""
+            # each received tensor is let go as soon as its bytes are made: one packet's memory twice at a
+            # time, not every packet's
+            box["packets"] = [packet if r == self.rank else bufs.pop(r).cpu().numpy().tobytes() if r in bufs else b""
                               for r in range(self.size)]
             peers = self.size - 1
             box["sent"] = (len(packet) + 8) * peers
