@@ -82,6 +82,10 @@ def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeyp
                          "--topology.microbatches=2", "--link.bandwidth=1gbit")
     assert code == 0 and not err
     assert "worker 1: stage 0: ranks 4-5; stage 1: ranks 6-7" in out and "--nnodes=2 --nproc-per-node=4" in out
+    plan = make_plan(tiny("--topology.stages=2", "--topology.replicas=2", "--topology.microbatches=2"))
+    for st in plan.stages:  # a stage process holds its slice of each worker's newest decoded delta (float32)
+        held = plan.topo.workers * st.params * 4 / 1e6
+        assert f"+ {held:,.2f} MB on replica 0 for the {plan.topo.workers} workers' newest decoded deltas" in out
     code, err, out = cli(monkeypatch, capsys, "plan", str(TINY), "--topology.replicas=2", "--train.grad_accum=2",
                          "--run.membership=elastic")
     assert "elastic: `veriloco train` starts the workers" in out and "which starts its 1 other replica(s)" in out

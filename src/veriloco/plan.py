@@ -264,8 +264,10 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
             mine = (f"{_mb(2 * memory)} for weights and gradients, + AdamW for the params it owns: "
                     + ", ".join(f"replica {i} {_mb(2 * n * PARAM_BYTES)}" for i, n in enumerate(st.owned)))
         out.append(f"  stage {st.stage}: {blocks}{ends}: {st.params:,} parameters in {st.tensors} tensors; per process "
-                   f"{mine}, + {_mb(2 * memory)}{outer} for G and the outer momentum (not counted: activations, "
-                   "error-feedback residuals, delay 1's kept deltas)")
+                   f"{mine}, + {_mb(2 * memory)}{outer} for G and the outer momentum, + {_mb(W * memory)}{outer} for "
+                   f"the {W} workers' newest decoded deltas (replay starts, the next screen's previous round; as much "
+                   "again while a round's are checked) (not counted: activations, error-feedback residuals, delay 1's "
+                   "kept deltas)")
     codec = cfg.compress.codec
     payload = plan.payload
     shown = "fp32" if codec == "adaptive" else codec
