@@ -39,6 +39,7 @@ from veriloco.verify.aggregate import (
     geometric_median,
     median_of,
     trimmed_mean,
+    unflatten,
 )
 from veriloco.verify.screen import ScreenConfig, Verdict, screen_round
 
@@ -374,6 +375,28 @@ def test_centered_clip_and_geometric_median_match_the_reference(threads):
         want = ref_trimmed_mean(stacked, math.floor(0.2 * rows)).float()
         assert same_bits(aggregate(dict(enumerate(f32)), "trimmed_mean"), want)
         assert same_bits(aggregate(list(f32), "median"), ref_median(stacked).float())
+
+
+def test_median_and_trimmed_mean_of_dict_deltas_go_tensor_by_tensor(threads):
+    """aggregate() takes them a tensor at a time (no [n, d] float64 matrix): the same bits as
+    the whole flattened matrix, tensors of mixed dtypes and shapes, ties and zeros included."""
+    g = torch.Generator().manual_seed(60 + threads)
+    for n in (1, 2, 3, 5, 8, 17):
+        deltas = {
+            w: {"w": matrix(33, 7, torch.float32, "zeros", g).view(33, 7),
+                "b": matrix(1, 5, torch.float64, "ties", g)[0], "a": torch.randn(3, generator=g)}
+            for w in range(n)
+        }
+        stacked = torch.stack([flatten(deltas[w]) for w in range(n)])
+        cases = [("median", {}, ref_median(stacked))]
+        cases += [("trimmed_mean", {"trim_count": k}, ref_trimmed_mean(stacked, k)) for k in range((n + 1) // 2)]
+        for method, params, ref in cases:
+            got, want = aggregate(deltas, method, **params), unflatten(ref, deltas[0])
+            assert all(same_bits(got[k], want[k]) for k in want), (n, method, params)
+    with pytest.raises(ValueError, match="non-finite"):
+        aggregate([{"a": torch.tensor([float("nan")])}, {"a": torch.zeros(1)}], "median")
+    with pytest.raises(ValueError, match="structure"):
+        aggregate([{"a": torch.zeros(2)}, {"b": torch.zeros(2)}], "trimmed_mean")
 
 
 def random_round(rng: random.Random, g: torch.Generator) -> tuple[dict, dict, dict | None]:

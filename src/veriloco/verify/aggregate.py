@@ -494,19 +494,36 @@ def _mean(items: list[Delta]) -> Delta:
     """unflatten(_mean_rows(stack(items)), items[0]), bit for bit (the same float64 adds in
     the same order, the same division and rounding, element by element), one tensor at a time:
     no [n, d] float64 matrix and no flat copy (bench/round_cost.py)."""
+
+    def mean(ts: list[torch.Tensor]) -> torch.Tensor:
+        acc = ts[0].detach().to(torch.float64, copy=True)
+        for t in ts[1:]:
+            acc += t.detach()
+        return acc / len(ts)
+
+    return _by_tensor(items, mean)
+
+
+def _by_tensor(items: list[Delta], combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> Delta:
+    """`combine` (of the items' same tensor, in item order: float64 values) for each tensor, as
+    one delta of the items' structure and dtype. For element-by-element methods (mean, median,
+    trimmed mean) that is unflatten(combine(stack(items)), items[0]), bit for bit, without the
+    [n, d] float64 matrix: the largest tensor's n rows at a time. The same checks as `stack`."""
     parts = [flat_parts(d) for d in _structured(items)]
     bad = [i for i, p in enumerate(parts) if not all(all_finite(t.detach()) for t in p)]
     if bad:
         raise ValueError(f"deltas {bad[:8]} have non-finite values")
     out = []
     for k, template in enumerate(parts[0]):
-        acc = template.detach().to(torch.float64, copy=True)
-        for p in parts[1:]:
-            acc += p[k].detach()
-        out.append((acc / len(items)).to(template.dtype))
+        out.append(combine([p[k] for p in parts]).reshape(template.shape).to(template.dtype))
     if isinstance(items[0], torch.Tensor):
         return out[0]
     return dict(zip(sorted(items[0]), out, strict=True))
+
+
+def _rows64(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The [n, numel] float64 matrix of same-shaped tensors (stack's rows for one tensor)."""
+    return torch.stack([t.detach().reshape(-1).to(torch.float64) for t in ts])
 
 
 def _sorting_network(count: int) -> tuple[tuple[int, int], ...]:
@@ -744,12 +761,11 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
     if method == "mean":
         _take(params, {}, method)
         return _mean(_ordered(deltas))
-    matrix, template = stack(deltas)
-    n = matrix.shape[0]
-    if method == "median":
+    if method == "median":  # element by element: one tensor at a time
         _take(params, {}, method)
-        out = coordinate_median(matrix)
-    elif method == "trimmed_mean":
+        return _by_tensor(_ordered(deltas), lambda ts: coordinate_median(_rows64(ts)))
+    n = len(_ordered(deltas))
+    if method == "trimmed_mean":
         p = _take(params, {"trim_fraction": None, "trim_count": None}, method)
         if p["trim_fraction"] is not None and p["trim_count"] is not None:
             raise ValueError(
@@ -764,8 +780,9 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
             if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 0.5:
                 raise ValueError(f"trim_fraction must be in [0, 0.5), got {frac!r}")
             k = math.floor(frac * n)
-        out = trimmed_mean(matrix, k)
-    elif method == "centered_clip":
+        return _by_tensor(_ordered(deltas), lambda ts: trimmed_mean(_rows64(ts), k))
+    matrix, template = stack(deltas)  # the methods below take whole-vector norms
+    if method == "centered_clip":
         p = _take(params, {"tau": None, "iterations": 3, "start": None}, method)
         tau = p["tau"]
         if tau is not None and (
