@@ -377,9 +377,10 @@ def test_centered_clip_and_geometric_median_match_the_reference(threads):
         assert same_bits(aggregate(list(f32), "median"), ref_median(stacked).float())
 
 
-def test_median_and_trimmed_mean_of_dict_deltas_go_tensor_by_tensor(threads):
-    """aggregate() takes them a tensor at a time (no [n, d] float64 matrix): the same bits as
-    the whole flattened matrix, tensors of mixed dtypes and shapes, ties and zeros included."""
+def test_every_aggregate_of_dict_deltas_goes_tensor_by_tensor(threads):
+    """aggregate() takes dict deltas a tensor at a time (no [n, d] float64 matrix; centered
+    clipping and the geometric median one row's difference at a time): the same bits as on the
+    whole flattened matrix, tensors of mixed dtypes and shapes, ties and zeros included."""
     g = torch.Generator().manual_seed(60 + threads)
     for n in (1, 2, 3, 5, 8, 17):
         deltas = {
@@ -393,8 +394,20 @@ def test_median_and_trimmed_mean_of_dict_deltas_go_tensor_by_tensor(threads):
         for method, params, ref in cases:
             got, want = aggregate(deltas, method, **params), unflatten(ref, deltas[0])
             assert all(same_bits(got[k], want[k]) for k in want), (n, method, params)
-    with pytest.raises(ValueError, match="non-finite"):
-        aggregate([{"a": torch.tensor([float("nan")])}, {"a": torch.zeros(1)}], "median")
+        for tau in (None, 0.5):  # the norm-taking methods: each delta as its tensors, never stacked
+            got = aggregate(deltas, "centered_clip", tau=tau, iterations=2)
+            want = unflatten(ref_centered_clip(stacked, ref_median(stacked), tau, 2), deltas[0])
+            assert all(same_bits(got[k], want[k]) for k in want), (n, tau)
+        start = {k: v * 0.5 for k, v in deltas[0].items()}
+        got = aggregate(deltas, "centered_clip", start=start, iterations=2)
+        want = unflatten(ref_centered_clip(stacked, flatten(start), None, 2), deltas[0])
+        assert all(same_bits(got[k], want[k]) for k in want), n
+        got = aggregate(deltas, "geometric_median", iterations=6)
+        want = unflatten(ref_geometric_median(stacked, 6), deltas[0])
+        assert all(same_bits(got[k], want[k]) for k in want), n
+    for method in ("median", "centered_clip", "geometric_median"):
+        with pytest.raises(ValueError, match="non-finite"):
+            aggregate([{"a": torch.tensor([float("nan")])}, {"a": torch.zeros(1)}], method)
     with pytest.raises(ValueError, match="structure"):
         aggregate([{"a": torch.zeros(2)}, {"b": torch.zeros(2)}], "trimmed_mean")
 

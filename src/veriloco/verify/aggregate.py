@@ -509,16 +509,26 @@ def _by_tensor(items: list[Delta], combine: Callable[[list[torch.Tensor]], torch
     one delta of the items' structure and dtype. For element-by-element methods (mean, median,
     trimmed mean) that is unflatten(combine(stack(items)), items[0]), bit for bit, without the
     [n, d] float64 matrix: the largest tensor's n rows at a time. The same checks as `stack`."""
-    parts = [flat_parts(d) for d in _structured(items)]
-    bad = [i for i, p in enumerate(parts) if not all(all_finite(t.detach()) for t in p)]
+    parts = _checked_parts(items)
+    return _assemble(items, [combine([p[k] for p in parts]) for k in range(len(parts[0]))])
+
+
+def _checked_parts(items: list[Delta]) -> list[list[torch.Tensor]]:
+    """Each item's tensors in `flatten`'s order, flat, after `stack`'s checks (one structure,
+    every value finite)."""
+    parts = [[t.detach().reshape(-1) for t in flat_parts(d)] for d in _structured(items)]
+    bad = [i for i, p in enumerate(parts) if not all(all_finite(t) for t in p)]
     if bad:
         raise ValueError(f"deltas {bad[:8]} have non-finite values")
-    out = []
-    for k, template in enumerate(parts[0]):
-        out.append(combine([p[k] for p in parts]).reshape(template.shape).to(template.dtype))
+    return parts
+
+
+def _assemble(items: list[Delta], out: list[torch.Tensor]) -> Delta:
+    """One delta of the items' structure and dtypes from its tensors' values in `flatten`'s order."""
+    tensors = [x.reshape(t.shape).to(t.dtype) for x, t in zip(out, flat_parts(items[0]), strict=True)]
     if isinstance(items[0], torch.Tensor):
-        return out[0]
-    return dict(zip(sorted(items[0]), out, strict=True))
+        return tensors[0]
+    return dict(zip(sorted(items[0]), tensors, strict=True))
 
 
 def _rows64(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -688,20 +698,36 @@ def centered_clip(
     matrix: torch.Tensor, start: torch.Tensor, tau: float | None, iterations: int
 ) -> torch.Tensor:
     """Karimireddy et al. 2021 centered clipping from `start` (v_0); see the module docstring."""
-    v = start.clone()
+    return _clip_parts([[row] for row in matrix], [start], tau, iterations)[0]
+
+
+def _difference_norm(sums: RowSums, row: list[torch.Tensor], v: list[torch.Tensor]) -> float:
+    """||row - v|| of vectors given as parts, the difference taken part by part as the
+    subtraction of the whole vectors would (the same dtype promotion), one row at a time."""
+    return sums.norms([FlatRow([x - y for x, y in zip(row, v, strict=True)])])[0]
+
+
+def _clip_parts(
+    rows: list[list[torch.Tensor]], start: list[torch.Tensor], tau: float | None, iterations: int
+) -> list[torch.Tensor]:
+    """centered_clip on vectors given as parts (a delta's flat tensors): element for element the
+    operations it does on the matrix of the whole vectors, and each norm the same det_sum, with
+    one row's difference at a time instead of every row's (taken twice: for its norm, then for
+    the step)."""
+    v = [t.clone() for t in start]
     sums = RowSums()
     if tau is None:
-        tau = median_of(sums.norms(matrix - v))
+        tau = median_of([_difference_norm(sums, row, v) for row in rows])
         if tau == 0.0:  # a majority sits exactly on the start point: it is the answer
             return v
-    n = matrix.shape[0]
+    n = len(rows)
     for _ in range(iterations):
-        diffs = matrix - v
-        step = torch.zeros_like(v)
-        for diff, dist in zip(diffs, sums.norms(diffs), strict=True):
-            scale = 1.0 if dist <= tau else tau / dist
-            step += diff * scale
-        v = v + step / n
+        scales = [1.0 if d <= tau else tau / d for d in [_difference_norm(sums, row, v) for row in rows]]
+        step = [torch.zeros_like(t) for t in v]
+        for row, scale in zip(rows, scales, strict=True):
+            for acc, x, y in zip(step, row, v, strict=True):
+                acc += (x - y) * scale
+        v = [y + acc / n for y, acc in zip(v, step, strict=True)]
     return v
 
 
@@ -713,18 +739,27 @@ def geometric_median(
     Distances are floored at `eps` (relative to the largest row norm) so a point that coincides
     with a row stays finite; stops when a step moves less than `tol` times that scale.
     """
-    z = coordinate_median(matrix)
+    return _weiszfeld_parts([[row] for row in matrix], [coordinate_median(matrix)], iterations, eps, tol)[0]
+
+
+def _weiszfeld_parts(
+    rows: list[list[torch.Tensor]], z: list[torch.Tensor], iterations: int = 100, eps: float = 1e-12,
+    tol: float = 1e-10,
+) -> list[torch.Tensor]:
+    """geometric_median on vectors given as parts, from `z` (parts of the coordinate median, whose
+    dtype the sums take: the rows' values convert to it exactly), as `_clip_parts` does."""
     sums = RowSums()
-    scale = max(sums.norms(matrix)) or 1.0
+    scale = max(sums.norms([FlatRow(row) for row in rows])) or 1.0
     for _ in range(iterations):
-        weights = [1.0 / max(d, eps * scale) for d in sums.norms(matrix - z)]
+        weights = [1.0 / max(_difference_norm(sums, row, z), eps * scale) for row in rows]
         total = 0.0
-        acc = torch.zeros_like(z)
-        for w, row in zip(weights, matrix, strict=True):
-            acc += row * w
+        acc = [torch.zeros_like(t) for t in z]
+        for w, row in zip(weights, rows, strict=True):
+            for a_k, x in zip(acc, row, strict=True):
+                a_k += x.to(a_k.dtype) * w
             total += w
-        new = acc / total
-        moved = sums.norms((new - z)[None])[0]
+        new = [a_k / total for a_k in acc]
+        moved = _difference_norm(sums, new, z)
         z = new
         if moved <= tol * scale:
             break
@@ -781,7 +816,14 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
                 raise ValueError(f"trim_fraction must be in [0, 0.5), got {frac!r}")
             k = math.floor(frac * n)
         return _by_tensor(_ordered(deltas), lambda ts: trimmed_mean(_rows64(ts), k))
-    matrix, template = stack(deltas)  # the methods below take whole-vector norms
+    # the methods below take norms of whole vectors: each delta's tensors as its parts, never
+    # stacked into an [n, d] float64 matrix (they compute in float64, as on that matrix)
+    items = _ordered(deltas)
+    parts = _checked_parts(items)
+
+    def medians() -> list[torch.Tensor]:  # v_0 by default, and Weiszfeld's start
+        return [coordinate_median([p[k] for p in parts], torch.float64) for k in range(len(parts[0]))]
+
     if method == "centered_clip":
         p = _take(params, {"tau": None, "iterations": 3, "start": None}, method)
         tau = p["tau"]
@@ -794,15 +836,16 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
             raise ValueError(f"tau must be a finite number > 0, got {tau!r}")
         iterations = _positive_int("iterations", p["iterations"])
         if p["start"] is None:
-            start = coordinate_median(matrix)
+            start = medians()
         else:
-            if _signature(p["start"]) != _signature(template):
+            if _signature(p["start"]) != _signature(items[0]):
                 raise ValueError("start does not have the structure of the deltas")
-            start = flatten(p["start"])
-            if not bool(torch.isfinite(start).all()):
+            flat = flatten(p["start"])
+            if not bool(torch.isfinite(flat).all()):
                 raise ValueError("start has non-finite values")
-        out = centered_clip(matrix, start, None if tau is None else float(tau), iterations)
+            start = list(flat.split([x.numel() for x in parts[0]]))
+        out = _clip_parts(parts, start, None if tau is None else float(tau), iterations)
     else:  # geometric_median
         p = _take(params, {"iterations": 100}, method)
-        out = geometric_median(matrix, _positive_int("iterations", p["iterations"]))
-    return unflatten(out, template)
+        out = _weiszfeld_parts(parts, medians(), _positive_int("iterations", p["iterations"]))
+    return _assemble(items, out)
