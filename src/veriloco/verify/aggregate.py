@@ -702,8 +702,11 @@ def centered_clip(
 
 
 def _difference_norm(sums: RowSums, row: list[torch.Tensor], v: list[torch.Tensor]) -> float:
-    """||row - v|| of vectors given as parts, the difference taken part by part as the
-    subtraction of the whole vectors would (the same dtype promotion), one row at a time."""
+    """||row - v|| of vectors given as parts, the difference taken as the subtraction of the whole
+    vectors would (the same dtype promotion). In float64 (aggregate's case) that is RowSums'
+    distance, a piece at a time; in a narrower dtype the difference is built, one row at a time."""
+    if all(torch.promote_types(x.dtype, y.dtype) == torch.float64 for x, y in zip(row, v, strict=True)):
+        return sums.distances([FlatRow(row)], [FlatRow(v)], [(0, 0)])[0]
     return sums.norms([FlatRow([x - y for x, y in zip(row, v, strict=True)])])[0]
 
 
@@ -723,11 +726,11 @@ def _clip_parts(
     n = len(rows)
     for _ in range(iterations):
         scales = [1.0 if d <= tau else tau / d for d in [_difference_norm(sums, row, v) for row in rows]]
-        step = [torch.zeros_like(t) for t in v]
-        for row, scale in zip(rows, scales, strict=True):
-            for acc, x, y in zip(step, row, v, strict=True):
-                acc += (x - y) * scale
-        v = [y + acc / n for y, acc in zip(v, step, strict=True)]
+        for k, y in enumerate(v):  # a tensor's step at a time: the same adds, in row order
+            step = torch.zeros_like(y)
+            for row, scale in zip(rows, scales, strict=True):
+                step += (row[k] - y) * scale
+            y += step / n  # (v + step / n, in place: v is this function's own)
     return v
 
 
@@ -753,12 +756,14 @@ def _weiszfeld_parts(
     for _ in range(iterations):
         weights = [1.0 / max(_difference_norm(sums, row, z), eps * scale) for row in rows]
         total = 0.0
-        acc = [torch.zeros_like(t) for t in z]
-        for w, row in zip(weights, rows, strict=True):
-            for a_k, x in zip(acc, row, strict=True):
-                a_k += x.to(a_k.dtype) * w
+        for w in weights:
             total += w
-        new = [a_k / total for a_k in acc]
+        new = []
+        for k, t in enumerate(z):  # a tensor's weighted sum at a time: the same adds, in row order
+            acc = torch.zeros_like(t)
+            for w, row in zip(weights, rows, strict=True):
+                acc += row[k].to(acc.dtype) * w
+            new.append(acc / total)
         moved = _difference_norm(sums, new, z)
         z = new
         if moved <= tol * scale:
