@@ -745,6 +745,18 @@ def geometric_median(
     return _weiszfeld_parts([[row] for row in matrix], [coordinate_median(matrix)], iterations, eps, tol)[0]
 
 
+def geometric_median_row(items: Sequence[Delta], iterations: int) -> FlatRow:
+    """geometric_median(torch.stack([flatten(d) for d in items]), iterations) as a FlatRow of its
+    tensors, bit for bit, without that [n, d] float64 matrix (the screen's centre)."""
+    parts = _checked_parts(list(items))
+    return FlatRow(_weiszfeld_parts(parts, _medians(parts), iterations))
+
+
+def _medians(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The coordinate median (float64) of vectors given as parts, part by part."""
+    return [coordinate_median([p[k] for p in parts], torch.float64) for k in range(len(parts[0]))]
+
+
 def _weiszfeld_parts(
     rows: list[list[torch.Tensor]], z: list[torch.Tensor], iterations: int = 100, eps: float = 1e-12,
     tol: float = 1e-10,
@@ -825,10 +837,6 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
     # stacked into an [n, d] float64 matrix (they compute in float64, as on that matrix)
     items = _ordered(deltas)
     parts = _checked_parts(items)
-
-    def medians() -> list[torch.Tensor]:  # v_0 by default, and Weiszfeld's start
-        return [coordinate_median([p[k] for p in parts], torch.float64) for k in range(len(parts[0]))]
-
     if method == "centered_clip":
         p = _take(params, {"tau": None, "iterations": 3, "start": None}, method)
         tau = p["tau"]
@@ -841,7 +849,7 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
             raise ValueError(f"tau must be a finite number > 0, got {tau!r}")
         iterations = _positive_int("iterations", p["iterations"])
         if p["start"] is None:
-            start = medians()
+            start = _medians(parts)  # v_0
         else:
             if _signature(p["start"]) != _signature(items[0]):
                 raise ValueError("start does not have the structure of the deltas")
@@ -852,5 +860,5 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
         out = _clip_parts(parts, start, None if tau is None else float(tau), iterations)
     else:  # geometric_median
         p = _take(params, {"iterations": 100}, method)
-        out = _weiszfeld_parts(parts, medians(), _positive_int("iterations", p["iterations"]))
+        out = _weiszfeld_parts(parts, _medians(parts), _positive_int("iterations", p["iterations"]))
     return _assemble(items, out)

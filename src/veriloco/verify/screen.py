@@ -55,7 +55,8 @@ Every number is computed with deterministic float64 reductions (aggregate.det_su
 workers reach the same verdicts bit for bit. They are batched (aggregate.RowSums: every norm,
 dot product and distance of the round through one reused buffer), which changes no bit: each
 sum is det_sum's, add for add. Model-sized deltas are read a chunk at a time where they are
-summed (aggregate.sum_rows, median_row): no flat copy of a delta and no centre vector is built.
+summed (aggregate.sum_rows, median_row): no flat copy of a delta is built, nor the median centre
+(the geometric centre is built as its tensors, aggregate.geometric_median_row).
 """
 
 from __future__ import annotations
@@ -81,8 +82,7 @@ from .aggregate import (
     Delta,
     RowSums,
     flat_parts,
-    flatten,
-    geometric_median,
+    geometric_median_row,
     median_of,
     median_row,
     row_finite,
@@ -403,8 +403,7 @@ def screen_round(
         if cfg.centre == "median":
             centre = median_row([rows[row[w]] for w in candidates])
         else:
-            chosen = torch.stack([flatten(items[row[w]]) for w in candidates])
-            centre = geometric_median(chosen, cfg.weiszfeld_iterations)
+            centre = geometric_median_row([items[row[w]] for w in candidates], cfg.weiszfeld_iterations)
         measured = [w for w in workers if w in finite]
         centre_norm = sums.norms([centre])[0]
         centre_dots = sums.dots(rows, [centre], [(row[w], 0) for w in measured])
