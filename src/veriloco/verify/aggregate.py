@@ -505,8 +505,8 @@ def _mean(items: list[Delta]) -> Delta:
 
 
 def _by_tensor(items: list[Delta], combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> Delta:
-    """`combine` (of the items' same tensor, in item order: float64 values) for each tensor, as
-    one delta of the items' structure and dtype. For element-by-element methods (mean, median,
+    """`combine` for each tensor (given that tensor of every item, flat, in item order; it computes
+    in float64), as one delta of the items' structure and dtype. For element-by-element methods (mean, median,
     trimmed mean) that is unflatten(combine(stack(items)), items[0]), bit for bit, without the
     [n, d] float64 matrix: the largest tensor's n rows at a time. The same checks as `stack`."""
     parts = _checked_parts(items)
