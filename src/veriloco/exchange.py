@@ -111,6 +111,21 @@ class Exchange:
         thread.start()
         return ExchangeHandle(thread, box, started, self.link)
 
+    def _transfer(self, own: torch.Tensor | None, bufs: dict[int, torch.Tensor]) -> None:
+        """`own` to every peer and each peer's packet into bufs[peer], all in flight at once. The
+        operations and works, which hold the tensors, end with this call."""
+        peers_of = [r for r in range(self.size) if r != self.rank]
+        if self.comm is not None:
+            works = [self.comm.isend(own, r) for r in peers_of if own is not None]
+            works += [self.comm.irecv(buf, r) for r, buf in bufs.items()]
+            for w in works:
+                self.comm.wait(w)
+        else:
+            ops = [dist.P2POp(dist.isend, own, self._ranks[r], group=self.group) for r in peers_of if own is not None]
+            ops += [dist.P2POp(dist.irecv, buf, self._ranks[r], group=self.group) for r, buf in bufs.items()]
+            for w in dist.batch_isend_irecv(ops) if ops else []:
+                w.wait()
+
     def _run(self, packet: bytes, box: dict) -> None:
         try:
             mine = torch.tensor([len(packet)], dtype=torch.int64, device=self.device)
@@ -132,19 +147,9 @@ class Exchange:
             own = _send_view(packet).to(self.device) if packet else None
             bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device) for r, n in enumerate(sizes_list)
                     if r != self.rank and n}
-            peers_of = [r for r in range(self.size) if r != self.rank]
-            if self.comm is not None:
-                works = [self.comm.isend(own, r) for r in peers_of if own is not None]
-                works += [self.comm.irecv(buf, r) for r, buf in bufs.items()]
-                for w in works:
-                    self.comm.wait(w)
-            else:
-                ops = [dist.P2POp(dist.isend, own, self._ranks[r], group=self.group) for r in peers_of if own is not None]
-                ops += [dist.P2POp(dist.irecv, buf, self._ranks[r], group=self.group) for r, buf in bufs.items()]
-                for w in dist.batch_isend_irecv(ops) if ops else []:
-                    w.wait()
-            # each received tensor is let go as soon as its bytes are made: one packet's memory twice at a
-            # time, not every packet's
+            self._transfer(own, bufs)
+            # each received tensor is let go as soon as its bytes are made (nothing else holds it once
+            # _transfer returned): one packet's memory twice at a time, not every packet's
             box["packets"] = [packet if r == self.rank else bufs.pop(r).cpu().numpy().tobytes() if r in bufs else b""
                               for r in range(self.size)]
             peers = self.size - 1
