@@ -395,7 +395,7 @@ def screen_round(
                     flag(w, NEAR_DUPLICATE)
 
     # 5-6: against the robust centre of the workers that are still candidates
-    # the previous rounds' rows are done with: the median's scratch can reuse their memory
+    # the previous rounds' rows are done with (a short row is a flat copy, freed here for the median's scratch)
     del rows[len(workers) :]
     candidates = [w for w in workers if not flags[w]]
     ev_common: dict[str, Any] = {"centre": cfg.centre, "consensus_workers": candidates}
