@@ -113,7 +113,12 @@ class Exchange:
 
     def _transfer(self, own: torch.Tensor | None, bufs: dict[int, torch.Tensor]) -> None:
         """`own` to every peer and each peer's packet into bufs[peer], all in flight at once. The
-        operations and works, which hold the tensors, end with this call."""
+        operations and works, which hold the tensors, end with this call.
+
+        Every packet goes straight to every peer (one hop, latency paid once). One broadcast per
+        source, as before, ran the sources one after another through gloo's work queue, over a
+        tree: on a kernel-shaped link (bench/kernel_link.py, 3 workers, 10 Mbit/s) it took 1.9x
+        what the link allows."""
         peers_of = [r for r in range(self.size) if r != self.rank]
         if self.comm is not None:
             works = [self.comm.isend(own, r) for r in peers_of if own is not None]
@@ -140,10 +145,6 @@ class Exchange:
             for r, n in enumerate(sizes_list):
                 if n < 0 or n > self.max_packet_bytes:
                     raise ExchangeError(f"rank {r} announced a packet of {n} bytes (limit {self.max_packet_bytes})")
-            # every packet goes straight to every peer, all sends and receives in flight at once
-            # (one hop, latency paid once). One broadcast per source, as before, ran the sources
-            # one after another through gloo's work queue, over a tree: on a kernel-shaped link
-            # (bench/kernel_link.py, 3 workers, 10 Mbit/s) it took 1.9x what the link allows
             own = _send_view(packet).to(self.device) if packet else None
             bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device) for r, n in enumerate(sizes_list)
                     if r != self.rank and n}

@@ -506,9 +506,9 @@ def _mean(items: list[Delta]) -> Delta:
 
 def _by_tensor(items: list[Delta], combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> Delta:
     """`combine` for each tensor (given that tensor of every item, flat, in item order; it computes
-    in float64), as one delta of the items' structure and dtype. For element-by-element methods (mean, median,
-    trimmed mean) that is unflatten(combine(stack(items)), items[0]), bit for bit, without the
-    [n, d] float64 matrix: the largest tensor's n rows at a time. The same checks as `stack`."""
+    in float64), as one delta of the items' structure and dtype. For element-by-element methods
+    (mean, trimmed mean) that is unflatten(combine(stack(items)), items[0]), bit for bit, without
+    the [n, d] float64 matrix: the largest tensor's n rows at a time. The same checks as `stack`."""
     parts = _checked_parts(items)
     return _assemble(items, [combine([p[k] for p in parts]) for k in range(len(parts[0]))])
 
@@ -810,13 +810,14 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
     """
     if method not in METHODS:
         raise ValueError(f"unknown aggregation method {method!r}; choose one of {list(METHODS)}")
+    items = _ordered(deltas)
     if method == "mean":
         _take(params, {}, method)
-        return _mean(_ordered(deltas))
+        return _mean(items)
     if method == "median":  # element by element: one tensor at a time
         _take(params, {}, method)
-        return _by_tensor(_ordered(deltas), lambda ts: coordinate_median(_rows64(ts)))
-    n = len(_ordered(deltas))
+        return _assemble(items, _medians(_checked_parts(items)))
+    n = len(items)
     if method == "trimmed_mean":
         p = _take(params, {"trim_fraction": None, "trim_count": None}, method)
         if p["trim_fraction"] is not None and p["trim_count"] is not None:
@@ -832,10 +833,9 @@ def aggregate(deltas: Sequence[Delta] | Mapping[int, Delta], method: str, **para
             if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 0.5:
                 raise ValueError(f"trim_fraction must be in [0, 0.5), got {frac!r}")
             k = math.floor(frac * n)
-        return _by_tensor(_ordered(deltas), lambda ts: trimmed_mean(_rows64(ts), k))
+        return _by_tensor(items, lambda ts: trimmed_mean(_rows64(ts), k))
     # the methods below take norms of whole vectors: each delta's tensors as its parts, never
     # stacked into an [n, d] float64 matrix (they compute in float64, as on that matrix)
-    items = _ordered(deltas)
     parts = _checked_parts(items)
     if method == "centered_clip":
         p = _take(params, {"tau": None, "iterations": 3, "start": None}, method)
