@@ -517,11 +517,11 @@ class InnerLoop:
         return loss
 
     def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
-        """`steps` inner steps on batch_of_step(0..steps-1); trace hashes every trace_every; a late
-        update lands before step land.step."""
+        """`steps` inner steps on batch_of_step(0..steps-1); trace hashes (`trace_hash`) every
+        trace_every; a late update lands before step land.step."""
         self.in_steps = True
         try:
-            return run_steps(self.step, self.state_hash, batch_of_step, steps, trace_every, land)
+            return run_steps(self.step, self.trace_hash, batch_of_step, steps, trace_every, land)
         finally:
             self.in_steps = False
             self.opt.zero_grad(set_to_none=True)  # the last step's gradients, not held through the round's checks
@@ -580,6 +580,10 @@ class InnerLoop:
                 raise ValueError(f"optimizer state names unknown parameter {pname!r}")
             # moments on the param's device; AdamW keeps its scalar step count on the CPU
             self.opt.state[params[pname]][k] = v.to(params[pname].device, copy=True) if v.dim() else v.clone()
+
+    def trace_hash(self) -> str:
+        """One trace entry: `state_hash` (a pipeline stage's is its whole worker's)."""
+        return self.state_hash()
 
     def state_hash(self) -> str:
         """Hash of params + optimizer state: one trace entry."""

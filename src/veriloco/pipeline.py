@@ -273,16 +273,11 @@ class PipelineInnerLoop(InnerLoop):
         self.step_count += 1
         return float(every[-1][1])
 
-    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
-        """`steps` pipelined inner steps on batch_of_step(0..steps-1); worker-wide trace hashes
-        every trace_every steps; a late update lands before step land.step (on every stage).
-        Every stage calls it with the same batches (each uses x or y)."""
-        self.in_steps = True
-        try:
-            return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land)
-        finally:
-            self.in_steps = False
-            self.opt.zero_grad(set_to_none=True)  # the last step's gradients, not held through the round's checks
+    # `run` (InnerLoop's): pipelined steps, a late update landing on every stage; every stage calls it
+    # with the same batches (each uses x or y), and its trace entries are the worker's
+
+    def trace_hash(self) -> str:
+        return self.worker_state_hash()
 
     def worker_state_hash(self) -> str:
         """`combine_stage_hashes` of every stage's `state_hash()` (collective over the worker)."""
