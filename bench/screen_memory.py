@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from veriloco.verify.aggregate import METHODS  # noqa: E402
 
-# run in the measured interpreter: argv = [workers, d_model, layers]; prints one JSON line
+# run in the measured interpreter: argv = [workers, d_model, layers, call]; prints one JSON line
 CHILD = r"""
 import hashlib, json, os, sys, threading, time
 import torch
