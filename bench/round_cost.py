@@ -18,6 +18,12 @@ From each run's round records (rounds 1..; round 0 also starts the processes), p
 (waiting for the exchange) and `verify_s` (the checks), and `other_s`, what is left: aggregate,
 outer step, checkpoint, state, hashes, record; and `peak_rss_mb`, the largest worker process's
 peak resident memory so far (MB). Prints the medians and new/old ratios.
+
+`write_mb`: what the worker processes wrote to disk, MB per round (their `write_bytes` in
+/proc/self/io, summed over the processes, over the whole run / rounds; every file: store, private
+state, records). Read as each worker process ends (its `os._exit`), by a `sitecustomize.py` this
+script puts first on both sides' PYTHONPATH, so the old revision is measured the same way
+without knowing of it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = ["model.d_model=768", "model.n_head=12", "model.n_layer=6", "topology.workers=2", "train.inner_steps=2",
         "train.batch_size=2", "train.eval_batches=1", "train.eval_every=100"]
-FIELDS = ("round_s", "inner_s", "wait_s", "verify_s", "other_s", "peak_rss_mb")
+FIELDS = ("round_s", "inner_s", "wait_s", "verify_s", "other_s", "peak_rss_mb", "write_mb")
+# each forked process (a worker) leaves its /proc/self/io write_bytes in $ROUND_COST_IO as it ends
+IO_HOOK = """import os
+
+
+def _count():
+    exit_now = os._exit  # how a forked process ends (multiprocessing clears its finalizers as it starts)
+
+    def _exit(code):
+        try:
+            with open("/proc/self/io") as f:
+                io = dict(line.split(": ") for line in f.read().splitlines())
+            with open(os.path.join(os.environ["ROUND_COST_IO"], str(os.getpid())), "w") as f:
+                f.write(io["write_bytes"])
+        except (OSError, KeyError):
+            pass
+        exit_now(code)
+
+    os._exit = _exit
+
+
+if os.environ.get("ROUND_COST_IO") and os.path.exists("/proc/self/io"):
+    os.register_at_fork(after_in_child=_count)
+"""
 
 
 def source_of(rev: str, into: Path) -> Path:
@@ -49,9 +78,12 @@ def source_of(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def run_once(src: Path, config: str, overrides: list[str], rounds: int, out: Path) -> list[dict]:
-    """`veriloco train` with the package at `src`; the round records."""
-    env = dict(os.environ, PYTHONPATH=str(src))
+def run_once(src: Path, config: str, overrides: list[str], rounds: int, out: Path, hook: Path) -> tuple[list[dict], float]:
+    """`veriloco train` with the package at `src`; the round records, and the MB its worker
+    processes wrote to disk (IO_HOOK, from `hook`)."""
+    io_dir = out.parent / f"{out.name}-io"
+    io_dir.mkdir()
+    env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{src}", ROUND_COST_IO=str(io_dir))
     argv = ["train", config, "--out", str(out), "--quiet",
             f"--train.rounds={rounds}", *[f"--{o}" for o in overrides]]
     code = f"import sys; from veriloco.cli import main; sys.argv = ['veriloco', *{argv!r}]; main()"
@@ -59,18 +91,21 @@ def run_once(src: Path, config: str, overrides: list[str], rounds: int, out: Pat
     if done.returncode != 0:
         raise SystemExit(f"round_cost: the run with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    written = sum(int(p.read_text()) for p in io_dir.iterdir()) / 1e6
     shutil.rmtree(out)  # a round stores about 8x the model (checkpoint, bundles, packets, states)
-    return records
+    shutil.rmtree(io_dir)
+    return records, written
 
 
-def per_round(records: list[dict]) -> dict[str, float]:
-    """Medians over rounds 1.. of the FIELDS (seconds)."""
+def per_round(records: list[dict], written_mb: float = float("nan")) -> dict[str, float]:
+    """Medians over rounds 1.. of the FIELDS (seconds), and write_mb: `written_mb` / rounds."""
     rows = []
     for r in records[1:]:
         inner, wait, verify = max(r["inner_s"]), max(r["wait_s"]), max(r["verify_s"])
         rows.append({"round_s": r["round_s"], "inner_s": inner, "wait_s": wait, "verify_s": verify,
                      "other_s": r["round_s"] - inner - wait - verify, "peak_rss_mb": max(r["peak_rss_mb"])})
-    return {k: statistics.median(x[k] for x in rows) for k in FIELDS}
+    out = {k: statistics.median(x[k] for x in rows) for k in FIELDS if k != "write_mb"}
+    return out | {"write_mb": written_mb / len(records)}
 
 
 def main() -> int:
@@ -89,17 +124,21 @@ def main() -> int:
     first: list[str] | None = None  # the first run's params hashes, round by round
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"old": source_of(args.old, Path(tmp)), "new": ROOT / "src"}
+        hook = Path(tmp) / "io-hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(IO_HOOK)
         for i in range(args.repeats):
             for side, src in sides.items():
-                records = run_once(src, args.config, overrides, args.rounds, Path(tmp) / f"{side}-{i}")
+                records, written = run_once(src, args.config, overrides, args.rounds, Path(tmp) / f"{side}-{i}", hook)
                 got = [r["params_hash"] for r in records]
                 first = first or got
                 if got != first:
                     raise SystemExit(f"round_cost: {side} (repeat {i}) recorded other params than the first run")
-                results[side].append(per_round(records))
+                results[side].append(per_round(records, written))
                 print(f"{side} {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in results[side][-1].items()), flush=True)
     medians = {side: {k: statistics.median(x[k] for x in rows) for k in FIELDS} for side, rows in results.items()}
-    print(f"\nmedian seconds a round over rounds 1-{args.rounds - 1}, {args.repeats} runs each (old = {args.old})")
+    print(f"\nmedian seconds a round over rounds 1-{args.rounds - 1}, {args.repeats} runs each (old = {args.old}); "
+          "peak_rss_mb: the largest worker's; write_mb: all workers' disk writes, per round of the whole run")
     print(f"{'':10s}" + "".join(f"{k:>12s}" for k in FIELDS))
     for side in ("old", "new"):
         print(f"{side:10s}" + "".join(f"{medians[side][k]:12.3f}" for k in FIELDS))

@@ -57,6 +57,7 @@ import json
 import math
 import os
 import resource
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -94,7 +95,7 @@ from .outer import OuterOptimizer
 from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, prune_checkpoints
-from .store import LocalStore
+from .store import LocalStore, mark_peer, seen_peers
 from .task import (
     CorpusTask,
     Task,
@@ -194,6 +195,8 @@ class Worker:
     device: torch.device = torch.device("cpu")  # where the model trains (`[run] device`); G stays on the CPU
     replicas: ReplicaSync | None = None  # [topology] replicas: the worker's other processes, fed each round
     protocol_group: dist.ProcessGroup | None = None  # every process of the round (None: the default group)
+    writes_checkpoints: bool = True  # whether this process puts its stage's checkpoints into its store (checkpoint_writer)
+    store_mark: int = 0  # store.bytes_written at the last record
 
     @property
     def is_recorder(self) -> bool:
@@ -409,9 +412,30 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         w.layout = state_layout(model)
         for stale in run.worker_dir(rank).glob("kept-*.bin"):  # keep_states "disk": an interrupted run's
             stale.unlink()
+    if not elastic:  # elastic: whoever commits a round first records it, so every member stores its checkpoint
+        w.writes_checkpoints = checkpoint_writer(store, stage_group, worker)
     if resume_round > 0:
         restore(w, resume_round)
     return w
+
+
+def checkpoint_writer(store: LocalStore, stage_group: dist.ProcessGroup, worker: int) -> bool:
+    """Whether this process stores its stage's round checkpoints: every process of the stage
+    computes the same G and outer state, so one copy per store is enough, and the lowest worker
+    among the stage's processes that share this store writes it (the recorder's stages, when the
+    store is the recorder's). A store is shared by the processes of one machine, and of machines
+    that share the run directory; a machine with a run directory of its own writes its own
+    copies. Found here by markers: each process leaves one under a random token, and every
+    process looks for the others' tokens in its store (collective over the stage group)."""
+    token = secrets.token_hex(16)
+    marker = mark_peer(store, token)
+    try:
+        tokens = [p.get("token") for p in _gather_json({"token": token}, stage_group)]  # every marker is there now
+        sharing = seen_peers(store, tokens)
+        _gather_json({}, stage_group)  # and every process has looked before any is removed
+    finally:
+        marker.unlink(missing_ok=True)
+    return min(sharing, default=worker) == worker
 
 
 def carried(rec: dict | None) -> tuple[set[int], set[tuple[int, int]]]:
@@ -673,6 +697,9 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     second = adv.second_commitment(r, commitment)
     extras = (canonical_json(sign_commitment(Commitment.from_dict(second), w.identity.key)),) if second else ()
     bundle = adv.bundle(r, encode_bundle(signed, packet, extras), view)
+    # stored by its sender before anyone has it, so a receiver that shares the store finds it there
+    # and writes nothing (finish_round's put); one copy of each bundle per store, not one per process
+    w.store.put(bundle)
     return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0)
 
 
@@ -1171,7 +1198,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
 
     # 6. record: checkpoint, private state, agreement check, eval, one line per round
     ckpt = {f"param/{k}": v for k, v in G.items()} | w.outer.state_tensors()
-    ckpt_digest = put_tensors(w.store, ckpt, {"round": str(r)})  # store.put(st_save(ckpt, ...)), streamed
+    # store.put(st_save(ckpt, ...)), streamed; by one process per store (checkpoint_writer), the others name none
+    ckpt_digest = put_tensors(w.store, ckpt, {"round": str(r)}) if w.writes_checkpoints else None
     params_hash = tensors_hash(G)
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -1218,9 +1246,11 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
          res.cpu_seconds, checks.cpu + replays.cpu, replays.cpu, loss_gains.cpu,
          moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0,
          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
-         torch.cuda.max_memory_allocated(w.device) / 2**20 if w.device.type == "cuda" else 0.0],
+         torch.cuda.max_memory_allocated(w.device) / 2**20 if w.device.type == "cuda" else 0.0,
+         w.store.bytes_written - w.store_mark],
         dtype=torch.float64,
     )
+    w.store_mark = w.store.bytes_written
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
     part.stats_comm.all_gather(gathered, mine)
     g = torch.full((W, w.topo.stages, mine.numel()), float("nan"), dtype=torch.float64)  # [worker, stage, figure]
@@ -1255,6 +1285,9 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
            for key, i in (("inner_cpu_s", 11), ("verify_cpu_s", 12), ("replay_cpu_s", 13), ("loss_gain_cpu_s", 14))},
         # the most resident memory each process has held so far, MB (a worker's stages summed)
         "peak_rss_mb": [round(float(x), 1) if h else 0.0 for x, h in zip(g[:, :, 18].sum(1), here, strict=True)],
+        # the bytes each worker's processes wrote into their stores since the last record (its bundle, and a
+        # checkpoint where it is its store's writer; not the private state, which is its own file)
+        "store_bytes_written": [int(x) if h else 0 for x, h in zip(g[:, :, 20].sum(1), here, strict=True)],
         "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
         "tokens": int(res.tokens * len(members)),
     }
@@ -1468,8 +1501,8 @@ def train_worker(
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     pending: Sent | None = None
     warned = False
-    # [run] keep_checkpoints: every process prunes its store (a machine of a multi-machine run may have its own),
-    # any but the recorder one round later: the record that names its newest checkpoint may not be written yet
+    # [run] keep_checkpoints: every process that writes checkpoints prunes its store (a machine of a multi-machine
+    # run may have its own), any but the recorder one round later: the record that names its newest may not be written yet
     keep = cfg.run.keep_checkpoints
     if keep and not w.is_recorder:
         keep += 1
@@ -1505,7 +1538,7 @@ def train_worker(
                 if warning is not None and not warned:  # once a run: the records keep every round's
                     warned = True
                     print(warning, flush=True)
-        if keep:  # after the record that names the newer checkpoints is written
+        if keep and w.writes_checkpoints:  # after the record that names the newer checkpoints is written
             prune_checkpoints(w.store, recent, keep)
 
     for r in range(start_round, end + cfg.outer.delay):

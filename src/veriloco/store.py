@@ -154,13 +154,16 @@ def _check_stream(digest: str, f: BinaryIO) -> None:
 class LocalStore:
     """Blobs under `root/ab/cdef...` on local disk; refs under `root/refs/`.
 
-    `create=False` opens an existing store only (StoreError if `root` is not a directory)."""
+    `create=False` opens an existing store only (StoreError if `root` is not a directory).
+    `bytes_written` counts the bytes this object wrote (blobs and refs; `put` of a blob the store
+    already holds writes nothing): what the store cost this process in writes."""
 
     def __init__(self, root: str | os.PathLike[str], create: bool = True) -> None:
         self.root = Path(root)
         if not create and not self.root.is_dir():
             raise StoreError(f"store {self.root} does not exist")
         self.root.mkdir(parents=True, exist_ok=True)
+        self.bytes_written = 0
 
     def _path(self, digest: str) -> Path:
         check_digest(digest)
@@ -174,6 +177,7 @@ class LocalStore:
             return digest
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
+        self.bytes_written += len(data)
         return digest
 
     def get(self, digest: str, max_bytes: int | None = None) -> bytes:
@@ -233,6 +237,7 @@ class LocalStore:
         """Move a `StagedBlob` in under its digest (a rename within one filesystem); return it."""
         digest = blob.close()
         path = self._path(digest)
+        self.bytes_written += blob.path.stat().st_size  # written, if only to be dropped
         if path.exists():
             blob.path.unlink()
             return digest
@@ -246,6 +251,7 @@ class LocalStore:
         path = self.root / "refs" / check_ref(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
+        self.bytes_written += len(data)
 
     def get_ref(self, name: str) -> bytes:
         """What ref `name` holds; StoreError if it is missing or over MAX_REF_BYTES."""
@@ -264,6 +270,29 @@ class LocalStore:
             if sub.is_dir() and len(sub.name) == 2:
                 out += [sub.name + p.name for p in sorted(sub.iterdir()) if not p.name.startswith(".")]
         return out
+
+
+PEERS_DIR = ".peers"  # markers of the processes that open a store together (`mark_peer`), none kept
+_TOKEN = re.compile(r"^[0-9a-f]{32}$")
+
+
+def mark_peer(store: LocalStore, token: str) -> Path:
+    """Leave an empty marker named `token` (32 hex digits) in `store`, for `seen_peers` in the
+    processes it shares the store with; its path (the caller removes it)."""
+    if not _TOKEN.match(token):
+        raise StoreError(f"not a peer token: {token!r:.40}")
+    path = store.root / PEERS_DIR / token
+    path.parent.mkdir(exist_ok=True)
+    path.touch()
+    return path
+
+
+def seen_peers(store: LocalStore, tokens: list[str]) -> list[int]:
+    """Which of `tokens` (every process's, in its group's order; from peers: checked here, a
+    malformed one is not seen) have a marker in `store`: the processes that write into the same
+    directory, be it on one machine or on a file system they share."""
+    return [i for i, t in enumerate(tokens) if isinstance(t, str) and _TOKEN.match(t)
+            and (store.root / PEERS_DIR / t).exists()]
 
 
 # ---- remote stores (fsspec) -------------------------------------------------------------------
