@@ -408,6 +408,44 @@ def det_norm(a: torch.Tensor) -> float:
     return math.sqrt(det_dot(a, a))
 
 
+_EST_BLOCK = 1 << 16  # elements per float32 dot of `bounded_dots`
+_GAMMA = _EST_BLOCK * 2.0**-24 / (1 - _EST_BLOCK * 2.0**-24)  # gamma_m for m = _EST_BLOCK, u = 2^-24
+
+
+def bounded_dots(items: Sequence[Delta], pairs: Sequence[tuple[int, int]],
+                 norms: Sequence[float]) -> list[tuple[float, float]] | None:
+    """For each pair (i, j) of float32 deltas: (e, b) with |e - a_i.a_j| <= b, where a.b is the
+    exact dot product (and `det_dot`'s is within ~1e-16 of it), from `norms` (the rows' exact
+    norms, or upper bounds). Cheap where `det_dot` is exact: a float32 `torch.dot` per block of
+    m = _EST_BLOCK elements, summed in float64. The bound holds whatever order the dot sums a
+    block in: a block's error is at most gamma_m sum_k |x_k y_k| (Higham, Accuracy and Stability
+    of Numerical Algorithms, eq. 3.5: any order of evaluation), gamma_m = m u / (1 - m u) with
+    u = 2^-24, and over the blocks sum |x_k y_k| <= |a_i| |a_j| (Cauchy-Schwarz); summing the
+    blocks' results in float64 adds at most 2^-52 of that per block, underflow below float32's
+    normal range at most 2^-148 per element, and 1e-9 of it covers norms a few ulps short. For a
+    screen that only needs to know that no dot comes near a threshold (screen.py: the
+    near-duplicate tests). None if a tensor is not float32 or a block's dot is not finite: the
+    caller computes the dots exactly."""
+    parts = [[t.detach().reshape(-1) for t in flat_parts(d)] for d in items]
+    if any(t.dtype != torch.float32 for row in parts for t in row):
+        return None
+    out = []
+    for i, j in pairs:
+        total, n, blocks = 0.0, 0, 0
+        for x, y in zip(parts[i], parts[j], strict=True):
+            if x.numel() != y.numel():
+                return None
+            n += x.numel()
+            for lo in range(0, x.numel(), _EST_BLOCK):
+                total += float(torch.dot(x[lo : lo + _EST_BLOCK], y[lo : lo + _EST_BLOCK]))
+                blocks += 1
+        if not math.isfinite(total):
+            return None
+        scale = norms[i] * norms[j]
+        out.append((total, (_GAMMA * (1 + 1e-9) + (blocks + 1) * 2.0**-52) * scale + n * 2.0**-148))
+    return out
+
+
 def flat_parts(delta: Delta) -> list[torch.Tensor]:
     """The tensors of `delta` in the order `flatten` concatenates them: the tensor itself, or a
     dict's tensors in name order."""

@@ -81,6 +81,7 @@ from . import (
 from .aggregate import (
     Delta,
     RowSums,
+    bounded_dots,
     flat_parts,
     geometric_median_row,
     median_of,
@@ -254,6 +255,72 @@ def mean_square(members: list[int], squares: list[float], dots: Mapping[tuple[in
     return max(total, 0.0) / len(members) ** 2
 
 
+ESTIMATE = True  # _provably_apart may spare the exact near-duplicate dots (tests turn it off to compare)
+_MARGIN = 1e-9  # relative slack for the float64 arithmetic of the exact tests
+
+
+def _provably_apart(items: list[Delta], pairs: list[tuple[int, int]], squares: list[float], live: list[int],
+                    back: list[tuple[str, dict[int, tuple[int, float]], list[int]]], cfg: ScreenConfig) -> bool:
+    """True when no near-duplicate test of check 4 can hit: every pair of rows (this round's
+    `live` rows with each other and with each earlier round's, and with that round's mean) has,
+    by `aggregate.bounded_dots`' estimates and their error bounds, a cosine below
+    `near_dup_cosine` and a relative distance above `near_dup_rel_dist`, with a margin for the
+    float64 arithmetic of the exact tests. Then the exact tests would flag nothing and record
+    nothing, so the verdicts and the evidence are theirs, bit for bit. False when that cannot be
+    proven (a copy, a delta near a threshold, deltas that are not float32): the caller runs the
+    exact tests."""
+    if not ESTIMATE or not pairs:
+        return not pairs
+    norms = [math.sqrt(q) if math.isfinite(q) else math.inf for q in squares]
+    bounded = bounded_dots(items, pairs, norms)
+    if bounded is None:
+        return False
+    est = dict(zip(pairs, bounded, strict=True))
+    c, r = cfg.near_dup_cosine, cfg.near_dup_rel_dist
+
+    def far(sq_a: float, sq_b: float, dot_hi: float) -> bool:
+        """No hit for any a.b <= dot_hi, given |a|^2 and |b|^2."""
+        if sq_a <= 0.0 or sq_b <= 0.0:
+            return True  # no cosine: near() records nothing
+        na, nb = math.sqrt(sq_a), math.sqrt(sq_b)
+        cosine_below = dot_hi <= 0.0 or dot_hi < (c - _MARGIN) * na * nb
+        return cosine_below and sq_a + sq_b - 2.0 * dot_hi > (r * max(na, nb)) ** 2 * (1 + _MARGIN) + _MARGIN * (sq_a + sq_b)
+
+    def pair_far(a: int, b: int) -> bool:
+        d, e = est[(a, b)]
+        return far(squares[a], squares[b], d + e)
+
+    if not all(pair_far(a, b) for i, a in enumerate(live) for b in live[i + 1 :]):
+        return False
+    for _, earlier_rows, members in back:
+        if not all(pair_far(a, r_pw) for a in live for r_pw, _ in earlier_rows.values()):
+            return False
+        if len(members) < 2:
+            continue
+        k = len(members)
+        total, slack = 0.0, 0.0
+        for i, x in enumerate(members):
+            total += squares[x]
+            for y in members[i + 1 :]:
+                d, e = est[(x, y)]
+                total, slack = total + 2.0 * d, slack + 2.0 * e
+        lo, hi = max(total - slack, 0.0) / k**2, max(total + slack, 0.0) / k**2  # |mean|^2
+        if hi == 0.0:
+            continue  # the mean is zero: no test
+        if lo == 0.0:
+            return False
+        for a in live:
+            d = sum(est[(a, m)][0] for m in members) / k
+            e = sum(est[(a, m)][1] for m in members) / k + _MARGIN * abs(d)
+            # the cosine's denominator at |mean| >= sqrt(lo), the distance's at |mean|^2 >= lo, its max at <= hi
+            na = math.sqrt(squares[a])
+            if not (d + e <= 0.0 or d + e < (c - _MARGIN) * na * math.sqrt(lo)):
+                return False
+            if not squares[a] + lo - 2.0 * (d + e) > r**2 * max(squares[a], hi) * (1 + _MARGIN) + _MARGIN * (squares[a] + hi):
+                return False
+    return True
+
+
 def _flat_size(delta: Delta) -> int:
     """numel of `flatten(delta)`, without building it."""
     return sum(t.numel() for t in flat_parts(delta))
@@ -358,9 +425,12 @@ def screen_round(
         if len(members) >= 2:  # the mean's square needs the members' own dots
             pairs += [(a, b) for i, a in enumerate(members) for b in members[i + 1 :]]
         back.append((suffix, {pw: (at[pw], pn) for pw, pn in nrm.items()}, members))
-    dots = dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
+    # honest deltas are far from every threshold: when bounded estimates prove that no test below
+    # can hit, the exact dots (two thirds of a screen's sums) are not needed, and nothing is recorded
+    apart = _provably_apart(items, pairs, squares, [row[w] for w in live], back, cfg)
+    dots = {} if apart else dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
     # with one delta, the mean is that delta (checked on its own)
-    mean_squares = [mean_square(m, squares, dots) if len(m) >= 2 else 0.0 for _, _, m in back]
+    mean_squares = [mean_square(m, squares, dots) if len(m) >= 2 and not apart else 0.0 for _, _, m in back]
 
     def near(sq_a: float, sq_b: float, dot: float, na: float, nb: float) -> dict[str, float] | None:
         cos = _cosine(dot, na, nb)
@@ -371,7 +441,7 @@ def screen_round(
             return {"cosine": cos, "rel_dist": rel}
         return None
 
-    for i, w in enumerate(live):
+    for i, w in enumerate([] if apart else live):
         a = row[w]
         for o in live[i + 1 :]:
             hit = near(squares[a], squares[row[o]], dots[a, row[o]], norms[w], norms[o])
