@@ -115,3 +115,37 @@ def test_the_screen_reaches_the_exact_screens_verdicts_and_evidence(n, monkeypat
             assert spared is True and not near, name
         if near or name == "float64 deltas":
             assert spared is False, name
+
+
+def test_a_delta_screened_before_is_not_summed_again_unless_it_changed(monkeypatch):
+    """The previous round's deltas were this round's in their screen: their squares are reused (the
+    same floats), unless a tensor changed in place since or is another object."""
+    from veriloco.verify.aggregate import RowSums
+
+    computed = []
+    real = RowSums.dots
+
+    def spy(self, a, b, pairs):
+        computed.extend(i for i, j in pairs if i == j and a is b)
+        return real(self, a, b, pairs)
+
+    monkeypatch.setattr(RowSums, "dots", spy)
+    gen = torch.Generator().manual_seed(3)
+    first = {w: _delta(gen, 5000) for w in range(3)}
+    second = {w: _delta(gen, 5000) for w in range(3)}
+    one = screen_round(first)
+    assert sorted(computed) == [0, 1, 2]
+    computed.clear()
+    two = screen_round(second, previous_deltas=first)
+    assert sorted(computed) == [0, 1, 2]  # this round's three; the previous round's three were known
+    assert [v.evidence["norm"] for v in one.values()] == [math.sqrt(det_dot(flatten(d), flatten(d))) for d in first.values()]
+    screen_mod._SQUARES.clear()
+    computed.clear()
+    assert canonical_json({w: v.evidence for w, v in screen_round(second, previous_deltas=first).items()}) == \
+        canonical_json({w: v.evidence for w, v in two.items()})
+    assert sorted(computed) == [0, 1, 2, 3, 4, 5]
+    first[1]["b.weight"].mul_(2.0)  # changed in place: summed again
+    copy = {k: v.clone() for k, v in first[2].items()}  # the same values, another object: summed again
+    computed.clear()
+    screen_round(second, previous_deltas={1: first[1], 2: copy})
+    assert sorted(computed) == [3, 4]

@@ -257,6 +257,8 @@ class Sent:
     codec_log: dict
     started: float
     waited_s: float = 0.0  # elastic: time already spent waiting for this round's quorum and exchange
+    bundle: bytes | None = None  # what it sent (the exchange hands these very bytes back as its own)
+    bundle_hash: str | None = None  # their sha256, the store's name for them
 
 
 HEADER_BYTES_PER_TENSOR = 200  # measured: 150-190 bytes of safetensors header per tensor and codec
@@ -699,8 +701,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     bundle = adv.bundle(r, encode_bundle(signed, packet, extras), view)
     # stored by its sender before anyone has it, so a receiver that shares the store finds it there
     # and writes nothing (finish_round's put); one copy of each bundle per store, not one per process
-    w.store.put(bundle)
-    return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0)
+    bundle_hash = w.store.put(bundle)
+    return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash)
 
 
 def loss_gain_fn(w: Worker, r: int):
@@ -1149,7 +1151,11 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     # 4. verify every bundle: signature, commitment, packet, data, screen (verify/check.py)
     G = w.outer.params
     shapes = {k: tuple(v.shape) for k, v in G.items()}
-    bundle_hashes = {j: w.store.put(data) for j, data in packets.items()}
+    # this worker's own bundle comes back as the very bytes it sent: stored and hashed then, and
+    # an honest one's packet is the one it hashed for its commitment (an adversary may have changed either)
+    own = sent.bundle is not None and packets.get(w.worker) is sent.bundle
+    bundle_hashes = {j: sent.bundle_hash if own and j == w.worker else w.store.put(data) for j, data in packets.items()}
+    known = {w.worker: sent.packet_hash} if own and w.adversary is None else None
     verify0 = time.perf_counter()
     base_hash = w.base_hashes.pop(r)
     checks, loss_gains = Spent(), Spent()  # this worker's time in check_round, of which loss gains
@@ -1164,7 +1170,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             trace_entries=trace_entries(cfg),
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
-            banned=w.banned, bundle_hashes=bundle_hashes,
+            banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known,
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])

@@ -120,12 +120,16 @@ def check_bundles(
     trace_entries: int | None = None,
     banned: set[int] | frozenset[int] = frozenset(),
     bundle_hashes: Mapping[int, str] | None = None,
+    packet_hashes_known: Mapping[int, str] | None = None,
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
     hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
     `decoded` holds the deltas that passed; they are ACCEPT so far, and `accepted` is empty until
     `screen_checked`. `bundle_hashes`: the sha256 of each bundle where the caller has it (the
-    store's digest), so that a model-sized bundle is not hashed twice; a packet is hashed once."""
+    store's digest), so that a model-sized bundle is not hashed twice; a packet is hashed once.
+    `packet_hashes_known`: the sha256 of the packet inside a bundle where the caller hashed it
+    itself (its own bundle, the very bytes it built and sent: round.finish_round), not hashed
+    again."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -135,7 +139,7 @@ def check_bundles(
         commitments[w] = None
         try:
             raw_commitment, packet, extras = decode_bundle(data)
-            packet_hashes[w] = sha256_hex(packet)
+            packet_hashes[w] = (packet_hashes_known or {}).get(w) or sha256_hex(packet)
             signed = parse_signed_commitment(raw_commitment)
             gossip = [parse_signed_commitment(x) for x in extras]
         except (PacketError, CommitmentError) as e:

@@ -62,6 +62,7 @@ summed (aggregate.sum_rows, median_row): no flat copy of a delta is built, nor t
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +256,43 @@ def mean_square(members: list[int], squares: list[float], dots: Mapping[tuple[in
     return max(total, 0.0) / len(members) ** 2
 
 
+# |delta|^2 of the deltas screened so far (det_dot's, bit for bit), by the id of their first tensor:
+# a delta is screened in its round and again as the next round's previous (and, delay 1, the round
+# after's earlier). Entries hold weak references only; those of freed deltas go as new ones come
+_SQUARES: dict[int, tuple[list[tuple[weakref.ref, int]], float]] = {}
+
+
+def _known_square(delta: Delta) -> float | None:
+    """|delta|^2 as a screen summed it, if these very tensors (the same objects, alive, unchanged
+    since: torch's version counters) were screened before."""
+    parts = flat_parts(delta)
+    seen = _SQUARES.get(id(parts[0]))
+    if seen is None:
+        return None
+    refs, square = seen
+    if len(refs) != len(parts) or any(ref() is not t or v != _version(t) for (ref, v), t in zip(refs, parts, strict=False)):
+        return None
+    return square
+
+
+def _remember_square(delta: Delta, square: float) -> None:
+    for key in [k for k, (refs, _) in _SQUARES.items() if refs[0][0]() is None]:
+        del _SQUARES[key]
+    parts = flat_parts(delta)
+    versions = [_version(t) for t in parts]
+    if None not in versions:
+        _SQUARES[id(parts[0])] = ([(weakref.ref(t), v) for t, v in zip(parts, versions, strict=True)], square)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's version counter (bumped by every in-place change); None for a tensor without one (made
+    under torch.inference_mode), whose square is not remembered."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 ESTIMATE = True  # _provably_apart may spare the exact near-duplicate dots (tests turn it off to compare)
 _MARGIN = 1e-9  # relative slack for the float64 arithmetic of the exact tests
 
@@ -366,8 +404,14 @@ def screen_round(
     early_row = {w: len(workers) + len(prev_workers) + i for i, w in enumerate(early_workers)}
     sums = RowSums()  # one scratch buffer for every sum below
     # a finite sum of squares proves every element finite (a NaN or inf would reach the sum);
-    # only a row whose sum overflowed or is not finite is looked at element by element
-    squares = sums.dots(rows, rows, [(i, i) for i in range(len(rows))])
+    # only a row whose sum overflowed or is not finite is looked at element by element.
+    # The previous rounds' deltas were this round's in their screen: their squares are known
+    known = [_known_square(d) for d in items]
+    missing = [i for i, q in enumerate(known) if q is None]
+    for i, q in zip(missing, sums.dots(rows, rows, [(i, i) for i in missing]), strict=True):
+        known[i] = q
+        _remember_square(items[i], q)
+    squares: list[float] = known  # every one filled in
     finite_rows = [
         math.isfinite(sq) or row_finite(r)
         for sq, r in zip(squares, rows, strict=True)
