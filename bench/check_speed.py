@@ -1,6 +1,6 @@
 """Time of one round's check with the screen of an older revision and with the current one.
 
-    python bench/check_speed.py [--config configs/default.toml] [--workers 4] [--repeats 7]
+    python bench/check_speed.py [--config configs/default.toml] [--set KEY=VALUE ...] [--workers 4] [--repeats 7]
                                 [--threads 1] [--old REV] [--earlier] [--verdicts-only] [--out results.json]
 
 Builds the model of `--config` (build_model), makes `--workers` random deltas of its parameter
@@ -11,6 +11,10 @@ aggregate modules are read from git at `--old` (default: the last commit before 
 reductions) and loaded next to the current ones; old and new run alternately in this process,
 `--repeats` times each, after one warm-up. Both must return the same verdicts and evidence, bit
 for bit, or the script stops. Prints median milliseconds and the old/new ratio.
+
+A screen that remembers the squares of the deltas it screened (the twenty-eighth session's)
+knows the previous round's, as in a run, and not this round's: `screen_round` forgets the
+current deltas' before every call (`check_round` decodes fresh ones anyway).
 
 `--earlier`: also a third set of deltas as the round before's (the screen's `earlier_deltas`,
 as with the update a whole round late). `--verdicts-only`: old and new need only give the same
@@ -101,6 +105,8 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs/default.toml"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, e.g. --set model.d_model=768 (round_cost.py's model: d_model 768, 12 heads, 6 layers)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
@@ -110,7 +116,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the numbers here as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, [f"--{kv.removeprefix('--')}" for kv in args.set])
     model = build_model(cfg.model, seed=0)
     shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
     n = sum(v.numel() for v in model.parameters())
@@ -139,6 +145,11 @@ def main() -> None:
         return r.verdicts if args.verdicts_only else (r.verdicts, r.evidence)
 
     def screen(which: str) -> Any:
+        # a screen remembers each delta's square (screen._SQUARES): in a run the previous round's are known
+        # from their own round and this round's are not, as in check() (which decodes fresh deltas every call)
+        known = getattr(sys.modules[screens[which].__module__], "_SQUARES", {})
+        for d in current:
+            known.pop(id(d[sorted(d)[0]]), None)
         out = screens[which](dict(enumerate(current)), previous_deltas=prev, earlier_deltas=earlier)
         return json.dumps([v.reason if args.verdicts_only else v.to_dict() for v in out.values()])
 

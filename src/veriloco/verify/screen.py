@@ -52,7 +52,11 @@ threshold that keeps honest workers can reject them; the robust aggregator (cent
 bounds what they can do in a round.
 
 Every number is computed with deterministic float64 reductions (aggregate.det_sum), so all
-workers reach the same verdicts bit for bit. They are batched (aggregate.RowSums: every norm,
+workers reach the same verdicts bit for bit. The near-duplicate tests (check 4) need their dot
+products only where a test could hit: float32 estimates with proven error bounds
+(aggregate.bounded_dots) rule that out for honest rounds, and then those sums are skipped
+(`_provably_apart`: nothing is flagged or recorded either way); a delta's square is summed once,
+in the first screen that sees it (`_known_square`). They are batched (aggregate.RowSums: every norm,
 dot product and distance of the round through one reused buffer), which changes no bit: each
 sum is det_sum's, add for add. Model-sized deltas are read a chunk at a time where they are
 summed (aggregate.sum_rows, median_row): no flat copy of a delta is built, nor the median centre
