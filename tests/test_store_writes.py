@@ -1,6 +1,7 @@
 """One copy per store: a bundle is stored by its sender before it is sent, a round checkpoint by
-one process of its stage per store (round.checkpoint_writer), and each record says how many bytes
-each worker wrote into its store (`store_bytes_written`)."""
+one process of its stage per store (round.checkpoint_writer: the highest worker, so not the
+recorder), and each record says how many bytes each worker wrote into its store
+(`store_bytes_written`)."""
 
 from __future__ import annotations
 
@@ -61,16 +62,16 @@ def _writer(rank: int, port: int, root: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
                             timeout=timedelta(seconds=60))
-    store = LocalStore(f"{root}/{'ab'[rank >= 2 and rank != 3]}")  # ranks 0, 1, 3 share store a; 2 has b
+    store = LocalStore(f"{root}/{'ab'[rank == 2]}")  # ranks 0, 1, 3 share store a; 2 has b
     writes = checkpoint_writer(store, dist.group.WORLD, rank)
     with open(f"{root}/rank{rank}.json", "w") as f:
         json.dump({"writes": writes, "left": sorted(p.name for p in (store.root / PEERS_DIR).iterdir())}, f)
     dist.destroy_process_group()
 
 
-def test_the_lowest_worker_of_each_store_writes_its_checkpoints(tmp_path):
+def test_the_highest_worker_of_each_store_writes_its_checkpoints(tmp_path):
     """Four processes of one stage, over gloo: 0, 1 and 3 share a store, 2 has its own (a machine
-    with a run directory of its own): 0 and 2 write, and no marker is left behind."""
+    with a run directory of its own): 3 and 2 write, and no marker is left behind."""
     from veriloco.procs import start_workers
 
     with socket.socket() as s:
@@ -78,12 +79,12 @@ def test_the_lowest_worker_of_each_store_writes_its_checkpoints(tmp_path):
         port = s.getsockname()[1]
     start_workers(_writer, (port, str(tmp_path)), 4)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    assert [g["writes"] for g in got] == [True, False, True, False]
+    assert [g["writes"] for g in got] == [False, False, True, True]
     assert (tmp_path / "a" / PEERS_DIR).is_dir() and not any((tmp_path / "a" / PEERS_DIR).iterdir())
 
 
 def test_each_bundle_and_checkpoint_is_written_once_per_store(tmp_path):
-    """3 workers on one machine share the run's store: per round, worker 0 writes its bundle and
+    """3 workers on one machine share the run's store: per round, worker 2 writes its bundle and
     the checkpoint, the others their bundles only (each used to write every bundle and the
     checkpoint); the run audits as before."""
     from veriloco.audit import audit_run
@@ -94,21 +95,38 @@ def test_each_bundle_and_checkpoint_is_written_once_per_store(tmp_path):
     records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     for rec in records:
         ckpt = _blob_size(store, rec["checkpoint"])
-        assert rec["store_bytes_written"] == [rec["bundle_bytes"][0] + ckpt, *rec["bundle_bytes"][1:]], rec["round"]
+        assert rec["store_bytes_written"] == [*rec["bundle_bytes"][:2], rec["bundle_bytes"][2] + ckpt], rec["round"]
     assert audit_run(str(out)).ok
 
 
 def test_stages_write_one_checkpoint_each_and_delay_one_stores_the_next_bundle_early(tmp_path):
-    """2 workers x 2 stages, delay 1: worker 1's processes write only their bundles (each round's
-    before the record of the round before, the last round's record none), worker 0's the bundles
-    and both stage checkpoints (and the stage-checkpoint manifest, counted in the next record)."""
+    """2 workers x 2 stages, delay 1: worker 0's processes write their bundles (each round's
+    before the record of the round before, the last round's record none) and the recorder the
+    stage-checkpoint manifest (counted in the next record), worker 1's their bundles and both
+    stage checkpoints."""
     out = tmp_path / "run"
     train(tiny("--topology.stages=2", "--outer.delay=1", "--train.rounds=3"), str(out), quiet=True)
     store = LocalStore(out / "store")
     records = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
-    one = [r["store_bytes_written"][1] for r in records]
-    assert one[0] == records[0]["bundle_bytes"][1] + records[1]["bundle_bytes"][1] and one[-1] == 0
-    assert sum(one) == sum(r["bundle_bytes"][1] for r in records)
+    zero = [r["store_bytes_written"][0] for r in records]
+    manifests = [_blob_size(store, r["checkpoint"]) for r in records]
+    assert zero[0] == records[0]["bundle_bytes"][0] + records[1]["bundle_bytes"][0]
+    assert zero[-1] == manifests[-2]  # its bundles were stored by the round before's record
+    assert sum(zero) == sum(r["bundle_bytes"][0] for r in records) + sum(manifests[:-1])
     ckpts = sum(_blob_size(store, s["checkpoint"]) for r in records for s in r["stages"])
-    manifests = sum(_blob_size(store, r["checkpoint"]) for r in records[:-1])
-    assert sum(r["store_bytes_written"][0] for r in records) == sum(r["bundle_bytes"][0] for r in records) + ckpts + manifests
+    assert sum(r["store_bytes_written"][1] for r in records) == sum(r["bundle_bytes"][1] for r in records) + ckpts
+
+
+def test_a_sole_writer_stores_the_same_blob_in_one_pass(tmp_path):
+    import torch
+
+    from veriloco.tensorfile import put_tensors, tensors_digest
+
+    tensors = {"param/a": torch.arange(10.0), "param/b": torch.ones(3, 4), "outer/m": torch.zeros(5)}
+    one, two = LocalStore(tmp_path / "one"), LocalStore(tmp_path / "two")
+    digest = put_tensors(one, tensors, {"round": "3"})
+    assert put_tensors(two, tensors, {"round": "3"}, fresh=True) == digest == tensors_digest(tensors, {"round": "3"})
+    assert two.get(digest) == one.get(digest)
+    written = two.bytes_written
+    assert put_tensors(two, tensors, {"round": "3"}, fresh=True) == digest  # held already: the staged copy is dropped
+    assert two.get(digest) == one.get(digest) and two.bytes_written == 2 * written

@@ -105,7 +105,7 @@ from .task import (
     process_device,
     take_device,
 )
-from .tensorfile import put_tensors, write_tensors_file
+from .tensorfile import put_tensors, tensors_digest, write_tensors_file
 from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
@@ -196,6 +196,7 @@ class Worker:
     replicas: ReplicaSync | None = None  # [topology] replicas: the worker's other processes, fed each round
     protocol_group: dist.ProcessGroup | None = None  # every process of the round (None: the default group)
     writes_checkpoints: bool = True  # whether this process puts its stage's checkpoints into its store (checkpoint_writer)
+    sole_writer: bool = False  # ... and nobody else does: written without looking first (static runs)
     store_mark: int = 0  # store.bytes_written at the last record
 
     @property
@@ -415,7 +416,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
         for stale in run.worker_dir(rank).glob("kept-*.bin"):  # keep_states "disk": an interrupted run's
             stale.unlink()
     if not elastic:  # elastic: whoever commits a round first records it, so every member stores its checkpoint
-        w.writes_checkpoints = checkpoint_writer(store, stage_group, worker)
+        w.writes_checkpoints = w.sole_writer = checkpoint_writer(store, stage_group, worker)
     if resume_round > 0:
         restore(w, resume_round)
     return w
@@ -423,11 +424,12 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
 
 def checkpoint_writer(store: LocalStore, stage_group: dist.ProcessGroup, worker: int) -> bool:
     """Whether this process stores its stage's round checkpoints: every process of the stage
-    computes the same G and outer state, so one copy per store is enough, and the lowest worker
-    among the stage's processes that share this store writes it (the recorder's stages, when the
-    store is the recorder's). A store is shared by the processes of one machine, and of machines
-    that share the run directory; a machine with a run directory of its own writes its own
-    copies. Found here by markers: each process leaves one under a random token, and every
+    computes the same G and outer state, so one copy per store is enough, and the highest worker
+    among the stage's processes that share this store writes it (not the recorder's, which has
+    the records to write: worker 0's processes only hash the checkpoint its record names, unless
+    they have a store of their own). A store is shared by the processes of one machine, and of
+    machines that share the run directory; a machine with a run directory of its own writes its
+    own copies. Found here by markers: each process leaves one under a random token, and every
     process looks for the others' tokens in its store (collective over the stage group)."""
     token = secrets.token_hex(16)
     marker = mark_peer(store, token)
@@ -437,7 +439,7 @@ def checkpoint_writer(store: LocalStore, stage_group: dist.ProcessGroup, worker:
         _gather_json({}, stage_group)  # and every process has looked before any is removed
     finally:
         marker.unlink(missing_ok=True)
-    return min(sharing, default=worker) == worker
+    return max(sharing, default=worker) == worker
 
 
 def carried(rec: dict | None) -> tuple[set[int], set[tuple[int, int]]]:
@@ -1204,8 +1206,12 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
 
     # 6. record: checkpoint, private state, agreement check, eval, one line per round
     ckpt = {f"param/{k}": v for k, v in G.items()} | w.outer.state_tensors()
-    # store.put(st_save(ckpt, ...)), streamed; by one process per store (checkpoint_writer), the others name none
-    ckpt_digest = put_tensors(w.store, ckpt, {"round": str(r)}) if w.writes_checkpoints else None
+    # store.put(st_save(ckpt, ...)), streamed, by one process of the stage per store (checkpoint_writer), before
+    # the agreement below, so the blob is there before any record names it; the recorder's worker hashes it only
+    if w.writes_checkpoints:
+        ckpt_digest = put_tensors(w.store, ckpt, {"round": str(r)}, fresh=w.sole_writer)
+    else:
+        ckpt_digest = tensors_digest(ckpt, {"round": str(r)}) if w.worker == 0 else None
     params_hash = tensors_hash(G)
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -1507,8 +1513,9 @@ def train_worker(
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     pending: Sent | None = None
     warned = False
-    # [run] keep_checkpoints: every process that writes checkpoints prunes its store (a machine of a multi-machine
-    # run may have its own), any but the recorder one round later: the record that names its newest may not be written yet
+    # [run] keep_checkpoints: the recorder and every process that writes checkpoints prune their store (a machine of
+    # a multi-machine run may have its own), any but the recorder one round later: the record that names its newest
+    # may not be written yet
     keep = cfg.run.keep_checkpoints
     if keep and not w.is_recorder:
         keep += 1
@@ -1544,7 +1551,7 @@ def train_worker(
                 if warning is not None and not warned:  # once a run: the records keep every round's
                     warned = True
                     print(warning, flush=True)
-        if keep and w.writes_checkpoints:  # after the record that names the newer checkpoints is written
+        if keep and (w.writes_checkpoints or w.is_recorder):  # after the record that names the newer ones is written
             prune_checkpoints(w.store, recent, keep)
 
     for r in range(start_round, end + cfg.outer.delay):

@@ -190,14 +190,20 @@ def tensors_digest(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]
         hashlib.sha256(st_save(dict(tensors), metadata=metadata)).hexdigest()
 
 
-def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+def put_tensors(store: LocalStore, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                fresh: bool = False) -> str:
     """`store.put(safetensors.torch.save(tensors, metadata))`: the same blob under the same
     digest, without those bytes in memory (a round's checkpoint is the model and its outer
     momentum: 56 GB for a 7B model, twice over while the bytes were built beside the tensors).
     The file is hashed as `write_tensors` would write it; a blob the store already holds is not
     written again, else it is written tensor by tensor to a staged file, hashed on the way, and
-    moved in. Tensors of more than one dtype go through `save`."""
+    moved in. Tensors of more than one dtype go through `save`. `fresh`: the caller knows the store
+    does not hold the blob (it alone stores it): written and hashed in one pass, not hashed first."""
     layout = layout_of(tensors)
+    if fresh and len({dtype for dtype, _ in layout.values()}) == 1:
+        with StagedBlob(store.root) as blob:
+            write_tensors(blob, layout, tensors.__getitem__, metadata)
+            return store.adopt(blob)
     digest = _written_digest(layout, tensors, metadata)
     if digest is None:
         return store.put(st_save(dict(tensors), metadata=metadata))
