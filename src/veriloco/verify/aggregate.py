@@ -414,9 +414,10 @@ _GAMMA = _EST_BLOCK * 2.0**-24 / (1 - _EST_BLOCK * 2.0**-24)  # gamma_m for m = 
 
 def bounded_dots(items: Sequence[Delta], pairs: Sequence[tuple[int, int]],
                  norms: Sequence[float]) -> list[tuple[float, float]] | None:
-    """For each pair (i, j) of float32 deltas: (e, b) with |e - a_i.a_j| <= b, where a.b is the
-    exact dot product (and `det_dot`'s is within ~1e-16 of it), from `norms` (the rows' exact
-    norms, or upper bounds). Cheap where `det_dot` is exact: a float32 `torch.dot` per block of
+    """For each pair (i, j) of float32 deltas: (e, b) with |e - d| <= b, both for d the exact dot
+    product a_i.a_j and for `det_dot`'s (float64 pairwise sums of products that are exact in
+    float64: within log2(n) 2^-53 |a_i| |a_j| of it, inside the slack below), from `norms` (the
+    rows' norms, or upper bounds). Cheap where `det_dot` is exact: a float32 `torch.dot` per block of
     m = _EST_BLOCK elements, summed in float64. The bound holds whatever order the dot sums a
     block in: a block's error is at most gamma_m sum_k |x_k y_k| (Higham, Accuracy and Stability
     of Numerical Algorithms, eq. 3.5: any order of evaluation), gamma_m = m u / (1 - m u) with

@@ -56,8 +56,8 @@ workers reach the same verdicts bit for bit. The near-duplicate tests (check 4) 
 products only where a test could hit: float32 estimates with proven error bounds
 (aggregate.bounded_dots) rule that out for honest rounds, and then those sums are skipped
 (`_provably_apart`: nothing is flagged or recorded either way); a delta's square is summed once,
-in the first screen that sees it (`_known_square`). They are batched (aggregate.RowSums: every norm,
-dot product and distance of the round through one reused buffer), which changes no bit: each
+in the first screen that sees it (`_known_square`). The sums are batched (aggregate.RowSums: every
+norm, dot product and distance of the round through one reused buffer), which changes no bit: each
 sum is det_sum's, add for add. Model-sized deltas are read a chunk at a time where they are
 summed (aggregate.sum_rows, median_row): no flat copy of a delta is built, nor the median centre
 (the geometric centre is built as its tensors, aggregate.geometric_median_row).
