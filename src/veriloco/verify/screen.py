@@ -523,8 +523,11 @@ def screen_round(
         else:
             centre = geometric_median_row([items[row[w]] for w in candidates], cfg.weiszfeld_iterations)
         measured = [w for w in workers if w in finite]
-        centre_norm = sums.norms([centre])[0]
-        centre_dots = sums.dots(rows, [centre], [(row[w], 0) for w in measured])
+        # |centre|^2 and each delta's dot with the centre in one call: a median centre is computed a
+        # chunk at a time where it is read, so it is read (and its medians taken) once, not twice
+        c, both = len(rows), [*rows, centre]
+        sums_c = sums.dots(both, both, [(row[w], c) for w in measured] + [(c, c)])
+        centre_norm, centre_dots = math.sqrt(sums_c[-1]), sums_c[:-1]
         median_norm = median_of([norms[w] for w in candidates])
         ev_common["median_norm"] = median_norm
         ev_common["centre_norm"] = centre_norm
