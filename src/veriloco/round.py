@@ -436,7 +436,7 @@ def checkpoint_writer(store: LocalStore, stage_group: dist.ProcessGroup, worker:
     try:
         tokens = [p.get("token") for p in _gather_json({"token": token}, stage_group)]  # every marker is there now
         sharing = seen_peers(store, tokens)
-        _gather_json({}, stage_group)  # and every process has looked before any is removed
+        dist.barrier(group=stage_group)  # and every process has looked before any is removed
     finally:
         marker.unlink(missing_ok=True)
     return max(sharing, default=worker) == worker

@@ -410,12 +410,11 @@ def screen_round(
     # a finite sum of squares proves every element finite (a NaN or inf would reach the sum);
     # only a row whose sum overflowed or is not finite is looked at element by element.
     # The previous rounds' deltas were this round's in their screen: their squares are known
-    known = [_known_square(d) for d in items]
-    missing = [i for i, q in enumerate(known) if q is None]
+    squares = [_known_square(d) for d in items]
+    missing = [i for i, q in enumerate(squares) if q is None]
     for i, q in zip(missing, sums.dots(rows, rows, [(i, i) for i in missing]), strict=True):
-        known[i] = q
+        squares[i] = q
         _remember_square(items[i], q)
-    squares: list[float] = known  # every one filled in
     finite_rows = [
         math.isfinite(sq) or row_finite(r)
         for sq, r in zip(squares, rows, strict=True)
@@ -474,43 +473,44 @@ def screen_round(
             pairs += [(a, b) for i, a in enumerate(members) for b in members[i + 1 :]]
         back.append((suffix, {pw: (at[pw], pn) for pw, pn in nrm.items()}, members))
     # honest deltas are far from every threshold: when bounded estimates prove that no test below
-    # can hit, the exact dots (two thirds of a screen's sums) are not needed, and nothing is recorded
-    apart = _provably_apart(items, pairs, squares, [row[w] for w in live], back, cfg)
-    dots = {} if apart else dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
-    # with one delta, the mean is that delta (checked on its own)
-    mean_squares = [mean_square(m, squares, dots) if len(m) >= 2 and not apart else 0.0 for _, _, m in back]
+    # can hit, the exact dots (two thirds of a screen's sums) are not needed, and nothing is recorded;
+    # else the exact tests
+    if not _provably_apart(items, pairs, squares, [row[w] for w in live], back, cfg):
+        dots = dict(zip(pairs, sums.dots(rows, rows, pairs), strict=True))
+        # with one delta, the mean is that delta (checked on its own)
+        mean_squares = [mean_square(m, squares, dots) if len(m) >= 2 else 0.0 for _, _, m in back]
 
-    def near(sq_a: float, sq_b: float, dot: float, na: float, nb: float) -> dict[str, float] | None:
-        cos = _cosine(dot, na, nb)
-        if cos is None:
+        def near(sq_a: float, sq_b: float, dot: float, na: float, nb: float) -> dict[str, float] | None:
+            cos = _cosine(dot, na, nb)
+            if cos is None:
+                return None
+            rel = near_distance(sq_a, sq_b, dot) / max(na, nb)
+            if cos >= cfg.near_dup_cosine or rel <= cfg.near_dup_rel_dist:
+                return {"cosine": cos, "rel_dist": rel}
             return None
-        rel = near_distance(sq_a, sq_b, dot) / max(na, nb)
-        if cos >= cfg.near_dup_cosine or rel <= cfg.near_dup_rel_dist:
-            return {"cosine": cos, "rel_dist": rel}
-        return None
 
-    for i, w in enumerate([] if apart else live):
-        a = row[w]
-        for o in live[i + 1 :]:
-            hit = near(squares[a], squares[row[o]], dots[a, row[o]], norms[w], norms[o])
-            if hit is not None:
-                for x, y in ((w, o), (o, w)):
-                    ev[x].setdefault("near_duplicate_of", []).append({"worker": y, **hit})
-                    flag(x, NEAR_DUPLICATE)
-        for (suffix, earlier_rows, members), mean_sq in zip(back, mean_squares, strict=True):
-            for pw, (r_pw, pn) in earlier_rows.items():
-                hit = near(squares[a], squares[r_pw], dots[a, r_pw], norms[w], pn)  # None for pn = 0
+        for i, w in enumerate(live):
+            a = row[w]
+            for o in live[i + 1 :]:
+                hit = near(squares[a], squares[row[o]], dots[a, row[o]], norms[w], norms[o])
                 if hit is not None:
-                    ev[w].setdefault(f"near_duplicate_of_{suffix}", []).append({"worker": pw, **hit})
-                    flag(w, NEAR_DUPLICATE)
-            if mean_sq > 0.0:
-                mean_dot = 0.0
-                for m in members:  # in members order, as mean_square sums
-                    mean_dot += dots[a, m]
-                hit = near(squares[a], mean_sq, mean_dot / len(members), norms[w], math.sqrt(mean_sq))
-                if hit is not None:
-                    ev[w][f"near_duplicate_of_{suffix}_mean"] = hit
-                    flag(w, NEAR_DUPLICATE)
+                    for x, y in ((w, o), (o, w)):
+                        ev[x].setdefault("near_duplicate_of", []).append({"worker": y, **hit})
+                        flag(x, NEAR_DUPLICATE)
+            for (suffix, earlier_rows, members), mean_sq in zip(back, mean_squares, strict=True):
+                for pw, (r_pw, pn) in earlier_rows.items():
+                    hit = near(squares[a], squares[r_pw], dots[a, r_pw], norms[w], pn)  # None for pn = 0
+                    if hit is not None:
+                        ev[w].setdefault(f"near_duplicate_of_{suffix}", []).append({"worker": pw, **hit})
+                        flag(w, NEAR_DUPLICATE)
+                if mean_sq > 0.0:
+                    mean_dot = 0.0
+                    for m in members:  # in members order, as mean_square sums
+                        mean_dot += dots[a, m]
+                    hit = near(squares[a], mean_sq, mean_dot / len(members), norms[w], math.sqrt(mean_sq))
+                    if hit is not None:
+                        ev[w][f"near_duplicate_of_{suffix}_mean"] = hit
+                        flag(w, NEAR_DUPLICATE)
 
     # 5-6: against the robust centre of the workers that are still candidates
     # the previous rounds' rows are done with (a short row is a flat copy, freed here for the median's scratch)
