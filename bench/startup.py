@@ -2,18 +2,30 @@
 (`procs.py`, torch preloaded) against spawn (each worker imports torch anew), side by side.
 
     python bench/startup.py [--repeats 3] [--workers 4] [--out bench/results/startup.json]
+    python bench/startup.py --cold REV [--repeats 5] [--workers 2] [--out bench/results/startup-cold.json]
 
 Each repeat trains configs/tiny.toml for 1 round of 1 inner step with W workers, once per start
 method, alternating (the machine is shared and noisy). The forkserver's first run also starts
 the server (imports torch and the engine once); later runs fork from it. Prints a table and
 writes `{"rows": [{"start_method", "run", "seconds"}...], "median_s": {...}, "ratio": x}`.
+
+`--cold REV`: the whole command a user types, `veriloco train configs/tiny.toml` for 1 round of 1
+inner step (its report included), each time in a fresh interpreter, so the server starts anew
+too: git revision REV's `src` (from `git archive`) against the working tree's, alternating. Prints
+the wall seconds and the CPU seconds of the command and every process it started (children's
+rusage), medians and new/old ratios, and writes `{"rows": [{"side", "run", "wall_s", "cpu_s"}...],
+"median": {...}, "ratio": {...}}`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,12 +46,88 @@ def one_run(workers: int, method: str, out: Path) -> float:
     return time.perf_counter() - t0
 
 
+def cold_run(src: Path, workers: int, out: Path) -> tuple[float, float]:
+    """`veriloco train` as typed, with the package at `src`: its wall seconds, and the CPU seconds
+    of it and every process it started (the forkserver's and the workers' included)."""
+    argv = ["train", str(ROOT / "configs" / "tiny.toml"), "--out", str(out), "--quiet",
+            f"--topology.workers={workers}", "--train.rounds=1", "--train.inner_steps=1"]
+    code = f"import sys; from veriloco.cli import main; sys.argv = ['veriloco', *{argv!r}]; main()"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(src)),
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    reap_orphans()  # the forkserver outlives the command by a moment: its CPU (and its workers') counts too
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"startup: the run with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def reap_orphans(timeout: float = 60.0) -> None:
+    """Wait for the processes a command left behind (reparented to this one, a subreaper), so that
+    their CPU time is in RUSAGE_CHILDREN."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)
+    raise SystemExit(f"startup: processes the run started were still running {timeout:g} s after it ended")
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (the forkserver, once the command exits) are reparented to this process
+    (Linux prctl PR_SET_CHILD_SUBREAPER) instead of init, so reap_orphans can count them."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:
+        raise SystemExit(f"startup: --cold needs Linux's PR_SET_CHILD_SUBREAPER (errno {ctypes.get_errno()})")
+
+
+def cold(args: argparse.Namespace) -> None:
+    from round_cost import source_of
+
+    become_subreaper()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "old").mkdir()
+        sides = {"old": source_of(args.cold, Path(tmp) / "old"), "new": ROOT / "src"}
+        for i in range(args.repeats):
+            for side, src in sides.items():
+                wall, cpu = cold_run(src, args.workers, Path(tmp) / f"{side}-{i}")
+                rows.append({"side": side, "run": i, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)})
+                print(f"run {i} {side:4s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
+    median = {side: {k: statistics.median(r[k] for r in rows if r["side"] == side) for k in ("wall_s", "cpu_s")}
+              for side in ("old", "new")}
+    ratio = {k: round(median["new"][k] / median["old"][k], 3) for k in ("wall_s", "cpu_s")}
+    result = {"old": args.cold, "workers": args.workers, "rows": rows, "median": median, "ratio": ratio}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nmedians, {args.cold} -> working tree: wall {median['old']['wall_s']:.2f} -> {median['new']['wall_s']:.2f} s "
+          f"(new/old {ratio['wall_s']}), cpu {median['old']['cpu_s']:.2f} -> {median['new']['cpu_s']:.2f} s "
+          f"(new/old {ratio['cpu_s']})  -> {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "startup.json"))
+    ap.add_argument("--repeats", type=int, default=None, help="default 3; 5 with --cold")
+    ap.add_argument("--workers", type=int, default=None, help="default 4; 2 with --cold")
+    ap.add_argument("--cold", metavar="REV", help="a fresh `veriloco train` command: REV's src against the working tree's")
+    ap.add_argument("--out", default=None, help="default bench/results/startup.json (startup-cold.json with --cold)")
     args = ap.parse_args()
+    cold_mode = args.cold is not None
+    args.repeats = args.repeats if args.repeats is not None else 5 if cold_mode else 3
+    args.workers = args.workers if args.workers is not None else 2 if cold_mode else 4
+    args.out = args.out or str(ROOT / "bench" / "results" / ("startup-cold.json" if cold_mode else "startup.json"))
+    if args.repeats < 1 or args.workers < 1:
+        ap.error("--repeats and --workers must be >= 1")
+    if cold_mode:
+        cold(args)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):

@@ -5,8 +5,17 @@ Start reading at `round.py`: one outer round, top to bottom.
 
 __version__ = "0.1.0"
 
-from .config import Config, load_config  # noqa: E402
-from .run import train, train_task  # noqa: E402
-from .task import Task  # noqa: E402
-
+# Imported on first use (PEP 562), so that `import veriloco.cli` does not import torch: `veriloco
+# train` starts the workers' forkserver before its own imports (cli.main).
+_EXPORTS = {"Config": "config", "load_config": "config", "train": "run", "train_task": "run", "Task": "task"}
 __all__ = ["Config", "Task", "load_config", "train", "train_task", "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import Config
 from .inner import InnerLoop
-from .procs import start_workers
+from .procs import start_workers, warm
 from .records import RunDir
 from .round import init_distributed, progress_line
 from .run import check_device, free_port, prepare_run
@@ -130,6 +130,7 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
 def train_ddp(cfg: Config, out: str | None = None, quiet: bool = False, link=None) -> tuple[RunDir, dict]:
     """Run the DDP baseline with cfg's model, data and schedule; returns (run dir, summary)."""
     check_device(cfg)
+    warm()
     run, task = prepare_run(cfg, out)
     return run, launch_ddp(cfg, task.as_task(), run, quiet, link)
 

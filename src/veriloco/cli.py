@@ -27,17 +27,23 @@ from pathlib import Path
 import typer
 
 from .config import ConfigError, config_warnings, describe, load_config
-from .data import DataError
-from .export import ExportError
-from .faults import FaultError
-from .records import RunDirError
-from .store import StoreError
-from .verify.identity import IdentityError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Verifiable low-communication decentralized training.")
 
-USER_ERRORS = (ConfigError, DataError, ExportError, RunDirError, StoreError, FileNotFoundError, FaultError,
-               IdentityError)
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The errors that mean bad input (one line, exit 2). Imported when an exception is matched, so
+    that importing this module imports no torch: `veriloco train` starts the workers' forkserver
+    first (train below), and `veriloco config` or `--help` answer at once."""
+    from .data import DataError
+    from .export import ExportError
+    from .faults import FaultError
+    from .records import RunDirError
+    from .store import StoreError
+    from .verify.identity import IdentityError
+
+    return (ConfigError, DataError, ExportError, RunDirError, StoreError, FileNotFoundError, FaultError, IdentityError)
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -87,22 +93,31 @@ def train(
                                 "all); start the others with `veriloco join RUN --workers ...` elsewhere"),
 ) -> None:
     """Train: the default config, a config file, `--section.key=value` overrides (CLI > file > defaults)."""
+    config, overrides = _config_and_overrides(ctx, config)
+    local = None if workers is None else tuple(_worker_list(workers))
+    if resume and (config or overrides):
+        fail("--resume takes no config or overrides: the run's manifest holds its config")
+    from .procs import warm
+
+    # first: the workers' server imports torch and the engine (~3 s) while this process does (loading
+    # the config's codecs imports torch); with a config that turns out bad, it exits once it has
+    warm()
+    try:
+        cfg = None if resume else load_config(config, overrides)
+    except user_errors() as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     from .run import resume as resume_run
     from .run import train as train_run
 
-    config, overrides = _config_and_overrides(ctx, config)
     placement = None
     if host is not None or workers is not None:
         from .elastic import Placement
 
-        placement = Placement(host or "127.0.0.1", None if workers is None else tuple(_worker_list(workers)))
+        placement = Placement(host or "127.0.0.1", local)
     try:
         if resume:
-            if config or overrides:
-                fail("--resume takes no config or overrides: the run's manifest holds its config")
             run_dir, summary = resume_run(resume, quiet, stop_after, placement)
         else:
-            cfg = load_config(config, overrides)
             for line in config_warnings(cfg):
                 typer.echo(f"veriloco: warning: {line}", err=True)
             if cfg.train.mode == "ddp":
@@ -115,7 +130,7 @@ def train(
                 run_dir, summary = train_ddp(cfg, out, quiet)
             else:
                 run_dir, summary = train_run(cfg, out, quiet, stop_after, fault or None, placement)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except typer.Exit:  # fail() above already said what is wrong
         raise
@@ -171,7 +186,7 @@ def plan(
         else:
             cfg = load_config(config, overrides)
         typer.echo(format_plan(make_plan(cfg, step_s), measured_verification(config) if run else None))
-    except (*USER_ERRORS, ValueError) as e:
+    except (*user_errors(), ValueError) as e:
         fail(str(e).splitlines()[0])
 
 
@@ -187,7 +202,7 @@ def join(
 
     try:
         codes = join_elastic(run, _worker_list(workers), quiet)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     failed = {j: c for j, c in codes.items() if c != 0}
     if failed:
@@ -233,7 +248,7 @@ def audit(
     try:
         report = audit_run(run, replay, device) if run is not None \
             else audit_published(ledger, store, run_id, replay, device)
-    except (*USER_ERRORS, AuditInputError, LedgerError) as e:
+    except (*user_errors(), AuditInputError, LedgerError) as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if run is not None:
         write_audit(run, report)
@@ -264,7 +279,7 @@ def prove(run: str = typer.Argument(..., help="run directory"), round: int = typ
 
     try:
         ledger = open_run_ledger(run)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e).splitlines()[0])
     try:
         n = ledger.size()
@@ -307,7 +322,7 @@ def export(
 
     try:
         path, r = export_run(run, out, round)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e).splitlines()[0])
     typer.echo(f"wrote {path}: the global params after round {r} (check the run first: veriloco audit {run})")
 
@@ -329,7 +344,7 @@ def sample_text(
 
     try:
         text, _ = sample(run, prompt, tokens, temperature, top_k, seed, round)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e).splitlines()[0])
     typer.echo(prompt + text)
 
@@ -349,7 +364,7 @@ def tokenize(
 
     try:
         n, dtype = tokenize_to_bin(source, tokenizer, out, eos)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         fail(str(e).splitlines()[0])
     typer.echo(f"wrote {out}: {n} tokens as {dtype} (train with --data.source={out} --data.bin_dtype={dtype} "
                f"--data.tokenizer={tokenizer})")
@@ -361,7 +376,7 @@ def keygen(
     workers: int = typer.Option(..., "--workers", help="how many workers"),
 ) -> None:
     """Ed25519 keys for each worker: worker-<w>.key (private, 0600) and worker-<w>.pub."""
-    from .verify.identity import generate_key, public_key_hex, save_private_key
+    from .verify.identity import IdentityError, generate_key, public_key_hex, save_private_key
 
     if workers < 1:
         fail(f"--workers must be >= 1, got {workers}")

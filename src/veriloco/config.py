@@ -27,6 +27,10 @@ def _f(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3")  # [model] arch, besides gpt: hf.py
+TRANSFORMERS_NEEDED = "transformers>=5,<6"
+
+
 @dataclass
 class ModelConfig:
     """[model] the small byte-level GPT (model.py), or a Hugging Face architecture (hf.py)."""
@@ -663,9 +667,8 @@ def validate(cfg: Config) -> None:
 
 
 def _check_arch(m: ModelConfig) -> None:
-    """[model] arch and the fields only transformers archs read."""
-    from .hf import HF_ARCHS, TRANSFORMERS_NEEDED, transformers_version
-
+    """[model] arch and the fields only transformers archs read (hf.py, and torch, imported for those
+    archs only: a gpt config loads without torch)."""
     need(m.arch in ("gpt",) + HF_ARCHS, f"model.arch must be gpt, {', '.join(HF_ARCHS)}, got {m.arch!r}")
     need(m.kv_heads >= 0 and m.ffn >= 0 and m.head_dim >= 0,
          f"model.kv_heads, model.ffn and model.head_dim must be >= 0, got {m.kv_heads}, {m.ffn} and {m.head_dim}")
@@ -678,7 +681,7 @@ def _check_arch(m: ModelConfig) -> None:
              "model.kv_heads, model.head_dim, model.ffn, model.rope_theta, model.rope_scaling and model.norm_eps are for "
              "transformers archs; model.arch is 'gpt'")
         return
-    from .hf import rope_scaling
+    from .hf import rope_scaling, transformers_version
 
     try:
         rope_scaling(m)

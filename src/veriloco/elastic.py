@@ -1031,9 +1031,11 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
         raise ConfigError(f"{run.root} is not an elastic run (run.membership = {cfg.run.membership!r})")
     if not workers or any(not 0 <= j < W for j in workers) or len(set(workers)) != len(workers):
         raise ConfigError(f"--workers must name distinct workers of 0..{W - 1}, got {workers}")
+    from .procs import warm
     from .run import check_device
 
     check_device(cfg)
+    warm()
     path, deadline = run.root / COORDINATOR_FILE, time.monotonic() + cfg.run.timeout_s
     while not path.exists():
         if time.monotonic() > deadline:

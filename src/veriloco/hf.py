@@ -35,14 +35,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
+from .config import HF_ARCHS, ModelConfig
 
 # Each arch's model forward is embed -> rotary -> its decoder layers -> norm -> head, which
 # HFCausalLM.forward writes out (OLMo 2's post-norms and q/k norms are inside its layers, and so is
 # SmolLM3's choice of which layers apply the rotary tables); tests/test_hf.py holds each to
 # transformers' own logits.
-HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3")
-TRANSFORMERS_NEEDED = "transformers>=5,<6"
 
 
 def transformers_version() -> str | None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
@@ -194,10 +195,31 @@ def build_meta(cfg: ModelConfig) -> nn.Module:
     """The model's structure without memory: parameter names and shapes, on the meta device."""
     gen_state = torch.random.get_rng_state()  # meta tensors draw nothing; keep the RNG untouched regardless
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _NoDrawsOnMeta():
             return _build(cfg)
     finally:
         torch.random.set_rng_state(gen_state)
+
+
+class _NoDrawsOnMeta(TorchFunctionMode):
+    """Skips the in-place ops of an initialisation (draws, and `trunc_normal_`'s erfinv_/clamp_) on
+    meta tensors, which hold no values and keep their shapes under them: torch runs those ops'
+    meta kernels through its Python references, whose first call imports torch._dynamo (~1.5 s,
+    in every process that builds a model's structure: `plan`, a run's launcher, a stage built from
+    the store)."""
+
+    SKIPPED = frozenset([getattr(torch.Tensor, name) for name in (
+        "normal_", "uniform_", "erfinv_", "clamp_", "log_normal_", "exponential_", "cauchy_", "geometric_",
+        "bernoulli_", "random_")] + [getattr(nn.init, name) for name in (  # these dispatch as themselves
+        "normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+        "xavier_normal_", "orthogonal_")])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init's come as keywords
+        if func in self.SKIPPED and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
 
 
 def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:

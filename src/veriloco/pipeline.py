@@ -31,20 +31,25 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from .config import TrainConfig
 from .inner import BatchFn, InnerLoop, InnerResult, Landing, lr_at, run_steps, sum_groups
 from .model import lm_loss, tied_ends
 
+if TYPE_CHECKING:  # imported where a schedule is built: the package takes ~1 s to import, and a run
+    from torch.distributed.pipelining import (  # without stages never needs it
+        Schedule1F1B,
+        ScheduleGPipe,
+    )
+
 TIE_TAG = 17  # TiedEnds' messages, apart from the schedule's own (tag 0) between the same ranks
 OutputLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage output, targets)
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining.ScheduleGPipe / Schedule1F1B
 
 
 def _make_schedule(
@@ -64,8 +69,11 @@ def _make_schedule(
         )
     # Shapes are inferred from the first micro-batch (one metadata send/recv per stage pair),
     # so the stage needs no example inputs.
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     pipe_stage = PipelineStage(model, stage, stages, device, group=group)
-    return SCHEDULES[schedule](pipe_stage, microbatches, loss_fn=loss_fn, scale_grads=True)
+    make = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return make(pipe_stage, microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def _check_split(n: int, microbatches: int) -> None:

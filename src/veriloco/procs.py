@@ -12,26 +12,44 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
+from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
 
-import torch.multiprocessing as mp
-
 # a platform without fork (Windows) starts each worker with spawn, importing torch anew
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-PRELOAD = ["veriloco.run", "veriloco.elastic"]  # torch, the engine, and the elastic worker's entry
+# torch, the engine, the elastic worker's entry, and torch's pipelining, which brings torch._dynamo: the first
+# construction of any torch optimizer imports that (~1 s of CPU), which every worker would pay otherwise
+PRELOAD = ["veriloco.run", "veriloco.elastic", "torch.distributed.pipelining"]
 
 
 def context() -> BaseContext:
     """The multiprocessing context worker processes start from (its server preloads PRELOAD)."""
-    ctx = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
+    ctx = multiprocessing.get_context(START_METHOD)  # torch.multiprocessing's is this one
+    if START_METHOD == "forkserver" and not _running():
         ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def warm() -> None:
+    """Start the forkserver now, if it is not running, so that its imports (~3 s) overlap what this
+    process does before it starts workers (its own imports, a run's corpus and initial weights)
+    instead of following it. It stays up until this process exits, as one that `start_workers`
+    started does. Imports nothing itself (this module imports no torch)."""
+    if START_METHOD == "forkserver" and not _running():
+        context()
+        forkserver.ensure_running()
+
+
+def _running() -> bool:
+    """Whether this process's forkserver has started (what it preloads is fixed from then on)."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
 
 
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     """fn(rank, *args) in nprocs processes; waits for all, re-raises the first failure
     (torch.multiprocessing.ProcessRaisedException / ProcessExitedException), as mp.spawn."""
+    import torch.multiprocessing as mp
+
     context()  # sets the preload before the server first starts
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=START_METHOD)

@@ -23,7 +23,7 @@ from .data import prepare_corpus
 from .hashing import canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_meta, build_model
-from .procs import start_workers
+from .procs import start_workers, warm
 from .records import RunDir, RunDirError, checkpoint_blobs, prune_checkpoints
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, StagedBlob, run_ref
@@ -188,6 +188,7 @@ def train(
         if cfg.run.membership != "elastic":
             raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
         parse_faults(faults, cfg.topology.workers)
+    warm()  # the workers' server imports while the corpus and G_0 are prepared here
     run, task = prepare_run(cfg, out)
     warn_disk(cfg, run, 0)
     return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults, placement)
@@ -211,6 +212,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
 
     check_splittable(task, cfg.topology.stages)
     check_device(cfg)
+    warm()
     run = RunDir(out)
     manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
                 "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
@@ -227,6 +229,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     cfg = config_from_dict(manifest["config"])
     check_placement(cfg, placement)
     check_device(cfg)
+    warm()
     records = run.rounds()
     done = len(records)
     if done >= cfg.train.rounds:
