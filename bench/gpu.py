@@ -101,29 +101,17 @@ FULL = {"n_layer": 28, "d_model": 1024, "n_head": 16, "ctx": 1024, "vocab_size":
 SMOKE = {"n_layer": 2, "d_model": 64, "n_head": 4, "ctx": 64, "vocab_size": 256}
 
 
-def import_veriloco() -> tuple[dict[str, types.ModuleType], str]:
-    """The modules this bench needs (model, inner, config, compress: torch only).
-
-    `import veriloco` runs the package __init__, which pulls in the training runtime and its
-    dependencies (safetensors, cryptography, ...). If one of those is missing on the GPU machine,
-    the package is registered as a bare namespace over src/veriloco so that the torch-only
-    submodules still import. Returns ({name: submodule}, how the package was imported)."""
+def import_veriloco() -> dict[str, types.ModuleType]:
+    """The modules this bench needs (model, inner, config, compress: torch only), from src/. The
+    package's __init__ imports none of the training runtime (its exports load on first use), so
+    these import on a GPU machine that lacks the runtime's dependencies (safetensors,
+    cryptography, ...)."""
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))
-    try:
-        import veriloco  # noqa: F401
-
-        how = "package"
-    except ImportError as e:
-        stub = types.ModuleType("veriloco")
-        stub.__path__ = [str(SRC / "veriloco")]  # type: ignore[attr-defined]
-        sys.modules["veriloco"] = stub
-        how = f"namespace stub ({type(e).__name__}: {e})"
-    names = ("config", "model", "inner", "compress")
-    return {n: importlib.import_module(f"veriloco.{n}") for n in names}, how
+    return {n: importlib.import_module(f"veriloco.{n}") for n in ("config", "model", "inner", "compress")}
 
 
-_VL, VL_IMPORT = import_veriloco()
+_VL = import_veriloco()
 ModelConfig = _VL["config"].ModelConfig
 TrainConfig = _VL["config"].TrainConfig
 build_model = _VL["model"].build_model
@@ -166,7 +154,6 @@ def environment(device: torch.device) -> dict[str, Any]:
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "git_commit": git_commit(),
-        "veriloco_import": VL_IMPORT,
         "device": str(device),
     }
     if device.type == "cuda":
@@ -591,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     env = result["env"]
     print(f"device {env['device_name']} ({device}), torch {env['torch']}, CUDA {env['cuda']}, "
-          f"{env['date_utc']}, veriloco import: {VL_IMPORT}", flush=True)
+          f"{env['date_utc']}", flush=True)
     print(f"model n_layer={mcfg.n_layer} d_model={mcfg.d_model} n_head={mcfg.n_head} ctx={mcfg.ctx} "
           f"vocab={mcfg.vocab_size}: {n_total:,} parameters ({n_matmul:,} in matmuls)", flush=True)
     print(f"FLOPs/token = 6*{n_matmul:,} + 12*{mcfg.n_layer}*{mcfg.d_model}*{mcfg.ctx} = {fpt:,}; "

@@ -104,8 +104,14 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     cfg = load_config(ROOT / "configs" / "tiny.toml", spec["overrides"])
+    from importlib import import_module
+
+    from veriloco.procs import PRELOAD
+
+    for name in PRELOAD:  # imported before the baseline, as a worker has them (from the forkserver)
+        import_module(name)
     if cfg.model.arch != "gpt":
-        import transformers  # noqa: F401  (imported before the baseline, as a worker has it)
+        import transformers  # noqa: F401  (likewise)
     with measured_peak() as peak:
         t0 = time.perf_counter()
         params = StoredParams(LocalStore(spec["store"]), spec["digest"]) if spec["way"] == "stored" else None
