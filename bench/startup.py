@@ -11,10 +11,11 @@ writes `{"rows": [{"start_method", "run", "seconds"}...], "median_s": {...}, "ra
 
 `--cold REV`: the whole command a user types, `veriloco train configs/tiny.toml` for 1 round of 1
 inner step (its report included), each time in a fresh interpreter, so the server starts anew
-too: git revision REV's `src` (from `git archive`) against the working tree's, alternating. Prints
-the wall seconds and the CPU seconds of the command and every process it started (children's
-rusage), medians and new/old ratios, and writes `{"rows": [{"side", "run", "wall_s", "cpu_s"}...],
-"median": {...}, "ratio": {...}}`.
+too, and `veriloco config`, which starts no run: git revision REV's `src` (from `git archive`)
+against the working tree's, alternating. Prints the wall seconds and the CPU seconds of the
+command and every process it started (children's rusage), medians and new/old ratios, and writes
+`{"rows": [{"command", "side", "run", "wall_s", "cpu_s", "orphans"}...], "median": {command: {side: ...}},
+"ratio": {command: ...}}`.
 """
 
 from __future__ import annotations
@@ -46,35 +47,36 @@ def one_run(workers: int, method: str, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def cold_run(src: Path, workers: int, out: Path) -> tuple[float, float]:
-    """`veriloco train` as typed, with the package at `src`: its wall seconds, and the CPU seconds
-    of it and every process it started (the forkserver's and the workers' included)."""
-    argv = ["train", str(ROOT / "configs" / "tiny.toml"), "--out", str(out), "--quiet",
-            f"--topology.workers={workers}", "--train.rounds=1", "--train.inner_steps=1"]
+def cold_run(src: Path, argv: list[str]) -> tuple[float, float, int]:
+    """`veriloco ARGV...` as typed, with the package at `src`: its wall seconds, the CPU seconds of
+    it and every process it started (the forkserver's and the workers' included), and how many of
+    those outlived it (reaped here)."""
     code = f"import sys; from veriloco.cli import main; sys.argv = ['veriloco', *{argv!r}]; main()"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(src)),
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    reap_orphans()  # the forkserver outlives the command by a moment: its CPU (and its workers') counts too
+    orphans = reap_orphans()  # the forkserver outlives the command by a moment: its CPU (and its workers') counts too
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
-        raise SystemExit(f"startup: the run with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        raise SystemExit(f"startup: veriloco {argv[0]} with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), orphans
 
 
-def reap_orphans(timeout: float = 60.0) -> None:
+def reap_orphans(timeout: float = 60.0) -> int:
     """Wait for the processes a command left behind (reparented to this one, a subreaper), so that
-    their CPU time is in RUSAGE_CHILDREN."""
-    deadline = time.monotonic() + timeout
+    their CPU time is in RUSAGE_CHILDREN; how many there were."""
+    deadline, reaped = time.monotonic() + timeout, 0
     while time.monotonic() < deadline:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return reaped
         if pid == 0:
             time.sleep(0.01)
+        else:
+            reaped += 1
     raise SystemExit(f"startup: processes the run started were still running {timeout:g} s after it ended")
 
 
@@ -85,6 +87,9 @@ def become_subreaper() -> None:
 
     if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:
         raise SystemExit(f"startup: --cold needs Linux's PR_SET_CHILD_SUBREAPER (errno {ctypes.get_errno()})")
+
+
+COMMANDS = ("train", "config")  # a 1-round tiny run, and a command that starts no run (the config reference)
 
 
 def cold(args: argparse.Namespace) -> None:
@@ -98,18 +103,25 @@ def cold(args: argparse.Namespace) -> None:
         sides = {"old": source_of(args.cold, Path(tmp) / "old"), "new": ROOT / "src"}
         for i in range(args.repeats):
             for side, src in sides.items():
-                wall, cpu = cold_run(src, args.workers, Path(tmp) / f"{side}-{i}")
-                rows.append({"side": side, "run": i, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)})
-                print(f"run {i} {side:4s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
-    median = {side: {k: statistics.median(r[k] for r in rows if r["side"] == side) for k in ("wall_s", "cpu_s")}
-              for side in ("old", "new")}
-    ratio = {k: round(median["new"][k] / median["old"][k], 3) for k in ("wall_s", "cpu_s")}
+                for command in COMMANDS:
+                    argv = ["config"] if command == "config" else [
+                        "train", str(ROOT / "configs" / "tiny.toml"), "--out", str(Path(tmp) / f"{side}-{i}"), "--quiet",
+                        f"--topology.workers={args.workers}", "--train.rounds=1", "--train.inner_steps=1"]
+                    wall, cpu, orphans = cold_run(src, argv)
+                    rows.append({"command": command, "side": side, "run": i, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                                 "orphans": orphans})
+                    print(f"run {i} {side:4s} {command:6s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
+    median = {c: {side: {k: statistics.median(r[k] for r in rows if (r["command"], r["side"]) == (c, side))
+                         for k in ("wall_s", "cpu_s")} for side in ("old", "new")} for c in COMMANDS}
+    ratio = {c: {k: round(m["new"][k] / m["old"][k], 3) for k in ("wall_s", "cpu_s")} for c, m in median.items()}
     result = {"old": args.cold, "workers": args.workers, "rows": rows, "median": median, "ratio": ratio}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nmedians, {args.cold} -> working tree: wall {median['old']['wall_s']:.2f} -> {median['new']['wall_s']:.2f} s "
-          f"(new/old {ratio['wall_s']}), cpu {median['old']['cpu_s']:.2f} -> {median['new']['cpu_s']:.2f} s "
-          f"(new/old {ratio['cpu_s']})  -> {args.out}")
+    print(f"\nmedians, {args.cold} -> working tree:")
+    for c, m in median.items():
+        print(f"  veriloco {c:6s} wall {m['old']['wall_s']:.2f} -> {m['new']['wall_s']:.2f} s (new/old {ratio[c]['wall_s']}), "
+              f"cpu {m['old']['cpu_s']:.2f} -> {m['new']['cpu_s']:.2f} s (new/old {ratio[c]['cpu_s']})")
+    print(f"-> {args.out}")
 
 
 def main() -> None:
