@@ -6,7 +6,7 @@ Start reading at `round.py`: one outer round, top to bottom.
 __version__ = "0.1.0"
 
 # Imported on first use (PEP 562), so that `import veriloco.cli` does not import torch: `veriloco
-# train` starts the workers' forkserver before its own imports (cli.main).
+# train` starts the workers' forkserver before its own imports (cli.train).
 _EXPORTS = {"Config": "config", "load_config": "config", "train": "run", "train_task": "run", "Task": "task"}
 __all__ = ["Config", "Task", "load_config", "train", "train_task", "__version__"]
 

@@ -31,7 +31,6 @@ from .config import ConfigError, config_warnings, describe, load_config
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Verifiable low-communication decentralized training.")
 
 
-
 def user_errors() -> tuple[type[Exception], ...]:
     """The errors that mean bad input (one line, exit 2). Imported when an exception is matched, so
     that importing this module imports no torch: `veriloco train` starts the workers' forkserver
@@ -100,7 +99,7 @@ def train(
     from .procs import warm
 
     # first: the workers' server imports torch and the engine (~3 s) while this process does (loading
-    # the config's codecs imports torch); with a config that turns out bad, it exits once it has
+    # the config's codecs imports torch); if the config turns out bad, the server exits when its imports are done
     warm()
     try:
         cfg = None if resume else load_config(config, overrides)

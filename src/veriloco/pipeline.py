@@ -41,11 +41,8 @@ from .config import TrainConfig
 from .inner import BatchFn, InnerLoop, InnerResult, Landing, lr_at, run_steps, sum_groups
 from .model import lm_loss, tied_ends
 
-if TYPE_CHECKING:  # imported where a schedule is built: the package takes ~1 s to import, and a run
-    from torch.distributed.pipelining import (  # without stages never needs it
-        Schedule1F1B,
-        ScheduleGPipe,
-    )
+if TYPE_CHECKING:  # imported where a schedule is built (~1 s to import; a run without stages never needs it)
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 TIE_TAG = 17  # TiedEnds' messages, apart from the schedule's own (tag 0) between the same ranks
 OutputLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage output, targets)
