@@ -72,3 +72,32 @@ print(sorted(set(sys.modules) - before))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout[-500:], done.stderr[-1000:])
+
+
+def test_a_train_command_that_fails_stops_the_server_it_started(tmp_path):
+    """`veriloco train` starts the workers' forkserver before it reads its config; a bad config must
+    not leave it running (busy with its imports, it would hold the command's output open ~3 s)."""
+    code = f"""
+import os, signal, sys, time
+from multiprocessing import forkserver
+from veriloco.cli import main
+
+sys.argv = ["veriloco", "train", {str(tmp_path / "missing.toml")!r}]
+try:
+    main()
+except SystemExit as e:
+    assert e.code == 2, e.code
+pid = forkserver._forkserver._forkserver_pid
+assert pid is not None  # it was started
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        print("stopped")
+        break
+    time.sleep(0.05)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "stopped", (done.stdout[-500:], done.stderr[-1500:])
+    assert "config file not found" in done.stderr

@@ -96,11 +96,23 @@ def train(
     local = None if workers is None else tuple(_worker_list(workers))
     if resume and (config or overrides):
         fail("--resume takes no config or overrides: the run's manifest holds its config")
-    from .procs import warm
+    from .procs import stop, warm
 
     # first: the workers' server imports torch and the engine (~3 s) while this process does (loading
-    # the config's codecs imports torch); if the config turns out bad, the server exits when its imports are done
-    warm()
+    # the config's codecs imports torch); stopped if the command fails (_train's bad input, a failed run)
+    started = warm()
+    try:
+        _train(config, overrides, out, resume, quiet, stop_after, fault, host, workers, local)
+    except BaseException:
+        if started:
+            stop()
+        raise
+
+
+def _train(config: str | None, overrides: list[str], out: str | None, resume: str | None, quiet: bool,
+           stop_after: int | None, fault: list[str] | None, host: str | None, workers: str | None,
+           local: tuple[int, ...] | None) -> None:
+    """`veriloco train` once its arguments are read and the workers' server is starting."""
     try:
         cfg = None if resume else load_config(config, overrides)
     except user_errors() as e:

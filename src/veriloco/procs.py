@@ -10,7 +10,10 @@ processes only (never to or from a peer).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import signal
 from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
@@ -31,14 +34,27 @@ def context() -> BaseContext:
     return ctx
 
 
-def warm() -> None:
+def warm() -> bool:
     """Start the forkserver now, if it is not running, so that its imports (~3 s) overlap what this
     process does before it starts workers (its own imports, a run's corpus and initial weights)
     instead of following it. It stays up until this process exits, as one that `start_workers`
-    started does. Imports nothing itself (this module imports no torch)."""
-    if START_METHOD == "forkserver" and not _running():
-        context()
-        forkserver.ensure_running()
+    started does. Imports nothing itself (this module imports no torch). Whether it started one."""
+    if START_METHOD != "forkserver" or _running():
+        return False
+    context()
+    forkserver.ensure_running()
+    return True
+
+
+def stop() -> None:
+    """Stop this process's forkserver (a command that fails before it needs workers: the server,
+    busy with its imports, would hold the command's output open until they are done, so a caller
+    reading that output to its end would wait ~3 s for a one-line error). A later `context` or
+    `warm` starts a new one."""
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def _running() -> bool:
