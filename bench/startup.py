@@ -11,7 +11,7 @@ writes `{"rows": [{"start_method", "run", "seconds"}...], "median_s": {...}, "ra
 
 `--cold REV`: the whole command a user types, `veriloco train configs/tiny.toml` for 1 round of 1
 inner step (its report included), each time in a fresh interpreter, so the server starts anew
-too, and `veriloco config`, which starts no run: git revision REV's `src` (from `git archive`)
+too, then `veriloco audit` of that run, and `veriloco config`, which starts no run: git revision REV's `src` (from `git archive`)
 against the working tree's, alternating. Prints the wall seconds and the CPU seconds of the
 command and every process it started (children's rusage), medians and new/old ratios, and writes
 `{"rows": [{"command", "side", "run", "wall_s", "cpu_s", "orphans"}...], "median": {command: {side: ...}},
@@ -89,7 +89,7 @@ def become_subreaper() -> None:
         raise SystemExit(f"startup: --cold needs Linux's PR_SET_CHILD_SUBREAPER (errno {ctypes.get_errno()})")
 
 
-COMMANDS = ("train", "config")  # a 1-round tiny run, and a command that starts no run (the config reference)
+COMMANDS = ("train", "audit", "config")  # a 1-round tiny run, its audit, and the config reference
 
 
 def cold(args: argparse.Namespace) -> None:
@@ -104,8 +104,9 @@ def cold(args: argparse.Namespace) -> None:
         for i in range(args.repeats):
             for side, src in sides.items():
                 for command in COMMANDS:
-                    argv = ["config"] if command == "config" else [
-                        "train", str(ROOT / "configs" / "tiny.toml"), "--out", str(Path(tmp) / f"{side}-{i}"), "--quiet",
+                    run = str(Path(tmp) / f"{side}-{i}")
+                    argv = {"config": ["config"], "audit": ["audit", run]}.get(command) or [
+                        "train", str(ROOT / "configs" / "tiny.toml"), "--out", run, "--quiet",
                         f"--topology.workers={args.workers}", "--train.rounds=1", "--train.inner_steps=1"]
                     wall, cpu, orphans = cold_run(src, argv)
                     rows.append({"command": command, "side": side, "run": i, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),

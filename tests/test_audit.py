@@ -406,3 +406,18 @@ def test_signed_checkpoint_manifest_checked(run):
     assert "signed checkpoint manifest" in failure(run) and "signature" in failure(run)
     (run / "checkpoint.sig.json").unlink()
     assert "checkpoint.sig.json is missing" in failure(run)
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_the_audit_leaves_the_process_as_it_found_it(run, mode):
+    """Its thread count and torch's deterministic-algorithms setting are restored (and not set
+    anew when unchanged: that call imports torch's compiler, ~1.5 s)."""
+    import torch
+
+    threads, before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(mode)
+    try:
+        assert audit_run(run).ok
+        assert torch.are_deterministic_algorithms_enabled() is mode and torch.get_num_threads() == threads
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -401,7 +401,8 @@ def audit_sources(src: Sources, replay: int = 0, device: str = "cpu") -> AuditRe
         report.first_failure = str(e).splitlines()[0]
     finally:  # the run's thread count and, on a GPU, deterministic kernels: for the audit only
         torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
+        if torch.are_deterministic_algorithms_enabled() != deterministic:  # the call imports torch's compiler (~1.5 s)
+            torch.use_deterministic_algorithms(deterministic)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -9,46 +9,41 @@ of the workers' steps (the golden-equivalence test pins this).
 from __future__ import annotations
 
 import torch
+from torch.optim.sgd import sgd
 
 from .config import OuterConfig
 
 
 class OuterOptimizer:
-    """Holds the global params G and moves them by the aggregated delta."""
+    """Holds the global params G and moves them by the aggregated delta: `torch.optim.SGD`'s step
+    (foreach=False), called as the function that step calls, with the momentum buffers held here.
+    The same arithmetic bit for bit (tests/test_outer.py), without constructing a torch optimizer,
+    whose first construction in a process imports torch._dynamo (~1 s: an audit, an export)."""
 
     def __init__(self, global_params: dict[str, torch.Tensor], cfg: OuterConfig) -> None:
         # on the CPU, whatever device the model trains on (`[run] device`): codecs, packets and hashes are there
         self.params = {k: v.detach().cpu().clone().float() for k, v in global_params.items()}
         self.cfg = cfg
         self._order = sorted(self.params)
-        self._opt = torch.optim.SGD(
-            [self.params[k] for k in self._order],
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov and cfg.momentum > 0,
-            foreach=False,
-        )
+        self._momenta: dict[str, torch.Tensor | None] = dict.fromkeys(self._order)
 
     def step(self, aggregate: dict[str, torch.Tensor]) -> None:
         """G <- outer_sgd(G, grad = aggregate)."""
-        for k in self._order:
-            self.params[k].grad = aggregate[k].to(self.params[k].dtype).clone()
-        self._opt.step()
-        for k in self._order:
-            self.params[k].grad = None
+        momenta = [self._momenta[k] for k in self._order]  # None before the first step: sgd starts them
+        with torch.no_grad():
+            sgd([self.params[k] for k in self._order], [aggregate[k].to(self.params[k].dtype) for k in self._order],
+                momenta, foreach=False, weight_decay=0.0, momentum=self.cfg.momentum, lr=self.cfg.lr, dampening=0.0,
+                nesterov=self.cfg.nesterov and self.cfg.momentum > 0, maximize=False)
+        if self.cfg.momentum != 0:  # as SGD.step keeps them
+            self._momenta = dict(zip(self._order, momenta, strict=True))
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Momentum buffers as named tensors (for the checkpoint)."""
-        out = {}
-        for k in self._order:
-            buf = self._opt.state.get(self.params[k], {}).get("momentum_buffer")
-            if buf is not None:
-                out[f"outer/{k}/momentum"] = buf.detach().clone()
-        return out
+        return {f"outer/{k}/momentum": buf.detach().clone() for k, buf in self._momenta.items() if buf is not None}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore momentum buffers written by state_tensors."""
         for k in self._order:
             name = f"outer/{k}/momentum"
             if name in tensors:
-                self._opt.state[self.params[k]]["momentum_buffer"] = tensors[name].clone()
+                self._momenta[k] = tensors[name].clone()
