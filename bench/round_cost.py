@@ -2,7 +2,7 @@
 of veriloco against the working tree, the same run, alternately.
 
     python bench/round_cost.py [--old REV] [--repeats 2] [--rounds 4] [--config FILE]
-                               [--set KEY=VALUE ...] [--out bench/results/round_cost.json]
+                               [--set KEY=VALUE ...] [--no-fsync] [--out bench/results/round_cost.json]
 
 Both sides train the same config (default: `--config configs/default.toml` widened to d_model 768, 12
 heads, 6 layers: 43.0M params, 172 MB of fp32; 2 workers, 2 inner steps of batch 2, fp32
@@ -24,6 +24,11 @@ peak resident memory so far (MB). Prints the medians and new/old ratios.
 state, records). Read as each worker process ends (its `os._exit`), by a `sitecustomize.py` this
 script puts first on both sides' PYTHONPATH, so the old revision is measured the same way
 without knowing of it.
+
+`--no-fsync`: the new side's processes run with `os.fsync` made a no-op by that same
+`sitecustomize.py`: with `--old HEAD` both sides are the same code, and the difference is what
+waiting for the disk costs a round (an upper bound on what moving the fsyncs off the round's path
+could save; such a run is not durable, so it is a measurement only).
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--config", default=str(ROOT / "configs" / "default.toml"), help="the config both sides train")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both sides")
+    ap.add_argument("--no-fsync", action="store_true", help="the new side without fsync (measurement only)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "round_cost.json"))
     args = ap.parse_args()
     if args.repeats < 1 or args.rounds < 2:
@@ -124,12 +130,14 @@ def main() -> int:
     first: list[str] | None = None  # the first run's params hashes, round by round
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"old": source_of(args.old, Path(tmp)), "new": ROOT / "src"}
-        hook = Path(tmp) / "io-hook"
-        hook.mkdir()
-        (hook / "sitecustomize.py").write_text(IO_HOOK)
+        hooks = {side: Path(tmp) / f"io-hook-{side}" for side in sides}
+        for side, hook in hooks.items():
+            hook.mkdir()
+            no_fsync = "\nos.fsync = lambda fd: None  # --no-fsync\n" if side == "new" and args.no_fsync else ""
+            (hook / "sitecustomize.py").write_text(IO_HOOK + no_fsync)
         for i in range(args.repeats):
             for side, src in sides.items():
-                records, written = run_once(src, args.config, overrides, args.rounds, Path(tmp) / f"{side}-{i}", hook)
+                records, written = run_once(src, args.config, overrides, args.rounds, Path(tmp) / f"{side}-{i}", hooks[side])
                 got = [r["params_hash"] for r in records]
                 first = first or got
                 if got != first:
@@ -137,7 +145,8 @@ def main() -> int:
                 results[side].append(per_round(records, written))
                 print(f"{side} {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in results[side][-1].items()), flush=True)
     medians = {side: {k: statistics.median(x[k] for x in rows) for k in FIELDS} for side, rows in results.items()}
-    print(f"\nmedian seconds a round over rounds 1-{args.rounds - 1}, {args.repeats} runs each (old = {args.old}); "
+    print(f"\nmedian seconds a round over rounds 1-{args.rounds - 1}, {args.repeats} runs each (old = {args.old}"
+          f"{'; new without fsync' if args.no_fsync else ''}); "
           "peak_rss_mb: the largest worker's; write_mb: all workers' disk writes, per round of the whole run")
     print(f"{'':10s}" + "".join(f"{k:>12s}" for k in FIELDS))
     for side in ("old", "new"):
@@ -145,7 +154,7 @@ def main() -> int:
     ratio = {k: medians["new"][k] / medians["old"][k] if medians["old"][k] else float("nan") for k in FIELDS}
     print(f"{'new/old':10s}" + "".join(f"{ratio[k]:12.3f}" for k in FIELDS))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"old": args.old, "overrides": overrides, "rounds": args.rounds,
+    Path(args.out).write_text(json.dumps({"old": args.old, "no_fsync": args.no_fsync, "overrides": overrides, "rounds": args.rounds,
                                           "repeats": args.repeats, "runs": results, "median": medians,
                                           "ratio": ratio}, indent=1) + "\n")
     return 0

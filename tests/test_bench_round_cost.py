@@ -12,10 +12,11 @@ SMALL = ["--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "model
 def test_old_and_new_record_the_same_params_and_the_table_prints(tmp_path):
     out = tmp_path / "round_cost.json"
     p = run_bench("round_cost.py", "--old", "HEAD", "--repeats", "1", "--rounds", "2", "--config", str(TINY), *SMALL,
-                  "--out", str(out))
+                  "--no-fsync", "--out", str(out))  # (the new side without fsync: the same run, only not durable)
     assert p.returncode == 0, p.stderr
     result = json.loads(out.read_text())  # (the bench stops if the two sides' params differ)
     assert result["old"] == "HEAD" and set(result["median"]) == {"old", "new"}
+    assert result["no_fsync"] is True and "new without fsync" in p.stdout
     for side in ("old", "new"):
         m = result["median"][side]
         assert m["round_s"] > m["inner_s"] > 0
