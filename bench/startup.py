@@ -9,13 +9,13 @@ method, alternating (the machine is shared and noisy). The forkserver's first ru
 the server (imports torch and the engine once); later runs fork from it. Prints a table and
 writes `{"rows": [{"start_method", "run", "seconds"}...], "median_s": {...}, "ratio": x}`.
 
-`--cold REV`: the whole command a user types, `veriloco train configs/tiny.toml` for 1 round of 1
-inner step (its report included), each time in a fresh interpreter, so the server starts anew
-too, then `veriloco audit` of that run, and `veriloco config`, which starts no run: git revision REV's `src` (from `git archive`)
-against the working tree's, alternating. Prints the wall seconds and the CPU seconds of the
-command and every process it started (children's rusage), medians and new/old ratios, and writes
-`{"rows": [{"command", "side", "run", "wall_s", "cpu_s", "orphans"}...], "median": {command: {side: ...}},
-"ratio": {command: ...}}`.
+`--cold REV`: whole commands as a user types them, each in a fresh interpreter (so the server
+starts anew too): `veriloco train configs/tiny.toml` for 1 round of 1 inner step (its report
+included), `veriloco audit` of that run, and `veriloco config`, which starts no run; git
+revision REV's `src` (from `git archive`) against the working tree's, alternating. Prints the
+wall seconds and the CPU seconds of the command and every process it started (children's
+rusage), medians and new/old ratios, and writes `{"rows": [{"command", "side", "run", "wall_s",
+"cpu_s", "orphans"}...], "median": {command: {side: ...}}, "ratio": {command: ...}}`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=None, help="default 3; 5 with --cold")
     ap.add_argument("--workers", type=int, default=None, help="default 4; 2 with --cold")
-    ap.add_argument("--cold", metavar="REV", help="a fresh `veriloco train` command: REV's src against the working tree's")
+    ap.add_argument("--cold", metavar="REV", help="fresh `veriloco train`, `audit` and `config` commands: REV's src against the working tree's")
     ap.add_argument("--out", default=None, help="default bench/results/startup.json (startup-cold.json with --cold)")
     args = ap.parse_args()
     cold_mode = args.cold is not None
