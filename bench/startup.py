@@ -25,8 +25,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,12 +49,10 @@ def cold_run(src: Path, argv: list[str]) -> tuple[float, float, int]:
     """`veriloco ARGV...` as typed, with the package at `src`: its wall seconds, the CPU seconds of
     it and every process it started (the forkserver's and the workers' included), and how many of
     those outlived it (reaped here)."""
-    code = f"import sys; from veriloco.cli import main; sys.argv = ['veriloco', *{argv!r}]; main()"
+    from audit_memory import veriloco
+
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(src)),
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    done, wall, _ = veriloco(src, *argv)
     orphans = reap_orphans()  # the forkserver outlives the command by a moment: its CPU (and its workers') counts too
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:

@@ -102,7 +102,7 @@ def train(
     # the config's codecs imports torch); stopped if the command fails (_train's bad input, a failed run)
     started = warm()
     try:
-        _train(config, overrides, out, resume, quiet, stop_after, fault, host, workers, local)
+        _train(config, overrides, out, resume, quiet, stop_after, fault, host, local)
     except BaseException:
         if started:
             stop()
@@ -110,8 +110,7 @@ def train(
 
 
 def _train(config: str | None, overrides: list[str], out: str | None, resume: str | None, quiet: bool,
-           stop_after: int | None, fault: list[str] | None, host: str | None, workers: str | None,
-           local: tuple[int, ...] | None) -> None:
+           stop_after: int | None, fault: list[str] | None, host: str | None, local: tuple[int, ...] | None) -> None:
     """`veriloco train` once its arguments are read and the workers' server is starting."""
     try:
         cfg = None if resume else load_config(config, overrides)
@@ -121,7 +120,7 @@ def _train(config: str | None, overrides: list[str], out: str | None, resume: st
     from .run import train as train_run
 
     placement = None
-    if host is not None or workers is not None:
+    if host is not None or local is not None:
         from .elastic import Placement
 
         placement = Placement(host or "127.0.0.1", local)

@@ -51,15 +51,21 @@ def stop() -> None:
     busy with its imports, would hold the command's output open until they are done, so a caller
     reading that output to its end would wait ~3 s for a one-line error). A later `context` or
     `warm` starts a new one."""
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    pid = _server_pid()
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
 
 
+def _server_pid() -> int | None:
+    """The pid of this process's forkserver once it has started (CPython's, read from its private
+    state: None where that is not there, and `warm` then only starts it, `stop` does nothing)."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
 def _running() -> bool:
     """Whether this process's forkserver has started (what it preloads is fixed from then on)."""
-    return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
+    return _server_pid() is not None
 
 
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
