@@ -11,7 +11,8 @@ writes `{"rows": [{"start_method", "run", "seconds"}...], "median_s": {...}, "ra
 
 `--cold REV`: whole commands as a user types them, each in a fresh interpreter (so the server
 starts anew too): `veriloco train configs/tiny.toml` for 1 round of 1 inner step (its report
-included), `veriloco audit` of that run, and `veriloco config`, which starts no run; git
+included), `veriloco audit` of that run, `veriloco config`, which starts no run, and
+`veriloco train` of a config file that is not there (bad-config: exit 2, one line); git
 revision REV's `src` (from `git archive`) against the working tree's, alternating. Prints the
 wall seconds and the CPU seconds of the command and every process it started (children's
 rusage), medians and new/old ratios, and writes `{"rows": [{"command", "side", "run", "wall_s",
@@ -45,18 +46,19 @@ def one_run(workers: int, method: str, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def cold_run(src: Path, argv: list[str]) -> tuple[float, float, int]:
+def cold_run(src: Path, argv: list[str], code: int = 0) -> tuple[float, float, int]:
     """`veriloco ARGV...` as typed, with the package at `src`: its wall seconds, the CPU seconds of
     it and every process it started (the forkserver's and the workers' included), and how many of
-    those outlived it (reaped here)."""
+    those outlived it (reaped here). It must exit with `code`."""
     from audit_memory import veriloco
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done, wall, _ = veriloco(src, *argv)
     orphans = reap_orphans()  # the forkserver outlives the command by a moment: its CPU (and its workers') counts too
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"startup: veriloco {argv[0]} with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    if done.returncode != code:
+        raise SystemExit(f"startup: veriloco {argv[0]} with {src} exited {done.returncode}, not {code}: "
+                         f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), orphans
 
 
@@ -85,7 +87,9 @@ def become_subreaper() -> None:
         raise SystemExit(f"startup: --cold needs Linux's PR_SET_CHILD_SUBREAPER (errno {ctypes.get_errno()})")
 
 
-COMMANDS = ("train", "audit", "config")  # a 1-round tiny run, its audit, and the config reference
+# a 1-round tiny run, its audit, the config reference, and `veriloco train` of a config file that is not there
+# (exit 2: how long a user waits for the one-line error)
+COMMANDS = ("train", "audit", "config", "bad-config")
 
 
 def cold(args: argparse.Namespace) -> None:
@@ -101,13 +105,14 @@ def cold(args: argparse.Namespace) -> None:
             for side, src in sides.items():
                 for command in COMMANDS:
                     run = str(Path(tmp) / f"{side}-{i}")
-                    argv = {"config": ["config"], "audit": ["audit", run]}.get(command) or [
+                    argv = {"config": ["config"], "audit": ["audit", run],
+                            "bad-config": ["train", str(Path(tmp) / "missing.toml"), "--out", run + "-bad"]}.get(command) or [
                         "train", str(ROOT / "configs" / "tiny.toml"), "--out", run, "--quiet",
                         f"--topology.workers={args.workers}", "--train.rounds=1", "--train.inner_steps=1"]
-                    wall, cpu, orphans = cold_run(src, argv)
+                    wall, cpu, orphans = cold_run(src, argv, 2 if command == "bad-config" else 0)
                     rows.append({"command": command, "side": side, "run": i, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                                  "orphans": orphans})
-                    print(f"run {i} {side:4s} {command:6s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
+                    print(f"run {i} {side:4s} {command:10s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
     median = {c: {side: {k: statistics.median(r[k] for r in rows if (r["command"], r["side"]) == (c, side))
                          for k in ("wall_s", "cpu_s")} for side in ("old", "new")} for c in COMMANDS}
     ratio = {c: {k: round(m["new"][k] / m["old"][k], 3) for k in ("wall_s", "cpu_s")} for c, m in median.items()}
@@ -116,7 +121,7 @@ def cold(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nmedians, {args.cold} -> working tree:")
     for c, m in median.items():
-        print(f"  veriloco {c:6s} wall {m['old']['wall_s']:.2f} -> {m['new']['wall_s']:.2f} s (new/old {ratio[c]['wall_s']}), "
+        print(f"  veriloco {c:10s} wall {m['old']['wall_s']:.2f} -> {m['new']['wall_s']:.2f} s (new/old {ratio[c]['wall_s']}), "
               f"cpu {m['old']['cpu_s']:.2f} -> {m['new']['cpu_s']:.2f} s (new/old {ratio[c]['cpu_s']})")
     print(f"-> {args.out}")
 
@@ -125,7 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=None, help="default 3; 5 with --cold")
     ap.add_argument("--workers", type=int, default=None, help="default 4; 2 with --cold")
-    ap.add_argument("--cold", metavar="REV", help="fresh `veriloco train`, `audit` and `config` commands: REV's src against the working tree's")
+    ap.add_argument("--cold", metavar="REV", help="fresh `veriloco train`, `audit`, `config` and bad-config commands: REV's src against the working tree's")
     ap.add_argument("--out", default=None, help="default bench/results/startup.json (startup-cold.json with --cold)")
     args = ap.parse_args()
     cold_mode = args.cold is not None

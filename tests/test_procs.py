@@ -74,7 +74,8 @@ print(sorted(set(sys.modules) - before))
 
 def test_a_train_command_that_fails_stops_the_server_it_started(tmp_path):
     """`veriloco train` starts the workers' forkserver before it reads its config; a bad config must
-    not leave it running (busy with its imports, it would hold the command's output open ~3 s)."""
+    not leave it running (busy with its imports, it would hold the command's output open ~3 s), and
+    is reported without importing torch."""
     code = f"""
 import os, signal, sys, time
 from multiprocessing import forkserver
@@ -85,6 +86,8 @@ try:
     main()
 except SystemExit as e:
     assert e.code == 2, e.code
+# a bad config is told before torch is imported (~1.5 s, and as long again to exit with it loaded)
+assert "torch" not in sys.modules, "the one-line error waited for torch's import"
 pid = forkserver._forkserver._forkserver_pid
 assert pid is not None  # it was started
 deadline = time.monotonic() + 20

@@ -114,6 +114,8 @@ def _train(config: str | None, overrides: list[str], out: str | None, resume: st
     """`veriloco train` once its arguments are read and the workers' server is starting."""
     try:
         cfg = None if resume else load_config(config, overrides)
+    except ConfigError as e:  # matched first: user_errors() imports torch (~1.5 s before the one-line error)
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except user_errors() as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     from .run import resume as resume_run
@@ -181,8 +183,9 @@ def plan(
     step_s: float = typer.Option(None, "--step-s", help="seconds one inner step takes on your hardware "
                                  "(a short run's inner_s / inner_steps): checks that the exchange hides"),
 ) -> None:
-    """What a config will run, before it runs: its processes, each stage's slice and memory, the bytes
-    a worker sends per round against DDP, and whether the exchange hides under the inner steps."""
+    """What a config will run, before it runs: processes, memory, bytes per round against DDP.
+
+    Each stage's slice and memory, and whether the exchange hides under the inner steps."""
     from .plan import format_plan, make_plan, measured_verification, run_config
 
     config, overrides = _config_and_overrides(ctx, config)
@@ -206,8 +209,9 @@ def join(
     workers: str = typer.Option(..., "--workers", help="the workers to start on this machine, e.g. 2,3"),
     quiet: bool = typer.Option(False, "--quiet", help="no per-round progress lines"),
 ) -> None:
-    """Elastic: start some of a run's workers on this machine; its launcher (`veriloco train ...
-    --host ADDR --workers ...`) runs on another that shares the run directory."""
+    """Elastic: start some of a run's workers on this machine (the run directory is shared).
+
+    Its launcher, `veriloco train ... --host ADDR --workers ...`, runs on another machine."""
     from .elastic import join_elastic
 
     try:
