@@ -254,3 +254,14 @@ def test_kernel_shaping_is_refused_where_it_cannot_run(extra, needle, tmp_path):
     res = CliRunner().invoke(app, ["train", str(TINY), "--out", str(tmp_path / "r"), *extra])
     assert res.exit_code == 2 and len(res.stderr.splitlines()) == 1 and needle in res.stderr, res.output
     assert not (tmp_path / "r").exists()
+
+
+def test_two_workers_with_an_attacker_or_a_robust_aggregator_warn_that_the_screen_has_no_centre():
+    from veriloco.config import config_warnings
+
+    (line,) = config_warnings(tiny("--adversary.1=sign_flip"))
+    assert "topology.workers = 2" in line and "needs 3" in line and "--verify.replay_probability" in line
+    (line,) = config_warnings(tiny("--verify.aggregator=median"))
+    assert "topology.workers = 2" in line
+    assert config_warnings(tiny("--adversary.1=sign_flip", "--topology.workers=3")) == []
+    assert config_warnings(tiny("--verify.aggregator=median", "--train.mode=ddp")) == []

@@ -808,8 +808,21 @@ def config_warnings(cfg: Config) -> list[str]:
     Replays from sent states with compressed packets: each drawn segment moves its start state
     (3x the model's fp32 bytes); at p = 0.38 that was 3.9 MB per worker-round beside 10.5 MB of
     fp32 packets (`python bench/state_replay.py`), so under a codec the states outweigh the
-    packets the codec was chosen to shrink."""
+    packets the codec was chosen to shrink.
+
+    Two workers with an attacker or a robust aggregator: the screen's norm and cosine checks need a
+    robust centre, which needs 3 workers (an honest majority), and are skipped with 2; the robust
+    aggregators cannot outvote either of two. On configs/tiny.toml, `--adversary.1=noise`, `scaled`,
+    `sign_flip`, `alie` and `ipm` were each accepted in all 3 rounds; with the loss-gain screen on
+    (`--verify.loss_gain_batches=2 --verify.loss_gain_action=reject`) sign_flip was rejected in all
+    3 and noise in 1 of 3."""
     o, t, v, out = cfg.outer, cfg.train, cfg.verify, []
+    if t.mode == "diloco" and cfg.topology.workers == 2 and (cfg.adversary or v.aggregator != "mean"):
+        out.append("topology.workers = 2: the screen's norm and cosine checks need a robust centre, which needs 3 "
+                   "workers, and are skipped, and no aggregator can outvote either of two; a noisy, scaled or "
+                   "sign-flipped delta passes. What still holds: signatures, base hash, batch root, equivocation, "
+                   "copies, replays; turn on --verify.loss_gain_batches and --verify.replay_probability (with "
+                   "--train.inner_state=reset) to check the work itself (README: Verification)")
     if t.mode == "diloco" and t.inner_state == "reset" and not t.round_warmup_steps:
         out.append("train.inner_state = 'reset' without train.round_warmup_steps cost 6.6% eval loss on the make run "
                    "job (14 rounds, H = 30) and 1.5% at H = 90; --train.round_warmup_steps=10 (about 1 / (1 - beta1) "
