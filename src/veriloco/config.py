@@ -814,8 +814,8 @@ def config_warnings(cfg: Config) -> list[str]:
     robust centre, which needs 3 workers (an honest majority), and are skipped with 2; the robust
     aggregators cannot outvote either of two. On configs/tiny.toml, `--adversary.1=noise`, `scaled`,
     `sign_flip`, `alie` and `ipm` were each accepted in all 3 rounds; with the loss-gain screen on
-    (`--verify.loss_gain_batches=2 --verify.loss_gain_action=reject`) sign_flip was rejected in all
-    3 and noise in 1 of 3."""
+    and rejecting, `python bench/two_workers.py` refused noise in half the rounds and alie in a
+    fifth."""
     o, t, v, out = cfg.outer, cfg.train, cfg.verify, []
     if t.mode == "diloco" and cfg.topology.workers == 2 and (cfg.adversary or v.aggregator != "mean"):
         out.append("topology.workers = 2: the screen's norm and cosine checks need a robust centre, which needs 3 "

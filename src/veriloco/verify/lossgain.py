@@ -44,12 +44,12 @@ FLOOR_SHARE = 0.25  # [verify] loss_gain_floor's default
 
 
 def gain_floor(gains: Mapping[int, LossGain], share: float = FLOOR_SHARE) -> float:
-    """The least own-batch gain that passes: `share` of the median delta's gain (`[verify]
-    loss_gain_floor`, a quarter by default; an honest delta's noise gains ~0), the upper median
-    (sorted[n // 2]): with 2 deltas, the larger gain. Two workers have no majority, so the one
-    that gained more sets the bar for both; an honest pair gains alike (bench/two_workers.py), and
-    noise next to honest work falls under it. With 1 delta: more than nothing."""
-    if not gains:
+    """The least own-batch gain that passes: with 3+ deltas, `share` of the median delta's gain
+    (`[verify] loss_gain_floor`, a quarter by default; an honest delta's noise gains ~0); with
+    fewer, more than nothing. Not the larger of 2 gains: tried, and with no majority the attacker
+    sets the bar, so a scaled delta got its honest peer refused in 26 of 60 rounds against 4
+    (`python bench/two_workers.py --old 65c80e1`, checked out at 4f2ad2c; README: Two workers)."""
+    if len(gains) < 3:
         return 0.0
     return max(0.0, share * sorted(g.own_gain for g in gains.values())[len(gains) // 2])
 
