@@ -8,14 +8,16 @@ the other:
   emulated  `[link] shaping = "emulated"`: workers on loopback, each exchange paced in software to
             latency + max(sent, received) * 8 / bandwidth (link.py)
   kernel    `[link] shaping = "kernel"`: every worker in its own network namespace, its veth
-            shaped to the bandwidth by tc tbf at both ends (netns.py); the exchange's bytes cross
-            that link through gloo's TCP, and only the latency is added in software
+            shaped to the bandwidth by tc tbf at both ends, every path `--latency` long one way
+            (netns.py's userspace delay line holds every frame, ACKs too); the exchange's bytes
+            cross that link through gloo's TCP, and nothing is paced in software
 
 Per run: each round's exchange time (`exchange_s`: from the exchange's start to the end of its
 wait, median over the workers), the wall time, the final eval loss and every round's params
 hash. What the kernel link adds over the model shows as the ratio of the median exchange times
 (kernel / emulated): TCP/IP headers (~4.5% at MTU 1500), gloo's own messages, tbf's burst, and
-the exchange's start-up. The losses and params hashes must be equal: the link changes when bytes
+the exchange's start-up; with latency, also TCP's slow start, which the emulation (latency once,
+then the bytes at the link's rate) leaves out. The losses and params hashes must be equal: the link changes when bytes
 arrive, never what they are. Needs root (network namespaces); says so and exits 0 without it.
 Writes `{"rows": [...], "trials": [...]}`.
 """

@@ -398,21 +398,26 @@ def test_join_refuses_what_it_cannot_use_in_one_line(tmp_path):
 
 def test_kernel_shaping_moves_the_exchange_over_a_real_rate_limited_link(tmp_path):
     """`[link] shaping = "kernel"`: the workers in network namespaces, each veth shaped to 10 Mbit/s by
-    tc tbf, nothing paced in software (latency 0). Each exchange then takes at least what its bytes
-    need at that rate; over loopback it would take milliseconds."""
+    tc tbf and every path 20 ms long (netns.py's delay line), nothing paced in software. Each
+    exchange then takes at least the latency and what its bytes need at that rate; over loopback
+    it would take milliseconds."""
     from veriloco import netns
 
     ok, why = netns.available()
     if not ok:
         pytest.skip(why)
     run_dir = tmp_path / "run"
-    cfg = tiny("--topology.workers=3", "--train.rounds=2", "--link.bandwidth=10mbit", "--link.shaping=kernel",
-               "--compress.codec=fp32", *ELASTIC)
+    cfg = tiny("--topology.workers=3", "--train.rounds=2", "--link.bandwidth=10mbit", "--link.latency=20ms",
+               "--link.shaping=kernel", "--compress.codec=fp32", *ELASTIC)
+    from veriloco.elastic import _paced
+    from veriloco.link import Link
+
+    assert _paced(cfg, Link(10e6, 0.02)) is None  # the kernel link alone: no software pacing on top
     _, summary = train(cfg, str(run_dir), quiet=True)
     recs = rounds_of(run_dir)
     assert summary["complete"] and all(r["verdicts"] == ["accept"] * 3 for r in recs)
     for r in recs:
-        need = max(r["bytes_sent"]) * 8 / 10e6  # what the worker that sent the most needs at 10 Mbit/s
+        need = 0.02 + max(r["bytes_sent"]) * 8 / 10e6  # the latency and the most any worker sent, at 10 Mbit/s
         assert min(r["exchange_s"]) > 0.9 * need, (r["exchange_s"], need)
     report = audit_run(run_dir)
     assert report.ok, report.first_failure

@@ -173,6 +173,23 @@ def test_kernel_link_agrees_with_emulation() -> None:
 
 
 @needs_netns
+def test_the_delay_line_holds_every_path_for_the_latency_one_way() -> None:
+    """`latency_s`: a userspace delay line holds each frame half the latency on each node's path,
+    so any two nodes are `latency_s` apart one way, whichever two."""
+    with shaped_link(1e8, n=3, latency_s=0.05) as link:
+        names = {*link.namespaces, link.hub}
+        small = [link.measure_transfer(1, src=a, dst=b) for a, b in ((0, 1), (2, 0), (1, 2))]
+        big = link.measure_transfer(1 << 20)
+    # 1 byte: 50 ms and a little (measured 52-53 ms on a quiet machine); without the line < 1 ms
+    assert all(0.05 <= t < 0.15 for t in small), small
+    # 1 MiB on a new connection: TCP's slow start over the 100 ms round trip needs several of them,
+    # so the emulation's latency + bytes / bandwidth (0.134 s) is a lower bound (measured 0.72 s)
+    emulated_s = Link(1e8, 0.05).transfer_time(1 << 20, 0)
+    assert 1.5 * emulated_s < big < 5.0, (big, emulated_s)
+    assert not names & _namespaces(), "namespaces left behind"
+
+
+@needs_netns
 def test_three_nodes_share_a_hub_and_teardown_survives_errors() -> None:
     with pytest.raises(RuntimeError, match="boom"), shaped_link(1e9, n=3) as link:
         names = {*link.namespaces, link.hub}

@@ -268,7 +268,8 @@ class LinkConfig:
         "emulated",
         "'emulated': each exchange is paced in software to latency + bytes / bandwidth (link.py); 'kernel': "
         "elastic runs, root only: every worker in its own network namespace, its veth shaped to bandwidth by "
-        "tc tbf (netns.py), so the bytes cross a real rate-limited link; only latency is added in software",
+        "tc tbf and every frame held for the latency by a userspace delay line (netns.py), so the bytes cross a "
+        "real rate-limited, long link through TCP (slow start and window included)",
     )
 
 

@@ -420,12 +420,11 @@ def _connected(ctx: _Ctx, view: QuorumView) -> QuorumView:
 
 
 def _paced(cfg: Config, link: Link | None) -> Link | None:
-    """The link the exchange paces in software: all of it when emulated; with `[link] shaping =
-    "kernel"` only the latency (tc tbf shapes the bandwidth and cannot delay). The encoder keeps
-    the whole link either way: the adaptive codec's budget and adaptive H need its bandwidth."""
-    if cfg.link.shaping != "kernel" or link is None:
-        return link
-    return Link(math.inf, link.latency_s) if link.latency_s > 0 else None
+    """The link the exchange paces in software: all of it when emulated; none with `[link] shaping
+    = "kernel"` (tc tbf shapes the bandwidth, netns.py's delay line holds every frame for the
+    latency). The encoder keeps the whole link either way: the adaptive codec's budget and
+    adaptive H need its bandwidth."""
+    return None if cfg.link.shaping == "kernel" else link
 
 
 def _absence(members: Membership, view: QuorumView, j: int) -> str:
@@ -925,7 +924,7 @@ class _NetnsHost:
 
         from . import netns
         from .config import ConfigError
-        from .link import parse_bandwidth
+        from .link import parse_bandwidth, parse_duration
         from .task import corpus_task_of
 
         what = "link.shaping = 'kernel'" if cfg.link.shaping == "kernel" else "partition faults"
@@ -935,10 +934,13 @@ class _NetnsHost:
         if corpus_task_of(task) is None:
             raise ConfigError(f"{what} run workers as separate programs: only the built-in GPT task can")
         self.cfg, self.run, W = cfg, run, cfg.topology.workers
-        # [link] shaping = "kernel": every port shaped to the link's bandwidth (tc tbf), the
-        # coordinator's too (its traffic is heartbeats and small keys); else unshaped
-        bandwidth = parse_bandwidth(cfg.link.bandwidth) if cfg.link.shaping == "kernel" else math.inf
-        self._cm = netns.shaped_link(bandwidth, n=W + 1)
+        # [link] shaping = "kernel": every port shaped to the link's bandwidth (tc tbf) and every path
+        # the link's latency long (a delay line), the coordinator's too (its traffic is heartbeats and
+        # small keys, which wait as long as anyone's); else unshaped
+        kernel = cfg.link.shaping == "kernel"
+        bandwidth = parse_bandwidth(cfg.link.bandwidth) if kernel else math.inf
+        latency = parse_duration(cfg.link.latency) if kernel else 0.0
+        self._cm = netns.shaped_link(bandwidth, n=W + 1, latency_s=latency)
         self.link = self._cm.__enter__()
         self.coord_host = self.link.addresses[W]
         serve = "import sys; from veriloco.membership import serve; serve(sys.argv[1:])"

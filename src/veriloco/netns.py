@@ -16,10 +16,17 @@ end limits its upload, the hub end its download — so each worker has a full-du
 of that rate, the model `link.Link` assumes. (With n=2 a transfer crosses two shapers of equal
 rate in series, which does not change its throughput.)
 
-Latency: this kernel has no `netem`, and `tbf`'s `latency` option only bounds its queue, so the
-kernel link here shapes *bandwidth only* and has ~0 latency. We do not build a userspace delay
-line: `compare_emulated_vs_kernel` checks the bandwidth part against `Link(bw, latency=0)`,
-and the configured latency is a constant that the software emulation adds on top.
+Latency: this kernel has no `netem`, and `tbf`'s `latency` option only bounds its queue, so
+`latency_s > 0` adds a userspace delay line (`_DELAY_SCRIPT`) on every node's path to the hub:
+
+    ns i (eth0) ─veth─ q<i> ┐ delay line: every frame held latency_s / 2, ┌ r<i> ─veth─ p<i> ─ br0
+                            └ each way (a process in the hub, AF_PACKET)  ┘
+
+so a frame from node i to node j is held latency_s / 2 on i's path and again on j's: latency_s
+one way, 2 latency_s round trip, ACKs included, so TCP's slow start and window see a real long
+link. Frames keep their order, and are forwarded with their virtio-net header
+(PACKET_VNET_HDR): GSO frames and unfinished checksums cross as they came, as on the veth alone.
+`compare_emulated_vs_kernel(bw, latency)` checks the kernel link against `Link(bw, latency)`.
 
 Needs root, `ip` and `tc`; `available()` says why not, so tests and benchmarks skip cleanly.
 
@@ -48,8 +55,9 @@ _PREFIX = "veriloco-"
 _SUBNET = "198.18.0"  # RFC 2544 benchmarking range; only ever configured inside our namespaces
 _MAX_NODES = 250
 
-# Receiver: print its port, read exactly nbytes, answer one byte.
-# Sender: time from connected to that answer, so the time covers every byte having arrived.
+# Receiver: print its port, read exactly nbytes, answer one byte, print when the last byte came.
+# Sender: print when it began to send (once connected), then wait for that answer. The transfer
+# is the difference, one way, as link.Link counts it (latency + bytes / bandwidth).
 _PEER_SCRIPT = r"""
 import socket, sys, time
 if sys.argv[1] == "recv":
@@ -63,8 +71,10 @@ if sys.argv[1] == "recv":
         if not n:
             sys.exit(f"receiver: sender closed after {got} of {nbytes} bytes")
         got += n
+    done = time.monotonic()  # the last byte is here (one clock for every namespace: CLOCK_MONOTONIC)
     conn.sendall(b"k")
     conn.close()
+    print(done, flush=True)
 else:
     host, port, nbytes = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     chunk = memoryview(bytes(1 << 20))
@@ -72,13 +82,59 @@ else:
     # Without NODELAY, Nagle holds the last partial segment for the receiver's delayed ACK,
     # adding ~5-10 ms per transfer (doubling the time of a 1 MiB transfer at 1 gbit).
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     left = nbytes
     while left:
         left -= conn.send(chunk[: min(left, len(chunk))])
     if conn.recv(1) != b"k":
         sys.exit("sender: receiver did not acknowledge")
-    print(time.perf_counter() - t0, flush=True)
+    print(t0, flush=True)
+"""
+
+# The delay line (run in the hub namespace): DELAY_S IF_A IF_B [IF_A IF_B ...]. Every frame that
+# arrives on IF_A leaves on IF_B DELAY_S later, and the other way; frames keep their order (a
+# constant delay and a sequence number). Prints "ready" once its sockets are bound; runs until
+# killed. PACKET_VNET_HDR hands a frame over with its virtio-net header (GSO size, checksum
+# offsets), so a GSO frame or one whose checksum the stack left to the device is re-injected as it
+# was; PACKET_IGNORE_OUTGOING keeps the line from reading back what it sent.
+_DELAY_SCRIPT = r"""
+import heapq, itertools, select, socket, sys, time
+SOL_PACKET, PACKET_VNET_HDR, PACKET_IGNORE_OUTGOING, SO_RCVBUFFORCE, ETH_P_ALL = 263, 15, 23, 33, 3
+delay, names = float(sys.argv[1]), sys.argv[2:]
+socks, peer = {}, {}
+for name in names:
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    s.setsockopt(SOL_PACKET, PACKET_VNET_HDR, 1)
+    s.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+    s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 25)  # a burst must wait in the socket, not be dropped
+    s.bind((name, ETH_P_ALL))
+    s.setblocking(False)
+    socks[s.fileno()] = s
+fds = list(socks)
+for a, b in zip(fds[::2], fds[1::2]):
+    peer[a], peer[b] = socks[b], socks[a]
+poll = select.epoll()
+for fd in fds:
+    poll.register(fd, select.EPOLLIN)
+print("ready", flush=True)
+held, seq = [], itertools.count()
+while True:
+    wait = max(0.0, held[0][0] - time.monotonic()) if held else -1
+    for fd, _ in poll.poll(wait):
+        s, out = socks[fd], peer[fd]
+        while True:
+            try:
+                frame = s.recv(1 << 17)
+            except BlockingIOError:
+                break
+            heapq.heappush(held, (time.monotonic() + delay, next(seq), out, frame))
+    now = time.monotonic()
+    while held and held[0][0] <= now:
+        _, _, out, frame = heapq.heappop(held)
+        try:
+            out.send(frame)
+        except OSError:
+            pass  # its port is down (a partition): lost, as on a cut wire
 """
 
 
@@ -112,12 +168,14 @@ def _tbf_args(bandwidth_bps: float) -> list[str]:
 
 @dataclass
 class ShapedLink:
-    """Namespaces joined through a hub bridge, every port shaped to `bandwidth_bps`."""
+    """Namespaces joined through a hub bridge, every port shaped to `bandwidth_bps`, every path
+    `latency_s` long one way (a delay line; 0: none)."""
 
     bandwidth_bps: float
     namespaces: list[str]  # one per node, index = ns_index
     hub: str
     addresses: list[str]  # IPv4 address of node i, reachable from every other node
+    latency_s: float = 0.0
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     def command(self, ns_index: int, argv: Sequence[str]) -> list[str]:
@@ -148,7 +206,9 @@ class ShapedLink:
         return p
 
     def measure_transfer(self, nbytes: int, src: int = 0, dst: int = 1) -> float:
-        """Seconds for a TCP sender in `src` to deliver `nbytes` to a receiver in `dst`."""
+        """Seconds for a TCP sender in `src` to deliver `nbytes` to a receiver in `dst`: from its
+        first send (connected) to the receiver's last byte, on the one monotonic clock every
+        namespace shares."""
         if nbytes <= 0:
             raise ValueError(f"nbytes must be > 0, got {nbytes}")
         # Generous: a transfer at a tenth of the shaped rate is broken, not slow.
@@ -167,7 +227,7 @@ class ShapedLink:
         if recv.wait(timeout=timeout) != 0:
             err = recv.stderr.read().strip().splitlines() if recv.stderr else []
             raise NetnsError(f"receiver in ns {dst} failed: {err[-1] if err else recv.returncode}")
-        return float(sent.stdout.strip())
+        return float(recv.stdout.read().strip()) - float(sent.stdout.strip())
 
     def _kill_processes(self) -> None:
         for p in self._procs:
@@ -210,8 +270,9 @@ def _delete_namespaces(names: Sequence[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def shaped_link(bandwidth_bps: float, n: int = 2) -> Iterator[ShapedLink]:
-    """`n` namespaces joined by a bridge, every port shaped to `bandwidth_bps` (inf: unshaped).
+def shaped_link(bandwidth_bps: float, n: int = 2, latency_s: float = 0.0) -> Iterator[ShapedLink]:
+    """`n` namespaces joined by a bridge, every port shaped to `bandwidth_bps` (inf: unshaped),
+    every path between two of them `latency_s` long one way (0: no delay line).
 
     Everything is created on entry and removed on exit, also when setup or the body fails.
     """
@@ -219,12 +280,15 @@ def shaped_link(bandwidth_bps: float, n: int = 2) -> Iterator[ShapedLink]:
         raise ValueError(f"n must be in 2..{_MAX_NODES}, got {n}")
     if not bandwidth_bps > 0:
         raise ValueError(f"bandwidth_bps must be > 0 (math.inf for unshaped), got {bandwidth_bps}")
+    if not (math.isfinite(latency_s) and 0 <= latency_s <= 10):
+        raise ValueError(f"latency_s must be in [0, 10], got {latency_s}")
     base = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     link = ShapedLink(
         bandwidth_bps=bandwidth_bps,
         namespaces=[f"{base}-{i}" for i in range(n)],
         hub=f"{base}-hub",
         addresses=[f"{_SUBNET}.{i + 1}" for i in range(n)],
+        latency_s=latency_s,
     )
     created: list[str] = []
     try:
@@ -239,8 +303,14 @@ def shaped_link(bandwidth_bps: float, n: int = 2) -> Iterator[ShapedLink]:
             created.append(ns)
             node, port = ["ip", "-n", ns], f"p{i}"
             _cmd([*node, "link", "set", "lo", "up"])
-            # Both ends are born inside our namespaces: the host namespace is never touched.
-            _cmd([*node, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", link.hub])
+            # Both ends are born inside our namespaces: the host namespace is never touched. With a
+            # delay line, the node's veth ends at q<i> and a second pair r<i> - p<i> reaches the bridge.
+            near = f"q{i}" if latency_s else port
+            _cmd([*node, "link", "add", "eth0", "type", "veth", "peer", "name", near, "netns", link.hub])
+            if latency_s:
+                _cmd([*hub, "link", "add", f"r{i}", "type", "veth", "peer", "name", port])
+                for end in (near, f"r{i}"):
+                    _cmd([*hub, "link", "set", end, "up"])
             _cmd([*hub, "link", "set", port, "master", "br0"])
             _cmd([*node, "addr", "add", f"{link.addresses[i]}/24", "dev", "eth0"])
             _cmd([*node, "link", "set", "eth0", "up"])
@@ -248,6 +318,8 @@ def shaped_link(bandwidth_bps: float, n: int = 2) -> Iterator[ShapedLink]:
             if tbf is not None:
                 _cmd(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", *tbf])
                 _cmd(["tc", "-n", link.hub, "qdisc", "add", "dev", port, "root", "tbf", *tbf])
+        if latency_s:
+            _start_delay_line(link, n)
         yield link
     except BaseException:
         # Clean up, but let the original error be the one reported.
@@ -258,6 +330,19 @@ def shaped_link(bandwidth_bps: float, n: int = 2) -> Iterator[ShapedLink]:
     failed = _delete_namespaces(created)
     if failed:
         raise NetnsError("could not delete namespaces: " + "; ".join(failed))
+
+
+def _start_delay_line(link: ShapedLink, n: int) -> None:
+    """The hub's delay line between every q<i> and r<i>: half the latency each way on each node's
+    path (module docstring); killed with the link's other processes."""
+    argv = ["ip", "netns", "exec", link.hub, sys.executable, "-I", "-c", _DELAY_SCRIPT, repr(link.latency_s / 2),
+            *[name for i in range(n) for name in (f"q{i}", f"r{i}")]]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    link._procs.append(p)
+    if _read_line(p, timeout=10.0).strip() != "ready":
+        p.kill()
+        err = p.communicate()[1].strip().splitlines()
+        raise NetnsError(f"the delay line in {link.hub} did not start: {err[-1] if err else p.returncode}")
 
 
 def available() -> tuple[bool, str]:
