@@ -30,7 +30,7 @@ link. Frames keep their order, and are forwarded with their virtio-net header
 
 Needs root, `ip` and `tc`; `available()` says why not, so tests and benchmarks skip cleanly.
 
-    sudo .venv/bin/python -m veriloco.netns 100mbit 3   # kernel vs emulated, median of 3
+    sudo .venv/bin/python -m veriloco.netns 100mbit 3 [50ms]   # kernel vs emulated, median of 3
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .link import Link, parse_bandwidth
+from .link import Link, parse_bandwidth, parse_duration
 
 _PREFIX = "veriloco-"
 _SUBNET = "198.18.0"  # RFC 2544 benchmarking range; only ever configured inside our namespaces
@@ -387,8 +387,11 @@ def compare_emulated_vs_kernel(
     bandwidth: str | float = "100mbit",
     sizes: Sequence[int] = (256 * 1024, 1 << 20, 4 << 20, 8 << 20),
     repeats: int = 3,
+    latency: str | float = 0.0,
 ) -> list[dict]:
-    """Per payload size: measured kernel-shaped transfer time vs `Link(bw, 0).transfer_time`.
+    """Per payload size: measured kernel-shaped transfer time vs `Link(bw, latency).transfer_time`
+    (with a latency, the kernel link's delay line holds every frame for it; each transfer is a
+    new TCP connection, so its slow start over the round trip shows, as the emulation's does not).
 
     `kernel_s` is the median of `repeats` measurements; `ratio` = kernel_s / emulated_s. Expect
     a ratio a little above 1 for large payloads (TCP/IP and Ethernet headers, ~4.5% at MTU
@@ -401,9 +404,10 @@ def compare_emulated_vs_kernel(
         raise ValueError("compare_emulated_vs_kernel needs a finite bandwidth")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    emulated = Link(bw, 0.0)
+    lat = parse_duration(latency) if isinstance(latency, str) else float(latency)
+    emulated = Link(bw, lat)
     rows = []
-    with shaped_link(bw, n=2) as link:
+    with shaped_link(bw, n=2, latency_s=lat) as link:
         # Warm-up: the first transfer on a fresh link also pays for ARP and bridge learning.
         link.measure_transfer(64 * 1024)
         for nbytes in sizes:
@@ -412,6 +416,7 @@ def compare_emulated_vs_kernel(
             emulated_s = emulated.transfer_time(nbytes, 0)
             rows.append({
                 "bandwidth_bps": bw,
+                "latency_s": lat,
                 "bytes": nbytes,
                 "kernel_s": kernel_s,
                 "kernel_runs_s": runs,
@@ -421,14 +426,15 @@ def compare_emulated_vs_kernel(
     return rows
 
 
-if __name__ == "__main__":  # python -m veriloco.netns [bandwidth] [repeats]
+if __name__ == "__main__":  # python -m veriloco.netns [bandwidth] [repeats] [latency]
     ok, why = available()
     if not ok:
         print(f"skipped: {why}")
         raise SystemExit(0)
     t = time.perf_counter()
     bw_arg = sys.argv[1] if len(sys.argv) > 1 else "100mbit"
-    for row in compare_emulated_vs_kernel(bw_arg, repeats=int(sys.argv[2]) if len(sys.argv) > 2 else 3):
-        print(f"{bw_arg:>8} {row['bytes']:>10} B  kernel {row['kernel_s'] * 1e3:8.1f} ms  "
+    lat_arg = sys.argv[3] if len(sys.argv) > 3 else "0ms"
+    for row in compare_emulated_vs_kernel(bw_arg, repeats=int(sys.argv[2]) if len(sys.argv) > 2 else 3, latency=lat_arg):
+        print(f"{bw_arg:>8} {lat_arg:>6} {row['bytes']:>10} B  kernel {row['kernel_s'] * 1e3:8.1f} ms  "
               f"emulated {row['emulated_s'] * 1e3:8.1f} ms  ratio {row['ratio']:.3f}")
     print(f"({time.perf_counter() - t:.1f} s)")
