@@ -118,3 +118,13 @@ def test_a_real_tiny_veriloco_row(tmp_path):
     assert row["tokens"] == 2 * 5 * 4 * 32 * 2  # rounds x H x batch x ctx x workers
     assert sum(row["codecs_used"].values()) > 0
     json.dumps(row)  # the row goes into the JSON as is
+
+
+def test_the_link_check_line_shows_both_latencies_or_why_it_was_skipped():
+    from comm import link_summary
+
+    row = {"bytes": 1 << 20, "ratio": 1.03}
+    assert link_summary({"skipped": "network namespaces need root"}) == "network namespaces need root"
+    assert link_summary({"rows": [row]}) == "kernel/emulated 1024 KiB 1.03"
+    line = link_summary({"rows": [row], "latency": "50ms", "rows_latency": [{"bytes": 1 << 20, "ratio": 5.39}]})
+    assert line == "kernel/emulated 1024 KiB 1.03; at 50ms, new connections: 1024 KiB 5.39"
