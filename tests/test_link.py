@@ -206,3 +206,14 @@ def test_three_nodes_share_a_hub_and_teardown_survives_errors() -> None:
 def test_run_reports_failures() -> None:
     with shaped_link(1e8) as link, pytest.raises(NetnsError, match="ns 1"):
         link.run(1, ["false"])
+
+
+def test_sysctls_and_congestion_controls_are_checked_before_any_shell_sees_them() -> None:
+    from veriloco.netns import ShapedLink
+
+    link = ShapedLink(1e8, namespaces=[], hub="", addresses=[])
+    for name, value in (("kernel.panic", "1"), ("net.ipv4.tcp_slow_start_after_idle", "0; reboot")):
+        with pytest.raises(ValueError, match="not a network sysctl setting"):
+            link.set_sysctl(name, value)
+    with pytest.raises(ValueError, match="not a congestion control name"):
+        link.measure_transfers(10, 1, 0.0, congestion="cubic; reboot")

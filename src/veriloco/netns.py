@@ -55,40 +55,52 @@ _PREFIX = "veriloco-"
 _SUBNET = "198.18.0"  # RFC 2544 benchmarking range; only ever configured inside our namespaces
 _MAX_NODES = 250
 
-# Receiver: print its port, read exactly nbytes, answer one byte, print when the last byte came.
-# Sender: print when it began to send (once connected), then wait for that answer. The transfer
-# is the difference, one way, as link.Link counts it (latency + bytes / bandwidth).
+# Receiver: print its port; `count` times read exactly nbytes, answer one byte; then print when
+# the last byte of each came. Sender (with congestion control `cc`, or "-" for the namespace's):
+# `count` times (idle `gap` seconds between them, on the same connection) note when it began to
+# send, send, wait for the answer; then print those times. A
+# transfer is the difference, one way, as link.Link counts it (latency + bytes / bandwidth).
 _PEER_SCRIPT = r"""
 import socket, sys, time
 if sys.argv[1] == "recv":
-    host, nbytes = sys.argv[2], int(sys.argv[3])
+    host, nbytes, count = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     server = socket.create_server((host, 0))
     print(server.getsockname()[1], flush=True)
     conn, _ = server.accept()
-    view, got = memoryview(bytearray(1 << 20)), 0
-    while got < nbytes:
-        n = conn.recv_into(view[: min(len(view), nbytes - got)])
-        if not n:
-            sys.exit(f"receiver: sender closed after {got} of {nbytes} bytes")
-        got += n
-    done = time.monotonic()  # the last byte is here (one clock for every namespace: CLOCK_MONOTONIC)
-    conn.sendall(b"k")
+    view, done = memoryview(bytearray(1 << 20)), []
+    for _ in range(count):
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(view[: min(len(view), nbytes - got)])
+            if not n:
+                sys.exit(f"receiver: sender closed after {got} of {nbytes} bytes")
+            got += n
+        done.append(time.monotonic())  # the last byte is here (one clock for every namespace: CLOCK_MONOTONIC)
+        conn.sendall(b"k")
     conn.close()
-    print(done, flush=True)
+    print(*done, flush=True)
 else:
-    host, port, nbytes = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    host, port, nbytes, count, gap = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
     chunk = memoryview(bytes(1 << 20))
-    conn = socket.create_connection((host, port), timeout=60)
+    conn = socket.socket()
+    if sys.argv[7] != "-":  # a congestion control for this connection (the sender's decides)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, sys.argv[7].encode())
+    conn.settimeout(60)
+    conn.connect((host, port))
     # Without NODELAY, Nagle holds the last partial segment for the receiver's delayed ACK,
     # adding ~5-10 ms per transfer (doubling the time of a 1 MiB transfer at 1 gbit).
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    t0 = time.monotonic()
-    left = nbytes
-    while left:
-        left -= conn.send(chunk[: min(left, len(chunk))])
-    if conn.recv(1) != b"k":
-        sys.exit("sender: receiver did not acknowledge")
-    print(t0, flush=True)
+    starts = []
+    for i in range(count):
+        if i:
+            time.sleep(gap)  # the connection idles, as between two rounds' exchanges
+        starts.append(time.monotonic())
+        left = nbytes
+        while left:
+            left -= conn.send(chunk[: min(left, len(chunk))])
+        if conn.recv(1) != b"k":
+            sys.exit("sender: receiver did not acknowledge")
+    print(*starts, flush=True)
 """
 
 # The delay line (run in the hub namespace): DELAY_S IF_A IF_B [IF_A IF_B ...]. Every frame that
@@ -206,16 +218,27 @@ class ShapedLink:
         return p
 
     def measure_transfer(self, nbytes: int, src: int = 0, dst: int = 1) -> float:
-        """Seconds for a TCP sender in `src` to deliver `nbytes` to a receiver in `dst`: from its
-        first send (connected) to the receiver's last byte, on the one monotonic clock every
-        namespace shares."""
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        """Seconds for a TCP sender in `src` to deliver `nbytes` to a receiver in `dst` over a new
+        connection: from its first send (connected) to the receiver's last byte, on the one
+        monotonic clock every namespace shares."""
+        return self.measure_transfers(nbytes, 1, 0.0, src, dst)[0]
+
+    def measure_transfers(self, nbytes: int, count: int, idle_s: float, src: int = 0, dst: int = 1,
+                          congestion: str | None = None) -> list[float]:
+        """`measure_transfer` `count` times over ONE connection, idle `idle_s` between transfers (as
+        a connection idles between two rounds' exchanges): the first is a new connection's, the
+        later ones show what the idle did to its window (`tcp_slow_start_after_idle`). `congestion`:
+        the sender's TCP congestion control ('cubic', 'bbr', ...; None: the namespace's default)."""
+        if nbytes <= 0 or count < 1 or idle_s < 0:
+            raise ValueError(f"need nbytes > 0, count >= 1, idle_s >= 0; got {nbytes}, {count}, {idle_s}")
+        if congestion is not None and not re.fullmatch(r"[a-z0-9_]+", congestion):
+            raise ValueError(f"not a congestion control name: {congestion!r}")
         # Generous: a transfer at a tenth of the shaped rate is broken, not slow.
-        timeout = 10.0 + (10 * nbytes * 8 / self.bandwidth_bps if self.bandwidth_bps < math.inf else 0)
+        per = 10 * nbytes * 8 / self.bandwidth_bps if self.bandwidth_bps < math.inf else 0
+        timeout = 10.0 + count * (per + idle_s + 20 * self.latency_s)
         py = [sys.executable, "-I", "-c", _PEER_SCRIPT]
         recv = self.popen(
-            dst, [*py, "recv", self.addresses[dst], str(nbytes)],
+            dst, [*py, "recv", self.addresses[dst], str(nbytes), str(count)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         port = _read_line(recv, timeout=10.0)
@@ -223,11 +246,22 @@ class ShapedLink:
             recv.kill()
             err = recv.communicate()[1].strip().splitlines()
             raise NetnsError(f"receiver in ns {dst} did not start: {err[-1] if err else port!r}")
-        sent = self.run(src, [*py, "send", self.addresses[dst], port.strip(), str(nbytes)], timeout=timeout)
+        sent = self.run(src, [*py, "send", self.addresses[dst], port.strip(), str(nbytes), str(count), repr(idle_s),
+                              congestion or "-"], timeout=timeout)
         if recv.wait(timeout=timeout) != 0:
             err = recv.stderr.read().strip().splitlines() if recv.stderr else []
             raise NetnsError(f"receiver in ns {dst} failed: {err[-1] if err else recv.returncode}")
-        return float(recv.stdout.read().strip()) - float(sent.stdout.strip())
+        done, starts = recv.stdout.read().split(), sent.stdout.split()
+        return [float(d) - float(t) for d, t in zip(done, starts, strict=True)]
+
+    def set_sysctl(self, name: str, value: str) -> None:
+        """Set a network sysctl (`net.ipv4.tcp_slow_start_after_idle`) in every node's namespace:
+        they are per namespace, so the host's own stay as they are."""
+        if not re.fullmatch(r"net(\.[a-z0-9_]+)+", name) or not re.fullmatch(r"[A-Za-z0-9_ ]+", value):
+            raise ValueError(f"not a network sysctl setting: {name} = {value!r}")
+        path = "/proc/sys/" + name.replace(".", "/")
+        for i in range(len(self.namespaces)):
+            self.run(i, ["sh", "-c", f"echo {value} > {path}"])
 
     def _kill_processes(self) -> None:
         for p in self._procs:
