@@ -75,6 +75,11 @@ def test_the_exchange_time_and_whether_it_hides():
     wire = int(2 * 2 / 3 * 4 * plan.params)  # DDP: a ring all-reduce of the fp32 gradient a step, 2 (W-1)/W of it
     ddp_s = Link.from_strings("100mbit", "20ms").transfer_time(wire, wire)
     assert f"DDP instead: {ddp_s:.3f} s of all-reduce a step" in format_plan(make_plan(cfg, step))
+    # a 20 ms link: the figure is a lower bound over TCP, and the plan says what to set
+    assert "a lower bound over TCP on a 20 ms link" in format_plan(plan)
+    assert "tcp_slow_start_after_idle = 0" in format_plan(plan)
+    assert "a lower bound over TCP" not in format_plan(make_plan(tiny("--topology.workers=3", "--link.bandwidth=100mbit",
+                                                                      "--link.latency=5ms")))
 
 
 def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeypatch, capsys):

@@ -36,6 +36,9 @@ PARAM_BYTES = 4  # float32: the weights, their gradients, each AdamW moment, G a
 MB = 1e6
 
 
+# one-way latency from which plan warns that TCP (slow start, a window lost to an idle) makes the exchange slower
+LONG_LINK_S = 0.01
+
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage's slice of the model."""
@@ -284,6 +287,11 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
     slowest = max(plan.exchange_s(st.payload_bytes) for st in plan.stages)
     out.append(f"exchange on the link ({plan.link}): {slowest:.3f} s a round per stage process"
                + (f"; {plan.exchange_s(payload):.3f} s if a worker's stages share one link" if S > 1 else ""))
+    if W > 1 and plan.link.latency_s >= LONG_LINK_S:
+        out.append(f"  a lower bound over TCP on a {plan.link.latency_s * 1e3:.0f} ms link: a new connection, or one idle "
+                   "for the inner steps, starts from a small window (at 1 Gbit/s and 50 ms a 3.5 MB exchange after 2 s "
+                   "of idle took 0.68 s, 0.16 s with net.ipv4.tcp_slow_start_after_idle = 0 on every node: "
+                   "bench/tcp_idle.py)")
     window = cfg.outer.overlap_steps or H
     if plan.step_s is None:
         if slowest > 0:
