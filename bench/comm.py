@@ -457,10 +457,13 @@ def link_summary(check: dict) -> str:
     """link_check's ratios in one line (or why it was skipped)."""
     if "skipped" in check:
         return check["skipped"]
-    line = ", ".join(f"{r['bytes'] >> 10} KiB {r['ratio']:.2f}" for r in check["rows"])
+
+    def ratios(rows: list[dict]) -> str:
+        return ", ".join(f"{r['bytes'] >> 10} KiB {r['ratio']:.2f}" for r in rows)
+
+    line = ratios(check["rows"])
     if check.get("rows_latency"):
-        line += f"; at {check['latency']}, new connections: " + ", ".join(
-            f"{r['bytes'] >> 10} KiB {r['ratio']:.2f}" for r in check["rows_latency"])
+        line += f"; at {check['latency']}, new connections: {ratios(check['rows_latency'])}"
     return f"kernel/emulated {line}"
 
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,9 +42,9 @@ def run_once(src: Path, config: Path, attack: str, seed: int, args: argparse.Nam
             f"--train.rounds={args.rounds}", f"--train.eval_every={args.rounds}", f"--run.seed={seed}",
             f"--verify.loss_gain_batches={args.loss_gain_batches}", "--verify.loss_gain_action=reject",
             *([] if attack == "honest" else [f"--adversary.1={attack}"]), *[f"--{o}" for o in args.set]]
-    code = f"import sys; from veriloco.cli import main; sys.argv = ['veriloco', *{argv!r}]; main()"
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(src)),
-                          capture_output=True, text=True)
+    from audit_memory import veriloco  # `veriloco ARGV` in a fresh interpreter, the package at src
+
+    done, _, _ = veriloco(src, *argv)
     if done.returncode != 0:
         raise SystemExit(f"two_workers: {attack} seed {seed} with {src} failed: "
                          f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")

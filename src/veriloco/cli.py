@@ -114,9 +114,7 @@ def _train(config: str | None, overrides: list[str], out: str | None, resume: st
     """`veriloco train` once its arguments are read and the workers' server is starting."""
     try:
         cfg = None if resume else load_config(config, overrides)
-    except ConfigError as e:  # matched first: user_errors() imports torch (~1.5 s before the one-line error)
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except user_errors() as e:
+    except ConfigError as e:  # load_config's only error; user_errors() would import torch (~1.5 s) to match it
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     from .run import resume as resume_run
     from .run import train as train_run

@@ -39,6 +39,7 @@ MB = 1e6
 # one-way latency from which plan warns that TCP (slow start, a window lost to an idle) makes the exchange slower
 LONG_LINK_S = 0.01
 
+
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage's slice of the model."""
