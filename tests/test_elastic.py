@@ -715,3 +715,127 @@ def test_elastic_workers_on_replicas_are_the_static_run_through_a_killed_worker_
     assert died[0].startswith("its replica 1: RuntimeError: replica 1 of worker 0 crashes in round 3"), died[0]
     assert summary["replicas"] == 2
     assert audit_run(tmp_path / "elastic").ok
+
+
+def test_a_quorum_of_the_same_members_runs_on_the_last_rounds_group_and_a_changed_one_forms_anew():
+    """Membership.reuse: forming a group costs a rendezvous and new connections (about 13 round
+    trips, 1.3 s of a round on a 50 ms link); a round whose active members are the last committed
+    round's runs on its group again. Every member must take the same group."""
+    import threading
+
+    import torch
+
+    from veriloco.membership import MembershipError
+
+    lh = Lighthouse(5.0, workers=3, timeout_s=60)
+    ms = lh.ms
+
+    def on_groups(views: dict) -> tuple[dict, dict]:
+        """Each member's reuse(view), else a new group; then an all_gather on it; (comms, errors)."""
+        comms, errors = {}, {}
+
+        def one(w: int) -> None:
+            try:
+                comm = ms[w].reuse(views[w])
+                comms[w] = comm if comm is not None else ms[w].group(views[w])
+                out = [torch.zeros(1) for _ in range(comms[w].size)]
+                comms[w].all_gather(out, torch.full((1,), float(w)))
+                assert [int(t) for t in out] == views[w].active
+            except MembershipError as e:
+                errors[w] = str(e)
+
+        threads = [threading.Thread(target=one, args=(w,)) for w in views]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return comms, errors
+
+    try:
+        views, _ = lh.ask(0, {0: 0.0, 1: 0.0, 2: 0.0})
+        assert {v.group for v in views.values()} == {"-"}  # nothing kept yet: a new group
+        first, errors = on_groups(views)
+        assert not errors and len({c.key for c in first.values()}) == 1
+        for w in range(3):
+            ms[w].keep(0, first[w])
+        views, _ = lh.ask(1, {0: 0.0, 1: 0.0, 2: 0.0})
+        assert {v.group for v in views.values()} == {first[0].key}  # the judge proposed it, all take it
+        again, errors = on_groups(views)
+        assert not errors and all(again[w] is first[w] for w in range(3))
+
+        # round 2 without worker 2 (it was not asked): other members, so a new group
+        for w in range(3):
+            ms[w].keep(1, again[w])
+        views, _ = lh.ask(2, {0: 0.0, 1: 0.0})
+        assert {v.group for v in views.values()} == {"-"}
+        pair, errors = on_groups(views)
+        assert not errors and all(pair[w] is not first[w] for w in (0, 1)) and pair[0].size == 2
+
+        # a stale keep (not the round before) is not proposed either
+        for w in (0, 1):
+            ms[w].keep(1, pair[w])
+        views, _ = lh.ask(4, {0: 0.0, 1: 0.0})
+        assert {v.group for v in views.values()} == {"-"}
+    finally:
+        lh.close()
+
+
+def test_a_member_that_does_not_hold_the_group_the_others_take_stops_them_at_once():
+    """If the quorum's judge proposes a group that a member does not hold (it failed the last round
+    after the others finished it), that member says so and the others' first collective on the
+    group stops within a watch: the round is retried with a new quorum, never run on a group
+    whose members are not all there."""
+    import threading
+    import time
+
+    import torch
+
+    from veriloco.membership import MembershipError
+
+    lh = Lighthouse(5.0, workers=3, timeout_s=60)
+    ms = lh.ms
+    try:
+        views, _ = lh.ask(0, {0: 0.0, 1: 0.0, 2: 0.0})
+        comms = {}
+        threads = [threading.Thread(target=lambda w=w: comms.__setitem__(w, ms[w].group(views[w]))) for w in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        for w in (0, 1):
+            ms[w].keep(0, comms[w])  # worker 2 did not commit round 0 on it
+        views, _ = lh.ask(1, {0: 0.0, 1: 0.0, 2: 0.0})
+        for v in views.values():
+            v.group = comms[0].key  # as a judge among 0 and 1 proposes (the judge is whoever asks first)
+        with pytest.raises(MembershipError, match="hold different groups"):
+            ms[2].reuse(views[2])
+        comm = ms[0].reuse(views[0])
+        assert comm is comms[0]
+        t0 = time.monotonic()
+        with pytest.raises(MembershipError, match="worker 2 gave the round's group up"):
+            comm.all_gather([torch.zeros(1) for _ in range(3)], torch.zeros(1))
+        assert time.monotonic() - t0 < 5  # not gloo's 60 s
+    finally:
+        lh.close()
+
+
+def test_a_collective_is_noticed_done_at_once_however_long_its_watch_takes():
+    """membership.wait_watching: the watch's reads cross the link to the coordinator, several round
+    trips on a long link; run between slices of the wait, it held each collective until they were
+    back (0.9 s a collective at 50 ms). It runs beside the wait now."""
+    import time
+
+    from veriloco.membership import WATCH_S, wait_watching
+
+    def slow_watch() -> None:
+        time.sleep(2.0)  # a watch over a slow link
+
+    t0 = time.monotonic()
+    assert wait_watching(lambda: time.sleep(WATCH_S * 1.5), slow_watch) == (None, None)
+    assert time.monotonic() - t0 < WATCH_S * 1.5 + 0.5  # not held until the watch's 2 s are over
+
+    def boom() -> None:
+        raise ValueError("gloo says no")
+
+    why, error = wait_watching(boom, lambda: None)
+    assert why is None and isinstance(error, ValueError)
+    t0 = time.monotonic()
+    why, error = wait_watching(lambda: time.sleep(30), lambda: "worker 1 of the quorum went silent")
+    assert why == "worker 1 of the quorum went silent" and error is None
+    assert time.monotonic() - t0 < WATCH_S + 1  # the blocked run is abandoned

@@ -278,3 +278,29 @@ def test_round_warmup_with_reset_state_replays_bit_for_bit(tmp_path):
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
     assert report.checked["replays"] == 6
+
+
+def test_the_agreement_check_compares_every_stage_across_the_members():
+    """finish_round gathers each process's params hash with its figures (one collective for both):
+    the members must hold the same G, stage by stage; different stages hold different slices."""
+    from veriloco.round import HASH_AT, _hash_words, hashes_agree
+
+    a, b = tensors_hash({"x": torch.zeros(3)}), tensors_hash({"x": torch.ones(3)})
+    words = [_hash_words(a), _hash_words(b)]
+    assert len(words[0]) == 8 and all(0 <= x < 2**32 and x == int(x) for x in words[0])
+
+    def gathered(per_member: list[list[str]]) -> torch.Tensor:  # [member][stage] -> digest
+        g = torch.zeros(len(per_member), len(per_member[0]), HASH_AT + 8, dtype=torch.float64)
+        for m, stages in enumerate(per_member):
+            for s, digest in enumerate(stages):
+                g[m, s, :HASH_AT] = float(m)  # the other figures differ from member to member
+                g[m, s, HASH_AT:] = torch.tensor(_hash_words(digest), dtype=torch.float64)
+        return g
+
+    assert hashes_agree(gathered([[a], [a], [a]]))
+    assert not hashes_agree(gathered([[a], [b], [a]]))
+    assert hashes_agree(gathered([[a, b], [a, b]]))  # stage 0 holds one slice, stage 1 another
+    assert not hashes_agree(gathered([[a, b], [a, a]]))
+    # a digest that differs in its last bit only is still told apart (each word exact in a float64)
+    c = a[:-1] + format(int(a[-1], 16) ^ 1, "x")
+    assert not hashes_agree(gathered([[a], [c]]))

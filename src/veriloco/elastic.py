@@ -59,7 +59,7 @@ from .exchange import Exchange, ExchangeError
 from .faults import Fault, Injector, first_death
 from .hashing import tensors_hash
 from .link import Link
-from .membership import Membership, MembershipError, QuorumView
+from .membership import Membership, MembershipError, PgComm, QuorumView
 from .outer import OuterOptimizer
 from .packet import PacketError, decode_bundle, decode_packet
 from .records import RoundsFollower, RunDir, prune_checkpoints, pruned
@@ -323,8 +323,7 @@ class _Flight:
                 _await_record(ctx.w, self.sent.round - 1)
                 view = ctx.members.quorum(self.sent.round)
                 if view.round == self.sent.round and len(view.active) >= ctx.min_active:
-                    view = _connected(ctx, view)
-                    comm = ctx.members.group(view)
+                    view, comm = _group(ctx, view)
                     ctx.injector.in_exchange(self.sent.round)
                     handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(self.bundle)
                     handle.wait()  # the bytes move now, under the next round's inner steps
@@ -388,8 +387,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
         if error is not None:
             raise error
         if handle is None:
-            view = _connected(ctx, view)
-            comm = ctx.members.group(view)
+            view, comm = _group(ctx, view)
             ctx.injector.in_exchange(r)
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(flight.bundle)
         sent.handle = handle
@@ -398,6 +396,8 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
     except (ExchangeError, MembershipError, RuntimeError) as e:
         if "disagree on the global params" in str(e):
             raise
+        if isinstance(comm, PgComm) and comm.given_up is None:  # the others may wait in a collective of it
+            comm.give_up(f"worker {w.worker} failed the round: {str(e).splitlines()[0][:120]}")
         _restore(w, saved)
         _say(ctx.quiet, f"worker {w.worker}: round {r} failed among workers {view.active} "
              f"({str(e).splitlines()[0][:160]}); retrying with a new quorum")
@@ -405,7 +405,18 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
     rec["eval_loss_start"] = ctx.eval_start  # the launcher's, over the whole eval set
     commit(w, rec, ctx.quiet)
     w.applied = r
+    ctx.members.keep(r, comm)
     return True
+
+
+def _group(ctx: _Ctx, view: QuorumView) -> tuple[QuorumView, PgComm]:
+    """The round's members and group: the last round's group again when the quorum is the same
+    (Membership.reuse), else a new one over the members that reach each other."""
+    comm = ctx.members.reuse(view)
+    if comm is not None:
+        return view, comm
+    view = _connected(ctx, view)
+    return view, ctx.members.group(view)
 
 
 def _connected(ctx: _Ctx, view: QuorumView) -> QuorumView:

@@ -109,6 +109,9 @@ class QuorumView:
     rounds: dict[int, int]  # worker -> the round whose packet it holds
     round: int  # the highest of those: the round this quorum can commit
     active: list[int]  # workers at that round, ascending: the round's participants
+    # the group its members run on, as its first judge proposed (Membership._stands): a kept group's
+    # key, "-" for a new one; None if not decided yet (Membership.reuse decides)
+    group: str | None = None
 
     def index(self, worker: int) -> int:
         return self.active.index(worker)
@@ -133,6 +136,14 @@ class Membership:
         self._addr = lighthouse_addr
         self.client = LighthouseClient(addr=lighthouse_addr, connect_timeout=timedelta(seconds=timeout_s))
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        # before this worker can be in any quorum, so a member's alive/ key always exists (_silent reads
+        # them all in one round trip, and a multi_get of a missing key would block)
+        self.store.set(f"alive/{worker}", repr(time.time()))
+        self._existing: set[str] = set()  # keys _texts found: one round trip to read them again
+        self._kept: tuple[int, PgComm] | None = None  # (round, its group): `keep`, `reuse`
+        # the watches' own connection (Membership.group): a store connection serves one request at a
+        # time, and a watch still reading when its collective ends must not hold up the next request
+        self._watch_store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
         self._stop = threading.Event()
         self._listen()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
@@ -168,12 +179,13 @@ class Membership:
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
 
-    def unreachable(self, workers: list[int]) -> list[int]:
+    def unreachable(self, workers: list[int], store: dist.TCPStore | None = None) -> list[int]:
         """Which of `workers` this one cannot open a TCP connection to within heartbeat_timeout_s
         (all probed at once). A peer that died has a stale heartbeat anyway; this finds the ones
         that are alive to the coordinator but not to this worker (a partial partition)."""
         lost: list[int] = []
-        where = {j: self._stamp_text(f"reach/{j}") for j in workers}  # read here: the probes only connect
+        where = self._texts([f"reach/{j}" for j in workers], store)  # read here: the probes only connect
+        where = dict(zip(workers, where, strict=True))
 
         def probe(j: int) -> None:
             try:
@@ -312,10 +324,12 @@ class Membership:
             return True
         now = time.time()
         missing = [j for j in range(self.workers) if j not in view.rounds and self._awaited(j, view.round, now)]
-        asked = [self.seen(f"asked/{j}", view.round) for j in view.active]
-        ok = not missing or now - min(asked) >= self.deadline_s
-        stands = self.store.compare_set(f"stands/{view.key}", "", "1" if ok else "0") == b"1"
+        ok = not missing or now - min(self.seen(f"asked/{j}", view.round) for j in view.active) >= self.deadline_s
+        # the judge also proposes the group the round runs on (reuse), in the same round trip
+        taken = self.store.compare_set(f"stands/{view.key}", "", f"1 {self._proposal(view)}" if ok else "0").decode()
+        stands = taken.startswith("1 ")
         if stands:
+            view.group = taken[2:]
             for j in missing:  # it stands without them: they missed the deadline
                 self.store.set(f"late/{j}", repr(now))
         return stands
@@ -343,13 +357,30 @@ class Membership:
         except (ValueError, IndexError):
             return None, float("-inf")
 
-    def _stamp_text(self, key: str) -> str | None:
+    def _stamp_text(self, key: str, store: dist.TCPStore | None = None) -> str | None:
         """The value of `key`, or None if there is none (check() does not block; get() of a
         missing key would wait for it)."""
         try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
+            store = store or self.store
+            return store.get(key).decode() if store.check([key]) else None
         except (RuntimeError, UnicodeDecodeError):
             return None
+
+    def _texts(self, keys: list[str], store: dist.TCPStore | None = None) -> list[str | None]:
+        """The values of `keys` (None where one is missing or unreadable), in one round trip to the
+        coordinator when they all exist (the usual case: the keys this reads are written when a worker
+        starts), two the first time: on a long link each round trip is the link's latency, and a watch that
+        read its keys one by one cost a second per collective at 50 ms."""
+        if not keys:
+            return []
+        store = store or self.store
+        try:
+            if self._existing.issuperset(keys) or store.check(keys):
+                self._existing.update(keys)  # no key this reads is ever deleted
+                return [raw.decode() for raw in store.multi_get(keys)]
+        except (RuntimeError, UnicodeDecodeError):
+            pass
+        return [self._stamp_text(k, store) for k in keys]
 
     def seen(self, key: str, round: int | None = None) -> float:
         """The time in `key`, if it names `round` (when given); -inf if there is none."""
@@ -375,46 +406,97 @@ class Membership:
             """_silent(view), and, every heartbeat_timeout_s that the group's forming or one of its
             collectives waits, a probe of the other members: a path cut after `connected` probed
             holds gloo's connect, or its open sockets, until gloo's own timeout."""
-            why = self._silent(view)
+            why = self._silent(view, self._watch_store)
             if why is None and time.monotonic() >= probe_at[0]:
-                lost = self.unreachable([j for j in view.active if j != self.worker])
+                lost = self.unreachable([j for j in view.active if j != self.worker], self._watch_store)
                 probe_at[0] = time.monotonic() + self.heartbeat_timeout_s
                 if lost:
                     why = f"worker {lost[0]} of the quorum cannot be reached"
             return why
 
         def form() -> None:
-            try:
-                made["pg"] = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=self.timeout_s))
-            except Exception as e:  # noqa: BLE001 - handed to the caller below
-                made["error"] = e
+            made["pg"] = dist.ProcessGroupGloo(prefix, rank, size, timedelta(seconds=self.timeout_s))
 
-        thread = threading.Thread(target=form, daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
-            why = watch()
-            if why is not None and thread.is_alive():
-                self._leave(view)  # the others still forming it stop waiting too
-                raise MembershipError(f"{why} before the round's group formed")
-        if "error" in made:
-            raise made["error"]
+        why, error = wait_watching(form, watch)
+        if why is not None:
+            self._leave(view)  # the others still forming it stop waiting too
+            raise MembershipError(f"{why} before the round's group formed")
+        if error is not None:
+            raise error
         probe_at[0] = time.monotonic() + self.heartbeat_timeout_s  # the collectives' waits count from here
-        return PgComm(made["pg"], rank, size, watch=watch, leave=lambda: self._leave(view))
+        return PgComm(made["pg"], rank, size, watch=watch, leave=lambda: self._leave(view), key=view.key,
+                      members=tuple(view.active))
+
+    def keep(self, round: int, comm: object) -> None:
+        """`round` committed on `comm`, every collective of it done on every member (a member
+        that failed gave the group up): the next round may run on the same group (`reuse`)."""
+        self._kept = (round, comm) if isinstance(comm, PgComm) and comm.given_up is None else None
+
+    def reuse(self, view: QuorumView) -> PgComm | None:
+        """The group the last round committed on, if the quorum of `view` runs on it again; None if it
+        forms a new one (`connected`, then `group`).
+
+        A group is formed once per quorum otherwise: a new TCP connection between every two members,
+        each paying slow start, and a rendezvous through the coordinator, about 13 round trips (1.3 s
+        of a round on a 50 ms link, bench/elastic_latency.py). The last round's group can be used again
+        when this quorum's active members are exactly its members and every one of them committed the
+        round before with it: all their collectives matched, so nothing is left in flight on it. Every
+        member proposes what it holds (`_proposal`), and the first proposal is taken by all: the
+        quorum's first judge writes it with its judgement (`_stands`, no extra round trip), or, where
+        none judges, a compare-and-set on the coordinator does. A member that does not hold the group taken marks it given up, so the others'
+        first collective on it stops within a watch (WATCH_S), and the round is retried with a new
+        quorum and a new group. The reachability probes of `connected` are not repeated: a path cut
+        since the last round stalls a collective on the reused group, its watch's probe finds the cut
+        (within heartbeat_timeout_s), the group is given up, and the retry probes."""
+        mine = self._proposal(view)
+        kept, self._kept = self._kept, None
+        taken = view.group
+        if taken is None:
+            try:
+                taken = self.store.compare_set(f"group/{view.key}", "", mine).decode()
+            except (RuntimeError, UnicodeDecodeError) as e:
+                raise MembershipError(f"the coordinator cannot be reached: {str(e).splitlines()[0][:120]}") from None
+        if taken == "-":
+            return None
+        if kept is not None and taken == mine:
+            return kept[1]
+        self._leave_key(taken)  # the others run on a group this worker does not hold: they must not wait for it
+        raise MembershipError(f"the quorum's members hold different groups (they take {taken!r}); forming a new one")
+
+    def _proposal(self, view: QuorumView) -> str:
+        """The group this worker proposes for `view`'s round (`reuse`): the key of the group it kept, if
+        it committed the round before on it with exactly these active members; "-" for a new one."""
+        kept = self._kept
+        if kept is not None and kept[0] + 1 == view.round and kept[1].members == tuple(view.active) \
+                and kept[1].given_up is None:
+            return kept[1].key
+        return "-"
 
     def _leave(self, view: QuorumView) -> None:
         """Mark the group of `view` given up, for its other members' watches (_silent)."""
-        self.store.set(f"left/{view.key}", f"{self.worker} {time.time()!r}")
+        self._leave_key(view.key)
 
-    def _silent(self, view: QuorumView) -> str | None:
+    def _leave_key(self, key: str) -> None:
+        self.store.set(f"leftby/{key}", str(self.worker))
+        self.store.add(f"left/{key}", 1)
+
+    def _silent(self, view: QuorumView, store: dist.TCPStore | None = None) -> str | None:
         """Why the group of `view` cannot go on, or None: a member's heartbeat is stale (killed,
         frozen, or cut off from the coordinator), or a member gave the group up (PgComm.wait)."""
+        others = [j for j in view.active if j != self.worker]
         now = time.time()
-        for j in view.active:
-            if j != self.worker and self.seen(f"alive/{j}") < now - self.heartbeat_timeout_s:
+        store = store or self.store
+        for j, text in zip(others, self._texts([f"alive/{j}" for j in others], store), strict=True):
+            if _time_of(text) < now - self.heartbeat_timeout_s:
                 return f"worker {j} of the quorum went silent"
-        who, _ = self._stamp(f"left/{view.key}")
-        return f"worker {who} gave the round's group up" if who is not None else None
+        try:  # add(0) reads a counter without waiting for it (get() of a missing key would wait)
+            left = store.add(f"left/{view.key}", 0)
+        except RuntimeError:
+            return "the coordinator cannot be reached"
+        if left:
+            who = self._stamp_text(f"leftby/{view.key}", store)
+            return f"worker {who or '?'} gave the round's group up"
+        return None
 
     def close(self) -> None:
         """Stop heartbeating, and say so at once: no quorum waits for a worker that has finished."""
@@ -425,6 +507,14 @@ class Membership:
             self.store.set(f"alive/{self.worker}", "0")
         except Exception:  # the coordinator already gone
             pass
+
+
+def _time_of(text: str | None) -> float:
+    """The time in an alive/ value ("T"), -inf if there is none or it is unreadable."""
+    try:
+        return float(text) if text is not None else float("-inf")
+    except ValueError:
+        return float("-inf")
 
 
 def reachable_part(active: list[int], reports: dict[int, set[int]]) -> list[int]:
@@ -466,6 +556,41 @@ class GroupComm:
         dist.broadcast(t, group=self.group, group_src=src)
 
 
+def wait_watching(run: Callable[[], object], watch: Callable[[], str | None]) -> tuple[str | None, BaseException | None]:
+    """Run `run()` in a thread and wait for it, while another thread calls `watch()` every WATCH_S
+    until `run` returns. Returns (None, the exception `run` raised or None) once it returns, or
+    (watch's reason, None) as soon as watch names one first; `run`'s thread is then abandoned.
+
+    The watch runs beside the wait, not between its slices: its reads cross the link to the
+    coordinator, and on a long link a watch takes round trips of its own. Called between slices,
+    it held each collective that outlived one slice until the watch's reads were back (0.9 s per
+    collective on a 50 ms link, bench/elastic_latency.py), however soon the collective was done."""
+    done, woken, box = threading.Event(), threading.Event(), {}
+
+    def go() -> None:
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        done.set()
+        woken.set()
+
+    def watching() -> None:
+        while not done.wait(WATCH_S):
+            why = watch()
+            if why is not None:
+                box["why"] = why
+                woken.set()
+                return
+
+    threading.Thread(target=go, daemon=True).start()
+    threading.Thread(target=watching, daemon=True).start()
+    woken.wait()
+    if done.is_set():  # finished, even if the watch found a reason meanwhile
+        return None, box.get("error")
+    return box["why"], None
+
+
 _GIVEN_UP: list = []  # groups left mid-collective: destroying one would block until gloo's own timeout
 
 
@@ -482,8 +607,10 @@ class PgComm:
     waiting for peers that moved on."""
 
     def __init__(self, pg: dist.ProcessGroup, rank: int, size: int,
-                 watch: Callable[[], str | None] | None = None, leave: Callable[[], None] | None = None) -> None:
+                 watch: Callable[[], str | None] | None = None, leave: Callable[[], None] | None = None,
+                 key: str = "", members: tuple[int, ...] = ()) -> None:
         self.pg, self.rank, self.size = pg, rank, size
+        self.key, self.members = key, members  # the quorum it was formed for (Membership.reuse)
         self._watch, self._leave = watch, leave
         self.given_up: str | None = None
 
@@ -494,25 +621,14 @@ class PgComm:
         if self._watch is None:
             work.wait()
             return
-        # work.wait() in a thread of its own, so this one can watch meanwhile (gloo's send/recv have
-        # no future, nor an is_completed() that turns true: a thread is the one way for every op)
-        done, box = threading.Event(), {}
-
-        def wait_for_it() -> None:
-            try:
-                work.wait()
-            except Exception as e:  # noqa: BLE001 - gloo's own error, raised below in the caller's thread
-                box["error"] = e
-            done.set()
-
-        threading.Thread(target=wait_for_it, daemon=True).start()
-        while not done.wait(WATCH_S):
-            why = self._watch()
-            if why is not None:
-                self.give_up(why)
-                raise MembershipError(why)
-        if "error" in box:
-            raise box["error"]
+        # work.wait() in a thread of its own (gloo's send/recv have no future, nor an is_completed()
+        # that turns true: a thread is the one way for every op), watched from another
+        why, error = wait_watching(work.wait, self._watch)
+        if why is not None:
+            self.give_up(why)
+            raise MembershipError(why)
+        if error is not None:
+            raise error
 
     def give_up(self, why: str) -> None:
         self.given_up = why

@@ -1223,8 +1223,6 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()
-    if not _all_hashes_agree(params_hash, part.comm):
-        raise RuntimeError(f"round {r}: workers disagree on the global params; refusing to continue")
     commitments = [check.commitments.get(j) for j in range(W)]
     verdicts = [check.verdicts[j] if j in packets else part.absent.get(j, ABSENT) for j in range(W)]
     stage_record = {  # what this stage decided; the whole record when there is one stage
@@ -1259,7 +1257,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
          moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0,
          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
          torch.cuda.max_memory_allocated(w.device) / 2**20 if w.device.type == "cuda" else 0.0,
-         w.store.bytes_written - w.store_mark],
+         w.store.bytes_written - w.store_mark, *_hash_words(params_hash)],
         dtype=torch.float64,
     )
     w.store_mark = w.store.bytes_written
@@ -1267,6 +1265,10 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     part.stats_comm.all_gather(gathered, mine)
     g = torch.full((W, w.topo.stages, mine.numel()), float("nan"), dtype=torch.float64)  # [worker, stage, figure]
     g[members] = torch.stack(gathered).view(len(members), w.topo.stages, -1)
+    # the agreement check rides on the same gather (one collective less a round: on a long link each
+    # costs a round trip or two): every stage's G must be the same on all the round's members
+    if not hashes_agree(g[members]):
+        raise RuntimeError(f"round {r}: workers disagree on the global params; refusing to continue")
     is_last = r == cfg.train.rounds - 1
     eval_loss = evaluate(w, part) if (r + 1) % cfg.train.eval_every == 0 or is_last else None
     record: dict = {"round": r}
@@ -1454,11 +1456,21 @@ def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
     return dict(sorted(out.items()))
 
 
-def _all_hashes_agree(digest_hex: str, comm: GroupComm | PgComm) -> bool:
-    mine = torch.frombuffer(bytearray(bytes.fromhex(digest_hex)), dtype=torch.uint8).clone()
-    everyone = [torch.zeros_like(mine) for _ in range(comm.size)]
-    comm.all_gather(everyone, mine)
-    return all(torch.equal(mine, other) for other in everyone)
+HASH_AT = 21  # where finish_round's gathered figures hold the params hash (_hash_words)
+
+
+def hashes_agree(g: torch.Tensor) -> bool:
+    """Whether, in finish_round's gathered figures of the round's members ([member, stage, figure]),
+    every stage's params hash is the same on every member."""
+    held = g[:, :, HASH_AT:]
+    return bool(torch.equal(held, held[:1].expand_as(held)))
+
+
+def _hash_words(digest_hex: str) -> list[float]:
+    """A SHA-256 hex digest as 8 32-bit words, each exact in a float64 (finish_round gathers them
+    with the round's figures to check that every member holds the same G)."""
+    raw = bytes.fromhex(digest_hex)
+    return [float(int.from_bytes(raw[i:i + 4], "big")) for i in range(0, len(raw), 4)]
 
 
 def _gather_json(obj: dict, group: dist.ProcessGroup) -> list[dict]:
