@@ -527,6 +527,13 @@ def evaluate(w: Worker, part: Participants | None = None) -> float:
     """Held-out loss of the global params, averaged over all workers' shares of the eval set
     (elastic: the whole eval set, split among the round's members)."""
     part = part or Participants.everyone(w)
+    total = eval_sums(w, part)
+    part.comm.all_reduce(total)  # over the workers (each stage sums the same numbers)
+    return float(total[0] / total[1])
+
+
+def eval_sums(w: Worker, part: Participants) -> torch.Tensor:
+    """This worker's share of `evaluate`: [sum of loss * target tokens, target tokens], float64."""
     load_params(w.model, w.outer.params)
     total = torch.zeros(2, dtype=torch.float64)  # [sum of loss * target tokens, target tokens]
     share = w.eval_all[part.comm.rank :: part.comm.size] if w.eval_all else w.eval_set
@@ -539,8 +546,7 @@ def evaluate(w: Worker, part: Participants | None = None) -> float:
         loss = pipeline_eval(w, w.eval_set)
         tokens = sum(y.numel() for _, y in w.eval_set)
         total += torch.tensor([loss * tokens, tokens], dtype=torch.float64)
-    part.comm.all_reduce(total)  # over the workers (each stage sums the same numbers)
-    return float(total[0] / total[1])
+    return total
 
 
 def pipeline_eval(w: Worker, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -1250,6 +1256,10 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         for j, c in enumerate(commitments)
     ]
     res = sent.result
+    is_last = r == cfg.train.rounds - 1
+    evaluating = (r + 1) % cfg.train.eval_every == 0 or is_last
+    # the eval's sums ride on the figures' gather too (each stage sums the same numbers)
+    sums = eval_sums(w, part).tolist() if evaluating else [0.0, 0.0]
     mine = torch.tensor(
         [res.mean_loss, res.seconds, stats.bytes_sent, stats.bytes_received, stats.seconds, wait_s, overlapped_s, verify_s,
          checks.wall + replays.wall, replays.wall, loss_gains.wall,
@@ -1257,7 +1267,7 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
          moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0,
          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
          torch.cuda.max_memory_allocated(w.device) / 2**20 if w.device.type == "cuda" else 0.0,
-         w.store.bytes_written - w.store_mark, *_hash_words(params_hash)],
+         w.store.bytes_written - w.store_mark, *sums, *_hash_words(params_hash)],
         dtype=torch.float64,
     )
     w.store_mark = w.store.bytes_written
@@ -1269,8 +1279,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     # costs a round trip or two): every stage's G must be the same on all the round's members
     if not hashes_agree(g[members]):
         raise RuntimeError(f"round {r}: workers disagree on the global params; refusing to continue")
-    is_last = r == cfg.train.rounds - 1
-    eval_loss = evaluate(w, part) if (r + 1) % cfg.train.eval_every == 0 or is_last else None
+    eval_total = g[members, w.stage, EVAL_AT:EVAL_AT + 2].sum(0)  # in members' order: the same on every one
+    eval_loss = float(eval_total[0] / eval_total[1]) if evaluating else None
     record: dict = {"round": r}
     if w.topo.stages == 1:
         record |= stage_record
@@ -1456,7 +1466,8 @@ def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
     return dict(sorted(out.items()))
 
 
-HASH_AT = 21  # where finish_round's gathered figures hold the params hash (_hash_words)
+EVAL_AT = 21  # where finish_round's gathered figures hold the eval sums (eval_sums)
+HASH_AT = 23  # and the params hash (_hash_words)
 
 
 def hashes_agree(g: torch.Tensor) -> bool:
