@@ -11,7 +11,9 @@ worker, so no worker's death takes them down. Each worker process holds a `Membe
                             joined, and every worker that is alive (heartbeating) joined or
                             `round_deadline` passed since the first one did (a straggler is left
                             out; a dead worker is out as soon as its heartbeat is stale)
-    group(view)             a fresh gloo process group over the quorum's *active* members,
+    reuse(view)             the group the last round committed on, when the quorum's active
+                            members are exactly its members (every member takes the same one)
+    group(view)             else a new gloo process group over the quorum's *active* members,
                             rendezvoused under a key unique to that quorum
 
 A member joins with the round whose packet it holds (its `step` in torchft's terms). Members at
@@ -34,11 +36,16 @@ is stuck but heartbeating costs the deadline once, not every round; a healer is 
 round it names (`heading`) only, even while its heartbeats are paused.
 
 Everything a round needs from the others after the quorum (the exchange, replay verdicts, the
-agreement check, eval, stats) runs on `group(view)`; if any of it fails (a member died mid-round),
+agreement check, eval, stats) runs on that group; if any of it fails (a member died mid-round),
 the round is discarded whole and retried with a new quorum from the same packets. Its collectives
 also watch the members while they wait (`PgComm`): a member that froze or was cut off holds its
 sockets open, so gloo alone would wait `timeout_s` for it; the others give the group up as soon
 as its heartbeat is stale.
+
+On a long link every request to the coordinator and every collective costs round trips, so
+they are kept few: the watch reads its keys in one round trip (`_texts`) from a thread beside the
+wait (`wait_watching`), the quorum's judge writes the group proposal with its verdict, and a
+stable quorum keeps its group (bench/elastic_latency.py: 9.4 -> 0.86 s a round at 50 ms).
 """
 
 from __future__ import annotations
