@@ -844,3 +844,49 @@ def test_a_collective_is_noticed_done_at_once_however_long_its_watch_takes():
     why, error = wait_watching(lambda: time.sleep(30), lambda: "worker 1 of the quorum went silent")
     assert why == "worker 1 of the quorum went silent" and error is None
     assert time.monotonic() - t0 < WATCH_S + 1  # the blocked run is abandoned
+
+
+def test_a_member_a_watch_found_cut_off_is_not_probed_again_by_the_retrys_connected():
+    """A reused group has no probes before its first collective: a path cut since the last round
+    stalls it, and the watch's probe finds the cut (heartbeat_timeout_s). The retry's `connected`
+    reports that member at once instead of waiting out a second probe of the same cut path."""
+    import threading
+
+    import torch
+
+    from veriloco.membership import MembershipError
+
+    lh = Lighthouse(5.0, workers=3, timeout_s=60)
+    ms = lh.ms
+    try:
+        views, _ = lh.ask(0, {0: 0.0, 1: 0.0, 2: 0.0})
+        comms = {}
+        threads = [threading.Thread(target=lambda w=w: comms.__setitem__(w, ms[w].group(views[w]))) for w in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        ms[1]._unlisten()  # the path to 1 is cut (it still heartbeats); 1 issues nothing
+        with pytest.raises(MembershipError, match="worker 1 of the quorum cannot be reached"):
+            comms[0].all_gather([torch.zeros(1) for _ in range(3)], torch.zeros(1))
+        probed = []
+        real = ms[0].unreachable
+        ms[0].unreachable = lambda workers, store=None: probed.append(list(workers)) or real(workers, store)
+        views, _ = lh.ask(1, {0: 0.0, 1: 0.0, 2: 0.0})
+        out = {}
+        threads = [threading.Thread(target=lambda w=w: out.__setitem__(w, _connected_or_error(ms[w], views[w])))
+                   for w in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert probed == [[2]], probed  # 1 was reported from the watch's finding, 2 probed
+        assert out[0] == [0, 2] and out[2] == [0, 2] and "cannot reach this one" in out[1], out
+        assert ms[0]._found_cut == {}  # used once: the next `connected` probes everyone again
+    finally:
+        lh.close()
+
+
+def _connected_or_error(m, view):
+    from veriloco.membership import MembershipError
+
+    try:
+        return m.connected(view).active
+    except MembershipError as e:
+        return str(e)

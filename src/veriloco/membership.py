@@ -50,6 +50,7 @@ stable quorum keeps its group (bench/elastic_latency.py: 9.4 -> 0.86 s a round a
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -148,6 +149,7 @@ class Membership:
         self.store.set(f"alive/{worker}", repr(time.time()))
         self._existing: set[str] = set()  # keys _texts found: one round trip to read them again
         self._kept: tuple[int, PgComm] | None = None  # (round, its group): `keep`, `reuse`
+        self._found_cut: dict[int, float] = {}  # worker -> when a watch's probe could not reach it
         # the watches' own connection (Membership.group): a store connection serves one request at a
         # time, and a watch still reading when its collective ends must not hold up the next request
         self._watch_store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -216,7 +218,12 @@ class Membership:
         MembershipError in a member that is dropped (the round is committed without it, and it
         heals), or when a member goes silent before posting."""
         key = f"reach/{view.key}"
-        lost = self.unreachable([j for j in view.active if j != self.worker])
+        others = [j for j in view.active if j != self.worker]
+        # a member this worker's watch just found cut off (a collective of a reused group stalled on it)
+        # is reported as it is, not probed again: a probe of a cut path takes heartbeat_timeout_s
+        now, found, self._found_cut = time.monotonic(), self._found_cut, {}
+        known = {j for j in others if now - found.get(j, -math.inf) < 2 * self.heartbeat_timeout_s}
+        lost = sorted(known | set(self.unreachable([j for j in others if j not in known])))
         self.store.set(f"{key}/{self.worker}", " ".join(map(str, lost)) or "-")
         rows = [f"{key}/{j}" for j in view.active]
         deadline = time.monotonic() + self.timeout_s
@@ -418,6 +425,7 @@ class Membership:
                 lost = self.unreachable([j for j in view.active if j != self.worker], self._watch_store)
                 probe_at[0] = time.monotonic() + self.heartbeat_timeout_s
                 if lost:
+                    self._found_cut.update({j: time.monotonic() for j in lost})  # for the retry's `connected`
                     why = f"worker {lost[0]} of the quorum cannot be reached"
             return why
 
