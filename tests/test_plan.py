@@ -80,6 +80,11 @@ def test_the_exchange_time_and_whether_it_hides():
     assert "tcp_slow_start_after_idle = 0" in format_plan(plan)
     assert "a lower bound over TCP" not in format_plan(make_plan(tiny("--topology.workers=3", "--link.bandwidth=100mbit",
                                                                       "--link.latency=5ms")))
+    # elastic membership on that link: its round trips a round, apart from the exchange's bytes
+    assert "elastic: the quorum" not in format_plan(plan)
+    text = format_plan(make_plan(tiny("--topology.workers=3", "--link.bandwidth=100mbit", "--link.latency=20ms",
+                                      "--run.membership=elastic")))
+    assert "about 17 one-way latencies a round, 0.34 s on this link" in text and "with delay 0 none of it hides" in text
 
 
 def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeypatch, capsys):

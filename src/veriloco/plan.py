@@ -38,6 +38,10 @@ MB = 1e6
 
 # one-way latency from which plan warns that TCP (slow start, a window lost to an idle) makes the exchange slower
 LONG_LINK_S = 0.01
+# an elastic round's protocol on a long link, in one-way latencies: the quorum, the exchange's sends (each
+# waits for its receiver's "ready") and the round's figures' gather; 0.858 s at 50 ms with 3 workers and the
+# tiny GPT's packets (bench/elastic_latency.py, thirty-first session), the inner steps left out
+ELASTIC_LATENCIES = 17
 
 
 @dataclass(frozen=True)
@@ -293,6 +297,13 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
                    "for the inner steps, starts from a small window (at 1 Gbit/s and 50 ms a 3.5 MB exchange after 2 s "
                    "of idle took 0.68 s, 0.16 s with net.ipv4.tcp_slow_start_after_idle = 0 on every node: "
                    "bench/tcp_idle.py)")
+    if W > 1 and plan.link.latency_s >= LONG_LINK_S and cfg.run.membership == "elastic":
+        protocol = ELASTIC_LATENCIES * plan.link.latency_s
+        out.append(f"  elastic: the quorum, the exchange and the round's figures cost about {ELASTIC_LATENCIES} one-way "
+                   f"latencies a round, {protocol:.2f} s on this link, where the workers and the coordinator are all "
+                   f"that far apart (0.86 s at 50 ms: bench/elastic_latency.py); "
+                   + ("the quorum and the exchange run under the next round's inner steps (delay 1), the rest does not"
+                      if cfg.outer.delay else "with delay 0 none of it hides under the inner steps"))
     window = cfg.outer.overlap_steps or H
     if plan.step_s is None:
         if slowest > 0:
