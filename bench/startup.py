@@ -12,7 +12,8 @@ writes `{"rows": [{"start_method", "run", "seconds"}...], "median_s": {...}, "ra
 `--cold REV`: whole commands as a user types them, each in a fresh interpreter (so the server
 starts anew too): `veriloco train configs/tiny.toml` for 1 round of 1 inner step (its report
 included), `veriloco audit` of that run, `veriloco config`, which starts no run, and
-`veriloco train` of a config file that is not there (bad-config: exit 2, one line); git
+`veriloco train` of a config file that is not there (bad-config: exit 2, one line) and of one
+with a codec out of range (bad-codec: `--compress.codec=int8:block=0`, exit 2); git
 revision REV's `src` (from `git archive`) against the working tree's, alternating. Prints the
 wall seconds and the CPU seconds of the command and every process it started (children's
 rusage), medians and new/old ratios, and writes `{"rows": [{"command", "side", "run", "wall_s",
@@ -89,7 +90,7 @@ def become_subreaper() -> None:
 
 # a 1-round tiny run, its audit, the config reference, and `veriloco train` of a config file that is not there
 # (exit 2: how long a user waits for the one-line error)
-COMMANDS = ("train", "audit", "config", "bad-config")
+COMMANDS = ("train", "audit", "config", "bad-config", "bad-codec")
 
 
 def cold(args: argparse.Namespace) -> None:
@@ -106,10 +107,12 @@ def cold(args: argparse.Namespace) -> None:
                 for command in COMMANDS:
                     run = str(Path(tmp) / f"{side}-{i}")
                     argv = {"config": ["config"], "audit": ["audit", run],
-                            "bad-config": ["train", str(Path(tmp) / "missing.toml"), "--out", run + "-bad"]}.get(command) or [
+                            "bad-config": ["train", str(Path(tmp) / "missing.toml"), "--out", run + "-bad"],
+                            "bad-codec": ["train", str(ROOT / "configs" / "tiny.toml"), "--compress.codec=int8:block=0",
+                                          "--out", run + "-badcodec"]}.get(command) or [
                         "train", str(ROOT / "configs" / "tiny.toml"), "--out", run, "--quiet",
                         f"--topology.workers={args.workers}", "--train.rounds=1", "--train.inner_steps=1"]
-                    wall, cpu, orphans = cold_run(src, argv, 2 if command == "bad-config" else 0)
+                    wall, cpu, orphans = cold_run(src, argv, 2 if command.startswith("bad-") else 0)
                     rows.append({"command": command, "side": side, "run": i, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                                  "orphans": orphans})
                     print(f"run {i} {side:4s} {command:10s} wall {wall:6.2f} s  cpu {cpu:6.2f} s", flush=True)
@@ -130,7 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=None, help="default 3; 5 with --cold")
     ap.add_argument("--workers", type=int, default=None, help="default 4; 2 with --cold")
-    ap.add_argument("--cold", metavar="REV", help="fresh `veriloco train`, `audit`, `config` and bad-config commands: REV's src against the working tree's")
+    ap.add_argument("--cold", metavar="REV", help="fresh `veriloco train`, `audit`, `config`, bad-config and bad-codec commands: REV's src against the working tree's")
     ap.add_argument("--out", default=None, help="default bench/results/startup.json (startup-cold.json with --cold)")
     args = ap.parse_args()
     cold_mode = args.cold is not None

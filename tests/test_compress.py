@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as st_load
@@ -569,3 +570,71 @@ def test_round_budget_bytes_rejects_bad_arguments(kwargs: dict, shown: str) -> N
     args = {"bandwidth_bps": 1e9, "latency_s": 0.05, "compute_s": 1.0, "workers": 4}
     with pytest.raises(ValueError, match=shown):
         round_budget_bytes(**{**args, **kwargs})
+
+
+SPEC_STRINGS = ["fp32", "fp16", "bf16", "int8", "int8:block=64", "int4:block=1", "int8:block=0", "int4:block=2000000",
+         "int8:block=x", "int8:blocks=64", "topk", "topk:density=0.01,bits=16", "topk:density=0", "topk:density=1.5",
+         "topk:bits=12", "topk:density=nan", "lowrank:rank=4", "lowrank:rank=0", "fp16:x=1", "nope", "", "int8:",
+         "int8:block", "int8:block=1,block=2", "x" * 201]
+
+
+@pytest.mark.parametrize("spec", SPEC_STRINGS)
+def test_the_config_check_and_the_codec_agree_on_every_spec(spec):
+    """codecspec.check_spec (the config's, without torch) accepts what codec_from_spec builds and
+    refuses what it refuses, with the same message."""
+    from veriloco.codecspec import check_spec
+
+    try:
+        codec_from_spec(spec)
+        built = None
+    except CodecError as e:
+        built = str(e)
+    try:
+        check_spec(spec)
+        checked = None
+    except CodecError as e:
+        checked = str(e)
+    assert checked == built, (spec, checked, built)
+
+
+def test_a_codec_in_a_config_is_checked_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from veriloco.config import ConfigError, load_config
+for bad in ("--compress.codec=int8:block=0", "--compress.codec=nope", "--link.bandwidth=fast"):
+    try:
+        load_config({str(ROOT / "configs" / "tiny.toml")!r}, [bad])
+    except ConfigError as e:
+        print(e)
+    else:
+        raise SystemExit("accepted " + bad)
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))[:5]
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert done.stdout.splitlines() == ["compress.codec: int8: block=0 is outside [1, 1048576]",
+                                        "compress.codec: unknown codec 'nope'; known codecs: bf16, fp16, fp32, int4, "
+                                        "int8, lowrank, topk",
+                                        "link.bandwidth: " + done.stdout.splitlines()[2].split(": ", 1)[1]]
+
+
+def test_a_codec_registered_in_the_process_passes_the_config_check():
+    from veriloco.codecspec import check_spec
+    from veriloco.compress import base
+    from veriloco.compress.identity import IdentityCodec
+
+    class Mine(IdentityCodec):
+        name = "mine-test"
+
+    with pytest.raises(CodecError, match="unknown codec 'mine-test'"):
+        check_spec("mine-test")
+    base.register_codec(Mine)
+    try:
+        check_spec("mine-test")
+        with pytest.raises(CodecError, match="takes no parameters"):
+            check_spec("mine-test:k=1")
+    finally:
+        base._REGISTRY.pop("mine-test")

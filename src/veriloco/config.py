@@ -760,7 +760,7 @@ def _check_topology(cfg: Config) -> None:
 
 
 def _check_link_and_codec(cfg: Config) -> None:
-    from .compress import CodecError, codec_from_spec
+    from .codecspec import CodecError, check_spec  # no torch: a bad config answers at once
     from .link import parse_bandwidth, parse_duration
 
     for key, parse in (("bandwidth", parse_bandwidth), ("latency", parse_duration)):
@@ -779,7 +779,7 @@ def _check_link_and_codec(cfg: Config) -> None:
     specs = [cfg.compress.codec] if cfg.compress.codec != "adaptive" else [s for s in cfg.compress.ladder.split(";") if s]
     for spec in specs:
         try:
-            codec_from_spec(spec.strip())
+            check_spec(spec.strip())
         except CodecError as e:
             raise ConfigError(f"compress.{'codec' if cfg.compress.codec != 'adaptive' else 'ladder'}: {e}") from None
 

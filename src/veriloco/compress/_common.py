@@ -1,4 +1,4 @@
-"""Small helpers shared by the codecs: input checks, spec-parameter parsing, bit packing."""
+"""Small helpers shared by the codecs: input checks and bit packing (specs: codecspec.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import CodecError
+from ..codecspec import CodecError
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -35,41 +35,6 @@ def exact_parts(parts: dict[str, torch.Tensor], names: set[str], codec: str) -> 
     """Parts from a peer must be exactly `names`: nothing missing, nothing extra."""
     if set(parts) != names:
         raise CodecError(f"{codec} parts must be {sorted(names)}, got {sorted(parts)[:8]}")
-
-
-def parse_int(codec: str, params: dict[str, str], key: str, default: int, lo: int, hi: int) -> int:
-    """Integer spec parameter `key` in [lo, hi]."""
-    raw = params.get(key)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise CodecError(f"{codec}: {key}={raw!r:.40} is not an integer") from None
-    if not lo <= value <= hi:
-        raise CodecError(f"{codec}: {key}={value} is outside [{lo}, {hi}]")
-    return value
-
-
-def parse_float(codec: str, params: dict[str, str], key: str, default: float) -> float:
-    """Finite float spec parameter `key` (range checks are the caller's)."""
-    raw = params.get(key)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise CodecError(f"{codec}: {key}={raw!r:.40} is not a number") from None
-    if not math.isfinite(value):
-        raise CodecError(f"{codec}: {key}={raw!r:.40} is not finite")
-    return value
-
-
-def check_keys(codec: str, params: dict[str, str], allowed: set[str]) -> None:
-    """Reject spec parameters the codec does not know."""
-    extra = sorted(set(params) - allowed)
-    if extra:
-        raise CodecError(f"{codec}: unknown parameter(s) {extra}; known: {sorted(allowed)}")
 
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_keys, exact_parts, flat_fp32, parse_int
+from ..codecspec import MAX_BLOCK
+from ._common import exact_parts, flat_fp32
 from .base import Codec, CodecError, expect_part, numel_of, register_codec
-
-MAX_BLOCK = 1 << 20
 
 
 class _BlockQuantCodec(Codec):
@@ -35,11 +34,6 @@ class _BlockQuantCodec(Codec):
 
     def params(self) -> dict[str, str]:
         return {"block": str(self.block)}
-
-    @classmethod
-    def from_params(cls, params: dict[str, str]) -> Codec:
-        check_keys(cls.name, params, {"block"})
-        return cls(parse_int(cls.name, params, "block", 64, 1, MAX_BLOCK))
 
     def _blocks(self, n: int) -> tuple[int, int]:
         """(block size actually used, number of blocks); a small tensor is a single block."""

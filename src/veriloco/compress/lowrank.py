@@ -31,11 +31,10 @@ import hashlib
 
 import torch
 
-from ._common import check_keys, exact_parts, flat_fp32, parse_int
+from ..codecspec import MAX_RANK
+from ._common import exact_parts, flat_fp32
 from .base import Codec, CodecError, expect_part, numel_of, register_codec
 from .casts import FP16_MAX
-
-MAX_RANK = 4096
 
 
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -67,11 +66,6 @@ class LowRankCodec(Codec):
 
     def params(self) -> dict[str, str]:
         return {"rank": str(self.rank)}
-
-    @classmethod
-    def from_params(cls, params: dict[str, str]) -> Codec:
-        check_keys(cls.name, params, {"rank"})
-        return cls(parse_int(cls.name, params, "rank", 4, 1, MAX_RANK))
 
     def _plan(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(m, n, r) when the low-rank form is smaller than the fp16 fallback, else None."""

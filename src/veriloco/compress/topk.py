@@ -27,12 +27,9 @@ import math
 import torch
 
 from ._common import (
-    check_keys,
     exact_parts,
     flat_fp32,
     pack_bits,
-    parse_float,
-    parse_int,
     unpack_bits,
 )
 from .base import Codec, CodecError, expect_part, numel_of, register_codec
@@ -123,15 +120,6 @@ class TopKCodec(Codec):
 
     def params(self) -> dict[str, str]:
         return {"bits": str(self.bits), "density": repr(self.density)}
-
-    @classmethod
-    def from_params(cls, params: dict[str, str]) -> Codec:
-        check_keys(cls.name, params, {"bits", "density"})
-        density = parse_float(cls.name, params, "density", 0.01)
-        bits = parse_int(cls.name, params, "bits", 8, 8, 16)
-        if not 0.0 < density <= 1.0 or bits not in (8, 16):
-            raise CodecError(f"topk: density={density} must be in (0, 1], bits={bits} 8 or 16")
-        return cls(density, bits)
 
     def encode(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         x = flat_fp32(key, tensor)
