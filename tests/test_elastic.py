@@ -55,6 +55,16 @@ class Lighthouse:
         [t.join() for t in threads]
         return views, time.monotonic() - t0
 
+    def groups(self, views: dict) -> dict:
+        """Each member's new group over its view (Membership.group), formed from threads."""
+        import threading
+
+        comms = {}
+        threads = [threading.Thread(target=lambda w=w: comms.__setitem__(w, self.ms[w].group(views[w]))) for w in views]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return comms
+
     def close(self) -> None:
         for m in self.ms:
             m.close()
@@ -788,7 +798,6 @@ def test_a_member_that_does_not_hold_the_group_the_others_take_stops_them_at_onc
     after the others finished it), that member says so and the others' first collective on the
     group stops within a watch: the round is retried with a new quorum, never run on a group
     whose members are not all there."""
-    import threading
     import time
 
     import torch
@@ -799,10 +808,7 @@ def test_a_member_that_does_not_hold_the_group_the_others_take_stops_them_at_onc
     ms = lh.ms
     try:
         views, _ = lh.ask(0, {0: 0.0, 1: 0.0, 2: 0.0})
-        comms = {}
-        threads = [threading.Thread(target=lambda w=w: comms.__setitem__(w, ms[w].group(views[w]))) for w in range(3)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+        comms = lh.groups(views)
         for w in (0, 1):
             ms[w].keep(0, comms[w])  # worker 2 did not commit round 0 on it
         views, _ = lh.ask(1, {0: 0.0, 1: 0.0, 2: 0.0})
@@ -845,6 +851,12 @@ def test_a_collective_is_noticed_done_at_once_however_long_its_watch_takes():
     assert why == "worker 1 of the quorum went silent" and error is None
     assert time.monotonic() - t0 < WATCH_S + 1  # the blocked run is abandoned
 
+    def broken_watch() -> None:
+        raise OSError("no route")
+
+    why, error = wait_watching(lambda: time.sleep(30), broken_watch)  # a watch that fails stops the wait
+    assert why == "the members' watch failed: OSError: no route" and error is None
+
 
 def test_a_member_a_watch_found_cut_off_is_not_probed_again_by_the_retrys_connected():
     """A reused group has no probes before its first collective: a path cut since the last round
@@ -860,10 +872,7 @@ def test_a_member_a_watch_found_cut_off_is_not_probed_again_by_the_retrys_connec
     ms = lh.ms
     try:
         views, _ = lh.ask(0, {0: 0.0, 1: 0.0, 2: 0.0})
-        comms = {}
-        threads = [threading.Thread(target=lambda w=w: comms.__setitem__(w, ms[w].group(views[w]))) for w in range(3)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+        comms = lh.groups(views)
         ms[1]._unlisten()  # the path to 1 is cut (it still heartbeats); 1 issues nothing
         with pytest.raises(MembershipError, match="worker 1 of the quorum cannot be reached"):
             comms[0].all_gather([torch.zeros(1) for _ in range(3)], torch.zeros(1))

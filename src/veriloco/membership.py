@@ -458,11 +458,12 @@ class Membership:
         round before with it: all their collectives matched, so nothing is left in flight on it. Every
         member proposes what it holds (`_proposal`), and the first proposal is taken by all: the
         quorum's first judge writes it with its judgement (`_stands`, no extra round trip), or, where
-        none judges, a compare-and-set on the coordinator does. A member that does not hold the group taken marks it given up, so the others'
-        first collective on it stops within a watch (WATCH_S), and the round is retried with a new
-        quorum and a new group. The reachability probes of `connected` are not repeated: a path cut
-        since the last round stalls a collective on the reused group, its watch's probe finds the cut
-        (within heartbeat_timeout_s), the group is given up, and the retry probes."""
+        none judges, a compare-and-set on the coordinator does. A member that does not hold the
+        group taken marks it given up, so the others' first collective on it stops within a watch
+        (WATCH_S), and the round is retried with a new quorum and a new group. The reachability
+        probes of `connected` are not repeated: a path cut since the last round stalls a collective
+        on the reused group, its watch's probe finds the cut (within heartbeat_timeout_s), the group
+        is given up, and the retry's `connected` reports the cut member without probing it again."""
         mine = self._proposal(view)
         kept, self._kept = self._kept, None
         taken = view.group
@@ -592,7 +593,10 @@ def wait_watching(run: Callable[[], object], watch: Callable[[], str | None]) ->
 
     def watching() -> None:
         while not done.wait(WATCH_S):
-            why = watch()
+            try:
+                why = watch()
+            except Exception as e:  # noqa: BLE001 - a watch that cannot watch stops the wait, as it did in its thread
+                why = f"the members' watch failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             if why is not None:
                 box["why"] = why
                 woken.set()
