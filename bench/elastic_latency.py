@@ -2,7 +2,7 @@
 the working tree against an older revision, the same runs alternately.
 
     python bench/elastic_latency.py [--old REV] [--latency 50ms] [--bandwidth 1gbit] [--workers 3]
-                                    [--rounds 6] [--trials 2] [--set KEY=VALUE ...]
+                                    [--rounds 6] [--trials 2] [--set KEY=VALUE ...] [--fault SPEC ...]
                                     [--out bench/results/elastic_latency.json]
 
 Every run is `veriloco train configs/tiny.toml --run.membership=elastic --link.shaping=kernel`
@@ -11,6 +11,8 @@ coordinator (torchft's Lighthouse and the TCPStore) in another, every path `--la
 (netns.py's delay line) and shaped to `--bandwidth` (tc tbf). So every request a worker makes of the
 coordinator, and every collective among the workers, pays the latency as it would across sites.
 Side "new" runs the working tree's `src`; with `--old`, side "old" runs `git archive REV src`.
+`--fault` (as `veriloco train --fault` takes it) puts the same fault in every run, e.g. a worker
+that dies and stays away, so that every later quorum is formed without it.
 
 Per run: the wall time; the steady round, the median `round_s` over rounds 1.. (round 0 forms the
 first group and opens its connections); the median of the workers' inner-step seconds
@@ -44,7 +46,7 @@ def run_once(src: Path, args: argparse.Namespace, out: Path) -> dict:
                              "--run.membership=elastic", "--link.shaping=kernel", f"--link.latency={args.latency}",
                              f"--link.bandwidth={args.bandwidth}", f"--topology.workers={args.workers}",
                              f"--train.rounds={args.rounds}", "--compress.codec=fp32", "--run.timeout_s=60",
-                             *[f"--{o}" for o in args.set])
+                             *[f"--{o}" for o in args.set], *[f"--fault={f}" for f in args.fault])
     if done.returncode != 0:
         raise SystemExit(f"elastic_latency.py: the run with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     recs = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
@@ -68,6 +70,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                    help="a fault for every run, as `veriloco train --fault` takes it (e.g. die:2@1.2: worker 2 dies in "
+                         "round 1 and the others go on without it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "elastic_latency.json"))
     args = ap.parse_args()
     from veriloco import netns

@@ -391,7 +391,9 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
             ctx.injector.in_exchange(r)
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(flight.bundle)
         sent.handle = handle
-        absent = {j: _absence(ctx.members, view, j) for j in range(w.workers) if j not in view.active}
+        outside = [j for j in range(w.workers) if j not in view.active]
+        alive = ctx.members.alive_times([j for j in outside if j not in view.rounds])  # one round trip for all
+        absent = {j: _absence(alive, view, j, ctx.members.heartbeat_timeout_s) for j in outside}
         rec = finish_round(w, sent, overlapped_s, Participants(view.active, comm, comm, absent))
     except (ExchangeError, MembershipError, RuntimeError) as e:
         if "disagree on the global params" in str(e):
@@ -438,12 +440,13 @@ def _paced(cfg: Config, link: Link | None) -> Link | None:
     return None if cfg.link.shaping == "kernel" else link
 
 
-def _absence(members: Membership, view: QuorumView, j: int) -> str:
-    """LATE for a worker that is alive (heartbeating) but not in the round, else ABSENT."""
+def _absence(alive: dict[int, float], view: QuorumView, j: int, heartbeat_timeout_s: float) -> str:
+    """LATE for a worker that is alive (heartbeating: `alive`, Membership.alive_times) but not in the
+    round, else ABSENT."""
     if j in view.rounds:  # in the quorum but behind: it is healing, it has no packet for this round
         return ABSENT
     # a live worker beats every 0.2 s; the quorum left a dead one out only after heartbeat_timeout_s
-    return LATE if time.time() - members.seen(f"alive/{j}") < max(members.heartbeat_timeout_s / 2, 0.6) else ABSENT
+    return LATE if time.time() - alive[j] < max(heartbeat_timeout_s / 2, 0.6) else ABSENT
 
 
 _FOLLOWERS: dict[Path, RoundsFollower] = {}

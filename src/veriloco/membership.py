@@ -144,9 +144,11 @@ class Membership:
         self._addr = lighthouse_addr
         self.client = LighthouseClient(addr=lighthouse_addr, connect_timeout=timedelta(seconds=timeout_s))
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        # before this worker can be in any quorum, so a member's alive/ key always exists (_silent reads
-        # them all in one round trip, and a multi_get of a missing key would block)
+        # before this worker can be in any quorum, so its keys always exist (_silent and _stands read
+        # them in one round trip, and a multi_get of a missing key would block)
         self.store.set(f"alive/{worker}", repr(time.time()))
+        for kind in ("asked", "heading", "late"):  # "-" (none yet), unless a process before this one wrote it
+            self.store.compare_set(f"{kind}/{worker}", "", "-")
         self._existing: set[str] = set()  # keys _texts found: one round trip to read them again
         self._kept: tuple[int, PgComm] | None = None  # (round, its group): `keep`, `reuse`
         self._found_cut: dict[int, float] = {}  # worker -> when a watch's probe could not reach it
@@ -337,8 +339,16 @@ class Membership:
         if not self.workers:
             return True
         now = time.time()
-        missing = [j for j in range(self.workers) if j not in view.rounds and self._awaited(j, view.round, now)]
-        ok = not missing or now - min(self.seen(f"asked/{j}", view.round) for j in view.active) >= self.deadline_s
+        outside = [j for j in range(self.workers) if j not in view.rounds]
+        kinds = ("asked", "heading", "late", "alive")  # a worker's stamps, read for all of them in one round trip
+        texts = iter(self._texts([f"{kind}/{j}" for j in outside for kind in kinds]))
+        stamps = {j: [_parse_stamp(next(texts)) for _ in kinds] for j in outside}
+        missing = [j for j in outside if self._awaited(view.round, now, *stamps[j])]
+        if missing:  # it stands without them once the deadline passed since its earliest member asked
+            asked = [_parse_stamp(t) for t in self._texts([f"asked/{j}" for j in view.active])]
+            ok = now - min(t if r == view.round else float("-inf") for r, t in asked) >= self.deadline_s
+        else:
+            ok = True
         # the judge also proposes the group the round runs on (reuse), in the same round trip
         taken = self.store.compare_set(f"stands/{view.key}", "", f"1 {self._proposal(view)}" if ok else "0").decode()
         stands = taken.startswith("1 ")
@@ -348,28 +358,29 @@ class Membership:
                 self.store.set(f"late/{j}", repr(now))
         return stands
 
-    def _awaited(self, j: int, round: int, now: float) -> bool:
-        """Whether a quorum of `round` waits for worker j (not in it). A worker that healed since it
-        last asked (membership.heading) is waited for in the round it heads for only, heartbeating
-        or not; any other, if it is live and not past this round. Not a worker that missed a
-        deadline and has not asked or healed since (stuck, or still computing a round long gone):
-        that would cost every round the deadline."""
-        (asked_round, asked), (heading_round, heading) = self._stamp(f"asked/{j}"), self._stamp(f"heading/{j}")
-        if max(asked, heading) < self.seen(f"late/{j}"):
+    def _awaited(self, round: int, now: float, asked_stamp: tuple, heading_stamp: tuple, late_stamp: tuple,
+                 alive_stamp: tuple) -> bool:
+        """Whether a quorum of `round` waits for a worker not in it, given its stamps (`_stamp`: its
+        asked/, heading/, late/ and alive/ keys). A worker that healed since it last asked
+        (membership.heading) is waited for in the round it heads for only, heartbeating or not; any
+        other, if it is live and not past this round. Not a worker that missed a deadline and has
+        not asked or healed since (stuck, or still computing a round long gone): that would cost
+        every round the deadline."""
+        (asked_round, asked), (heading_round, heading) = asked_stamp, heading_stamp
+        if max(asked, heading) < late_stamp[1]:
             return False
         if heading > asked:
             return heading_round == round
-        return (asked_round if asked_round is not None else -1) <= round \
-            and self.seen(f"alive/{j}") > now - self.heartbeat_timeout_s
+        return (asked_round if asked_round is not None else -1) <= round and alive_stamp[1] > now - self.heartbeat_timeout_s
 
     def _stamp(self, key: str) -> tuple[int | None, float]:
         """(ROUND, T) of a key holding "T" (alive/, late/) or "ROUND T" (asked/, heading/), read
         once; (None, -inf) if there is none."""
-        try:
-            *head, t = (self._stamp_text(key) or "").split()
-            return (int(head[0]) if head else None), float(t)
-        except (ValueError, IndexError):
-            return None, float("-inf")
+        return _parse_stamp(self._stamp_text(key))
+
+    def alive_times(self, workers: list[int]) -> dict[int, float]:
+        """When each of `workers` last said it was alive (-inf: never), in one round trip."""
+        return {j: _time_of(t) for j, t in zip(workers, self._texts([f"alive/{j}" for j in workers]), strict=True)}
 
     def _stamp_text(self, key: str, store: dist.TCPStore | None = None) -> str | None:
         """The value of `key`, or None if there is none (check() does not block; get() of a
@@ -523,6 +534,15 @@ class Membership:
             self.store.set(f"alive/{self.worker}", "0")
         except Exception:  # the coordinator already gone
             pass
+
+
+def _parse_stamp(text: str | None) -> tuple[int | None, float]:
+    """(ROUND, T) of "ROUND T" or (None, T) of "T"; (None, -inf) for none, "-" or anything else."""
+    try:
+        *head, t = (text or "").split()
+        return (int(head[0]) if head else None), float(t)
+    except (ValueError, IndexError):
+        return None, float("-inf")
 
 
 def _time_of(text: str | None) -> float:
