@@ -201,7 +201,9 @@ def test_pipelined_loss_gains_are_shared_among_checkers_and_a_false_one_is_convi
     for j in (0, 1):
         assert verdicts_of(run.root, j) == ["accept"] * rounds
     # checkers compute a packet's gain, the others only what they must: less than every gain
-    assert sum(recs[k + 1]["loss_gain_s"]) < sum(recs[k]["loss_gain_s"])
+    # (CPU seconds, the computing itself: the wall seconds of 6 processes on 2 cores also hold their waits for
+    # the CPU, and came out 0.263 s after against 0.222 s in one full-suite run; alone, CPU 0.018 against 0.047 s)
+    assert sum(recs[k + 1]["loss_gain_cpu_s"]) < sum(recs[k]["loss_gain_cpu_s"])
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
 
