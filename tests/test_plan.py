@@ -84,7 +84,12 @@ def test_the_exchange_time_and_whether_it_hides():
     assert "elastic: the quorum" not in format_plan(plan)
     text = format_plan(make_plan(tiny("--topology.workers=3", "--link.bandwidth=100mbit", "--link.latency=20ms",
                                       "--run.membership=elastic")))
-    assert "about 17 one-way latencies a round, 0.34 s on this link" in text and "with delay 0 none of it hides" in text
+    assert "about 17 one-way latencies a round with 3 workers, 0.34 s on this link" in text
+    assert "with delay 0 none of it hides" in text
+    text = format_plan(make_plan(tiny("--topology.workers=4", "--link.bandwidth=100mbit", "--link.latency=50ms",
+                                      "--run.membership=elastic", "--outer.delay=1")))
+    assert "about 22 one-way latencies a round with 4 workers, 1.10 s on this link" in text  # measured: 1.122 s
+    assert "the quorum and the exchange run under the next round's inner steps" in text
 
 
 def test_the_command_prints_the_layout_and_refuses_bad_input_in_one_line(monkeypatch, capsys):

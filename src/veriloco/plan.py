@@ -38,10 +38,14 @@ MB = 1e6
 
 # one-way latency from which plan warns that TCP (slow start, a window lost to an idle) makes the exchange slower
 LONG_LINK_S = 0.01
-# an elastic round's protocol on a long link, in one-way latencies: the quorum, the exchange's sends (each
-# waits for its receiver's "ready") and the round's figures' gather; 0.858 s at 50 ms with 3 workers and the
-# tiny GPT's packets (bench/elastic_latency.py, thirty-first session), the inner steps left out
-ELASTIC_LATENCIES = 17
+
+
+def elastic_latencies(workers: int) -> int:
+    """An elastic round's protocol on a long link, in one-way latencies: the quorum, the exchange's
+    sends (each waits for its receiver's "ready") and the round's all-gathers (rings: a step more
+    per worker). 0.858 s at 50 ms with 3 workers, 1.122 s with 4 (the tiny GPT's packets, the inner
+    steps left out; bench/elastic_latency.py, thirty-first session); other counts are extrapolated."""
+    return 17 + 5 * (workers - 3)
 
 
 @dataclass(frozen=True)
@@ -298,10 +302,11 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
                    "of idle took 0.68 s, 0.16 s with net.ipv4.tcp_slow_start_after_idle = 0 on every node: "
                    "bench/tcp_idle.py)")
     if W > 1 and plan.link.latency_s >= LONG_LINK_S and cfg.run.membership == "elastic":
-        protocol = ELASTIC_LATENCIES * plan.link.latency_s
-        out.append(f"  elastic: the quorum, the exchange and the round's figures cost about {ELASTIC_LATENCIES} one-way "
-                   f"latencies a round, {protocol:.2f} s on this link, where the workers and the coordinator are all "
-                   f"that far apart (0.86 s at 50 ms: bench/elastic_latency.py); "
+        n = elastic_latencies(W)
+        out.append(f"  elastic: the quorum, the exchange and the round's figures cost about {n} one-way latencies a "
+                   f"round with {W} workers, {n * plan.link.latency_s:.2f} s on this link, where the workers and the "
+                   f"coordinator are all that far apart (at 50 ms: 0.86 s with 3 workers, 1.12 s with 4; "
+                   f"bench/elastic_latency.py); "
                    + ("the quorum and the exchange run under the next round's inner steps (delay 1), the rest does not"
                       if cfg.outer.delay else "with delay 0 none of it hides under the inner steps"))
     window = cfg.outer.overlap_steps or H
