@@ -55,7 +55,7 @@ def one_link(bandwidth: float, latency: float, nbytes: int, count: int, flows: i
 
     n = max(2, flows)
     with netns.shaped_link(bandwidth, n=n, latency_s=latency) as link:
-        line = link._procs[0] if latency else None
+        line = link.delay_line
         before = cpu_seconds(line.pid) if line else 0.0
         got: dict[int, list[float]] = {}
         threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, link.measure_transfers(nbytes, count, 0.0, src=i,

@@ -76,14 +76,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "elastic_latency.json"))
     args = ap.parse_args()
     from veriloco import netns
-    from veriloco.link import parse_bandwidth, parse_duration
+    from veriloco.link import Link
 
     try:
-        bw, lat = parse_bandwidth(args.bandwidth), parse_duration(args.latency)
+        link = Link.from_strings(args.bandwidth, args.latency)
     except ValueError as e:
         ap.error(str(e))
-    if bw == float("inf") or lat < 0:
-        ap.error("--bandwidth must be finite and --latency at least 0")
+    if link.bandwidth_bps == float("inf"):
+        ap.error("--bandwidth must be finite")
     if args.rounds < 2 or args.workers < 2 or args.trials < 1:
         ap.error("needs --rounds >= 2, --workers >= 2 and --trials >= 1")
     if any("=" not in o for o in args.set):

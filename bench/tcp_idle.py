@@ -37,19 +37,20 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "tcp_idle.json"))
     args = ap.parse_args()
     from veriloco import netns
-    from veriloco.link import Link, parse_bandwidth, parse_duration
+    from veriloco.link import Link
 
     try:
-        bw, lat = parse_bandwidth(args.bandwidth), parse_duration(args.latency)
+        modelled = Link.from_strings(args.bandwidth, args.latency)
     except ValueError as e:
         ap.error(str(e))
+    bw, lat = modelled.bandwidth_bps, modelled.latency_s
     if args.bytes < 1 or args.idle < 0 or args.repeats < 1 or bw == float("inf"):
         ap.error("--bytes and --repeats must be >= 1, --idle >= 0, and --bandwidth finite")
     ok, why = netns.available()
     if not ok:
         print(f"skipped: {why}")
         return
-    emulated = Link(bw, lat).transfer_time(args.bytes, 0)
+    emulated = modelled.transfer_time(args.bytes, 0)
     rows = []
     for congestion in ("cubic", "bbr"):
         for setting in ("1", "0"):

@@ -195,8 +195,8 @@ class Membership:
         (all probed at once). A peer that died has a stale heartbeat anyway; this finds the ones
         that are alive to the coordinator but not to this worker (a partial partition)."""
         lost: list[int] = []
-        where = self._texts([f"reach/{j}" for j in workers], store)  # read here: the probes only connect
-        where = dict(zip(workers, where, strict=True))
+        # read here: the probes only connect
+        where = dict(zip(workers, self._texts([f"reach/{j}" for j in workers], store), strict=True))
 
         def probe(j: int) -> None:
             try:
@@ -360,8 +360,8 @@ class Membership:
 
     def _awaited(self, round: int, now: float, asked_stamp: tuple, heading_stamp: tuple, late_stamp: tuple,
                  alive_stamp: tuple) -> bool:
-        """Whether a quorum of `round` waits for a worker not in it, given its stamps (`_stamp`: its
-        asked/, heading/, late/ and alive/ keys). A worker that healed since it last asked
+        """Whether a quorum of `round` waits for a worker not in it, given its stamps (`_parse_stamp`
+        of its asked/, heading/, late/ and alive/ keys). A worker that healed since it last asked
         (membership.heading) is waited for in the round it heads for only, heartbeating or not; any
         other, if it is live and not past this round. Not a worker that missed a deadline and has
         not asked or healed since (stuck, or still computing a round long gone): that would cost
@@ -372,11 +372,6 @@ class Membership:
         if heading > asked:
             return heading_round == round
         return (asked_round if asked_round is not None else -1) <= round and alive_stamp[1] > now - self.heartbeat_timeout_s
-
-    def _stamp(self, key: str) -> tuple[int | None, float]:
-        """(ROUND, T) of a key holding "T" (alive/, late/) or "ROUND T" (asked/, heading/), read
-        once; (None, -inf) if there is none."""
-        return _parse_stamp(self._stamp_text(key))
 
     def alive_times(self, workers: list[int]) -> dict[int, float]:
         """When each of `workers` last said it was alive (-inf: never), in one round trip."""
@@ -406,11 +401,6 @@ class Membership:
         except (RuntimeError, UnicodeDecodeError):
             pass
         return [self._stamp_text(k, store) for k in keys]
-
-    def seen(self, key: str, round: int | None = None) -> float:
-        """The time in `key`, if it names `round` (when given); -inf if there is none."""
-        r, t = self._stamp(key)
-        return t if round is None or r == round else float("-inf")
 
     def group(self, view: QuorumView) -> PgComm:
         """A gloo group over `view.active`, this worker's index = its position in the list.

@@ -189,6 +189,7 @@ class ShapedLink:
     addresses: list[str]  # IPv4 address of node i, reachable from every other node
     latency_s: float = 0.0
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    delay_line: subprocess.Popen | None = field(default=None, repr=False)  # the hub's delay line, if any
 
     def command(self, ns_index: int, argv: Sequence[str]) -> list[str]:
         """The argv that runs `argv` inside namespace `ns_index`."""
@@ -273,6 +274,7 @@ class ShapedLink:
                 if stream is not None:
                     stream.close()
         self._procs.clear()
+        self.delay_line = None
 
 
 def _read_line(p: subprocess.Popen, timeout: float) -> str:
@@ -373,6 +375,7 @@ def _start_delay_line(link: ShapedLink, n: int) -> None:
             *[name for i in range(n) for name in (f"q{i}", f"r{i}")]]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     link._procs.append(p)
+    link.delay_line = p
     if _read_line(p, timeout=10.0).strip() != "ready":
         p.kill()
         err = p.communicate()[1].strip().splitlines()

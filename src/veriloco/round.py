@@ -1467,7 +1467,7 @@ def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
 
 
 EVAL_AT = 21  # where finish_round's gathered figures hold the eval sums (eval_sums)
-HASH_AT = 23  # and the params hash (_hash_words)
+HASH_AT = EVAL_AT + 2  # and, after those two, the params hash (_hash_words)
 
 
 def hashes_agree(g: torch.Tensor) -> bool:
