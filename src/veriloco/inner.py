@@ -98,9 +98,11 @@ def shift_params(model: nn.Module, to: dict[str, torch.Tensor], frm: dict[str, t
 
 
 def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: Callable[[], str],
-              batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
+              batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None,
+              poll: Callable[[], None] | None = None) -> InnerResult:
     """`steps` calls of step(*batch_of_step(s)); trace_hash() at the start and every trace_every
-    steps; `land.move()` before step land.step (the loops' shared `run`)."""
+    steps; `land.move()` before step land.step; `poll()` after every step (the loops' shared
+    `run`). The seconds of move() and poll() are not the loop's."""
     t0, c0 = time.perf_counter(), time.thread_time()
     losses, trace, tokens, landing = [], [], 0, Spent()
 
@@ -118,6 +120,9 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
         tokens += y.numel()
         if trace_every and (s + 1) % trace_every == 0:
             trace.append(trace_hash())
+        if poll is not None:
+            with landing.timing():
+                poll()
     if land is not None and steps <= land.step:
         move()
     return InnerResult(losses, time.perf_counter() - t0 - landing.wall, tokens, trace,
@@ -516,12 +521,13 @@ class InnerLoop:
             loss = loss + other
         return loss
 
-    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
+    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None,
+            poll: Callable[[], None] | None = None) -> InnerResult:
         """`steps` inner steps on batch_of_step(0..steps-1); trace hashes (`trace_hash`) every
         trace_every; a late update lands before step land.step."""
         self.in_steps = True
         try:
-            return run_steps(self.step, self.trace_hash, batch_of_step, steps, trace_every, land)
+            return run_steps(self.step, self.trace_hash, batch_of_step, steps, trace_every, land, poll)
         finally:
             self.in_steps = False
             self.opt.zero_grad(set_to_none=True)  # the last step's gradients, not held through the round's checks

@@ -572,6 +572,10 @@ class GroupComm:
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
         dist.all_gather(out, t, group=self.group)
 
+    def all_gather_start(self, out: list[torch.Tensor], t: torch.Tensor) -> dist.Work:
+        """Starts an all-gather and returns its work (`is_completed()`, `wait()`)."""
+        return dist.all_gather(out, t, group=self.group, async_op=True)
+
     def send(self, t: torch.Tensor, dst: int) -> None:
         dist.send(t, group=self.group, group_dst=dst)
 

@@ -405,9 +405,10 @@ class EmulatedPipeline:
             with torch.no_grad():
                 self.copy.copy_(self.embedding)
 
-    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None) -> InnerResult:
+    def run(self, batch_of_step: BatchFn, steps: int, trace_every: int = 0, land: Landing | None = None,
+            poll: Callable[[], None] | None = None) -> InnerResult:
         """As `PipelineInnerLoop.run`: worker-wide trace entries every trace_every steps."""
-        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land)
+        return run_steps(self.step, self.worker_state_hash, batch_of_step, steps, trace_every, land, poll)
 
     def worker_state_hash(self) -> str:
         return combine_stage_hashes([loop.state_hash() for loop in self.loops])

@@ -617,12 +617,14 @@ def private_state(w: Worker, copy: bool = True) -> dict[str, torch.Tensor]:
     return w.inner.state_tensors() | {k: v.clone() for k, v in w.encoder.state_tensors().items()}  # the first are copies
 
 
-def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None = None) -> Sent:
+def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None = None,
+                       poll: Callable[[], None] | None = None) -> Sent:
     """Steps 1-3 of round r: inner steps from S_r, encode the delta, start the exchange.
 
     `land(seconds)` (`[outer] overlap_steps` = tau > 0): called before inner step tau with the
     seconds of the steps so far; it moves G (finishes the round in flight). The params then move
-    by as much as G moved from S_r, and this round's delta is taken from the new G, its base."""
+    by as much as G moved from S_r, and this round's delta is taken from the new G, its base.
+    `poll()`: called after every inner step (train_worker records a round whose figures arrived)."""
     t0, cfg, adv = time.perf_counter(), round_cfg(w.cfg, w.schedule.at(r)), w.adversary or Adversary(w.worker, 0)
     w.inner.total_steps = w.schedule.total(r)
     w.inner.round_start = w.schedule.before(r)  # the per-round LR ramp's origin
@@ -673,7 +675,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     if w.replicas is not None:  # the worker's other processes run these steps with it
         w.replicas.begin(r, steps, k)
     result = w.inner.run(lambda step: adv.batch(r, step, *w.task.batch(w.worker, r, step)), steps, trace_every=k,
-                         land=landing)
+                         land=landing, poll=poll)
     if w.inner.keep is not None:
         w.kept[r], w.inner.keep = w.inner.keep, None
     if steps < cfg.train.inner_steps:  # ... and keep the LR schedule as if it had not
@@ -1147,6 +1149,33 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     """Steps 4-6 of sent.round: wait, decode, aggregate, outer step, checkpoint, record.
 
     `part`: the round's members (elastic membership); None is every worker of the fixed world."""
+    return start_finish(w, sent, overlapped_s, part).complete()
+
+
+@dataclass
+class Finishing:
+    """A round whose work on this process is done (checks, outer step, checkpoint, private state)
+    and whose figures' gather (the last collective of a round, which also checks that every member
+    holds the same G) may still be in flight. `complete()` waits for it and returns the record."""
+
+    work: Any  # the gather's torch.distributed work; None: gathered already
+    build: Callable[[], dict]
+
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def complete(self) -> dict:
+        if self.work is not None:
+            work, self.work = self.work, None
+            work.wait()
+        return self.build()
+
+
+def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants | None = None,
+                 defer: bool = False) -> Finishing:
+    """finish_round up to its figures' gather. `defer` (the fixed world's groups only): start the
+    gather and return at once, so this process goes on to its next round's inner steps while the
+    others are still finishing theirs; the record is built when `complete()` is called."""
     r = sent.round
     cfg = round_cfg(w.cfg, w.schedule.at(r))
     part = part or Participants.everyone(w)
@@ -1272,7 +1301,21 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     )
     w.store_mark = w.store.bytes_written
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
-    part.stats_comm.all_gather(gathered, mine)
+    work = ended = None
+    if defer:  # this process's part of the round ends here: the wait for the others' figures is not its round's
+        work, ended = part.stats_comm.all_gather_start(gathered, mine), time.perf_counter()
+    else:
+        part.stats_comm.all_gather(gathered, mine)
+    return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, gathered, stage_record, entry_commitments,
+                                              packets, evaluating, overlapped_s, ended))
+
+
+def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, gathered: list[torch.Tensor],
+               stage_record: dict, entry_commitments: list[dict], packets: dict[int, bytes], evaluating: bool,
+               overlapped_s: float, ended: float | None) -> dict:
+    """The round's record from every member's gathered figures (finish_round's last step)."""
+    W, members, res = w.workers, part.members, sent.result
+    mine = gathered[0]
     g = torch.full((W, w.topo.stages, mine.numel()), float("nan"), dtype=torch.float64)  # [worker, stage, figure]
     g[members] = torch.stack(gathered).view(len(members), w.topo.stages, -1)
     # the agreement check rides on the same gather (one collective less a round: on a long link each
@@ -1312,7 +1355,8 @@ def finish_round(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         # the bytes each worker's processes wrote into their stores since the last record (its bundle, and a
         # checkpoint where it is its store's writer; not the private state, which is its own file)
         "store_bytes_written": [int(x) if h else 0 for x, h in zip(g[:, :, 20].sum(1), here, strict=True)],
-        "round_s": round(time.perf_counter() - sent.started - float(g[w.worker, w.stage, 6]), 4),
+        # from the round's first inner step to this process's last work on it (deferred: the gather's start)
+        "round_s": round((ended or time.perf_counter()) - sent.started - overlapped_s, 4),
         "tokens": int(res.tokens * len(members)),
     }
     if w.device.type == "cuda":  # the most GPU memory each process's tensors have held, MiB (stages summed)
@@ -1544,11 +1588,39 @@ def train_worker(
         keep += 1
     recent = list(prior[-keep:]) if keep else []  # the newest records, for pruning
 
+    # A round's figures are gathered while this process runs its next round's inner steps
+    # (start_finish's defer), so it does not wait every round for the slowest worker to finish its
+    # own; the record is written as soon as they are here (between inner steps), and at the latest
+    # before the next round's finish begins, which deletes the private state that a resume from the
+    # round before needs. Not with stages (the record gathers over the worker's own group) nor with
+    # adaptive H (a round's record sets the H of the round after next, which may start before it).
+    defer = w.topo.stages == 1 and not w.schedule.adaptive
+    settling: Finishing | None = None
+
+    def settle() -> None:
+        nonlocal settling
+        if settling is not None:
+            done, settling = settling, None
+            record(done.complete())
+
+    def poll() -> None:
+        if settling is not None and settling.done():
+            settle()
+
+    def finish(sent: Sent, overlapped_s: float) -> None:
+        nonlocal settling
+        settle()
+        finishing = start_finish(w, sent, overlapped_s, defer=defer)
+        if defer:
+            settling = finishing
+        else:
+            record(finishing.complete())
+
     def land(overlapped_s: float) -> None:  # overlap_steps: round r-1's update lands inside round r
         nonlocal pending
         if pending is not None:
             done, pending = pending, None
-            record(finish_round(w, done, overlapped_s))
+            finish(done, overlapped_s)
         elif w.resumed_outer is not None:  # resumed: G moves on to the last recorded round's
             w.outer, w.resumed_outer = w.resumed_outer, None
 
@@ -1579,10 +1651,10 @@ def train_worker(
 
     for r in range(start_round, end + cfg.outer.delay):
         if r < end:
-            sent = run_inner_and_send(w, r, land if cfg.outer.overlap_steps else None)
+            sent = run_inner_and_send(w, r, land if cfg.outer.overlap_steps else None, poll if defer else None)
             inner_s = sent.result.seconds
         if cfg.outer.delay == 0:
-            record(finish_round(w, sent, 0.0))
+            finish(sent, 0.0)
         elif cfg.outer.overlap_steps and r < end:  # round r-1 landed inside round r (land)
             pending = sent
         elif pending is None:  # delay 1, first round (of the run or the resume): its exchange runs during the next
@@ -1591,7 +1663,8 @@ def train_worker(
                 w.outer, w.resumed_outer = w.resumed_outer, None
         else:  # delay 1: finish round r-1 (its exchange ran under round r's inner steps)
             done, pending = pending, (sent if r < end else None)
-            record(finish_round(w, done, inner_s if r < end else 0.0))
+            finish(done, inner_s if r < end else 0.0)
+    settle()
     if w.replicas is not None:
         w.replicas.end()
     if not w.is_recorder:
