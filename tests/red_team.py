@@ -164,3 +164,18 @@ class ReplicaCrashes(Adversary):
                 once.write_text("crashed")
                 raise RuntimeError(f"replica 1 of worker {self.worker} crashes in round {r} (red_team.ReplicaCrashes)")
         return inputs, targets
+
+
+class SlowRounds(Adversary):
+    """Honest, but slow in every other round: sleeps `seconds` (default 1) in its first inner step
+    of each round r with r % 2 == `parity` (default 0). Two of them with parities 0 and 1 make a
+    straggler that changes every round (test_engine's deferred figures test)."""
+
+    kind = "slow_rounds"
+
+    def batch(self, r, step, inputs, targets):
+        if step == 0 and r % 2 == int(self.params.get("parity", "0")):
+            import time
+
+            time.sleep(float(self.params.get("seconds", "1")))
+        return inputs, targets

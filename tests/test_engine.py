@@ -102,6 +102,29 @@ def test_delay_1_stop_and_resume_equals_uninterrupted(tmp_path):
     assert all(rec["verdicts"] == ["accept"] * 3 and "replayed" in rec["evidence"]["0"] for rec in b)
 
 
+def test_a_round_s_figures_are_gathered_under_the_next_round_so_a_changing_straggler_is_not_waited_for(tmp_path):
+    """Delay 1, 2 workers, each 1 s slow in every other round (worker 0 in even rounds, worker 1 in
+    odd ones). If every round ended together (its figures gathered before the next round's inner
+    steps, as before), the run would take the slowest worker's inner steps of every round, summed:
+    6 rounds x (steps + 1 s). With the gather under the next round's steps and the exchange a round
+    late, each worker waits only for what it has not yet caught up: about 3 s of the 6 are saved,
+    and at least 1.5 s must be. Every round is still recorded, in order, and audits."""
+    from veriloco.audit import audit_run
+
+    run_dir = tmp_path / "slow"
+    _, s = train(tiny("--train.rounds=6", "--topology.workers=2", "--outer.delay=1",
+                      "--adversary.0=red_team:SlowRounds:parity=0", "--adversary.1=red_team:SlowRounds:parity=1"),
+                 str(run_dir), quiet=True)
+    recs = rounds_of(run_dir)
+    assert [r["round"] for r in recs] == list(range(6))
+    assert all(r["verdicts"] == ["accept", "accept"] for r in recs)
+    lockstep = sum(max(r["inner_s"]) for r in recs)  # what rounds that end together take, at least
+    assert all(max(r["inner_s"]) >= 1.0 for r in recs), [r["inner_s"] for r in recs]
+    assert s["wall_s"] < lockstep - 1.5, (s["wall_s"], lockstep)
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure
+
+
 def test_golden_one_step_equals_synchronous_averaging(tmp_path):
     """H=1, outer SGD lr 1, no momentum: G_1 = mean over workers of (G_0 after one inner step)."""
     cfg = tiny("--train.rounds=1", "--train.inner_steps=1", "--outer.lr=1.0", "--outer.momentum=0.0")

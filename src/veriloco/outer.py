@@ -12,6 +12,7 @@ import torch
 from torch.optim.sgd import sgd
 
 from .config import OuterConfig
+from .hashing import tensors_hash
 
 
 class OuterOptimizer:
@@ -26,9 +27,18 @@ class OuterOptimizer:
         self.cfg = cfg
         self._order = sorted(self.params)
         self._momenta: dict[str, torch.Tensor | None] = dict.fromkeys(self._order)
+        self._hash: str | None = None
+
+    def params_hash(self) -> str:
+        """`tensors_hash(params)`, kept until the next step: a round's record hashes the G its outer
+        step made, and the next round's inner steps begin from that same G."""
+        if self._hash is None:
+            self._hash = tensors_hash(self.params)
+        return self._hash
 
     def step(self, aggregate: dict[str, torch.Tensor]) -> None:
         """G <- outer_sgd(G, grad = aggregate)."""
+        self._hash = None
         momenta = [self._momenta[k] for k in self._order]  # None before the first step: sgd starts them
         with torch.no_grad():
             sgd([self.params[k] for k in self._order], [aggregate[k].to(self.params[k].dtype) for k in self._order],

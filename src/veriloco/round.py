@@ -198,6 +198,7 @@ class Worker:
     writes_checkpoints: bool = True  # whether this process puts its stage's checkpoints into its store (checkpoint_writer)
     sole_writer: bool = False  # ... and nobody else does: written without looking first (static runs)
     store_mark: int = 0  # store.bytes_written at the last record
+    own_root: tuple = (-1, 0, "")  # (round, steps, this worker's batch root then): its newest commitment's
 
     @property
     def is_recorder(self) -> bool:
@@ -634,7 +635,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     momentum = lookahead_momentum(cfg, w.outer)
 
     def take_base() -> None:  # what this round's delta is measured from: G now
-        w.base_hashes[r] = tensors_hash(w.outer.params)
+        w.base_hashes[r] = w.outer.params_hash()
         if keep:
             w.bases[r] = {k: v.clone() for k, v in w.outer.params.items()}
 
@@ -697,10 +698,12 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     w.own_decoded = [decoded] if cfg.outer.delay or w.adversary is not None else []
     w.own_packet = packet if w.adversary is not None else None  # read by nothing else: not kept a round
     packet_hash = sha256_hex(packet)  # stored inside its bundle (finish_round), not a second time on its own
+    own_root = batch_root(w.task, w.worker, r, cfg.train.inner_steps)
+    w.own_root = (r, cfg.train.inner_steps, own_root)  # the check of this round recomputes every worker's but this one
     losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
     commitment = {
         "run_id": w.identity.run_id, "round": r, "worker": w.worker, "base_hash": w.base_hashes[r],
-        "batch_root": batch_root(w.task, w.worker, r, cfg.train.inner_steps),
+        "batch_root": own_root,
         "trace_root": hex_root(result.trace), "trace": list(result.trace), "losses": losses or [0.0],
         "packet_hash": packet_hash, "packet_bytes": len(packet), "codec": packet_codecs(packet),
     }
@@ -1201,7 +1204,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         check = check_round(
             packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
             admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
-            batch_root_of=lambda j: batch_root(w.task, j, r, cfg.train.inner_steps),
+            batch_root_of=lambda j: w.own_root[2] if w.own_root[:2] == (r, cfg.train.inner_steps) and j == w.worker
+            else batch_root(w.task, j, r, cfg.train.inner_steps),
             equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
             earlier=w.earlier if screens_earlier(cfg) else None,
             trace_entries=trace_entries(cfg),
@@ -1247,7 +1251,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         ckpt_digest = put_tensors(w.store, ckpt, {"round": str(r)}, fresh=w.sole_writer)
     else:
         ckpt_digest = tensors_digest(ckpt, {"round": str(r)}) if w.worker == 0 else None
-    params_hash = tensors_hash(G)
+    params_hash = w.outer.params_hash()
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)
     # what a resume at round r+1 starts from: as round r+1 began (delay 1: before its inner steps, which
