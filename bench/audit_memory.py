@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXTRA = ["verify.replay_probability=0.01", "train.inner_state=reset", "verify.trace_every=1", "run.keep_checkpoints=2"]
 
 
-def veriloco(src: Path, *argv: str) -> tuple[subprocess.CompletedProcess, float, float]:
-    """`veriloco ARGV...` with the package at `src`, in a fresh interpreter: the result, its
-    seconds and its peak resident memory in MB."""
-    env = dict(os.environ, PYTHONPATH=str(src))
+def veriloco(src: Path, *argv: str, path: tuple[Path, ...] = ()) -> tuple[subprocess.CompletedProcess, float, float]:
+    """`veriloco ARGV...` with the package at `src` (and `path` after it on PYTHONPATH), in a
+    fresh interpreter: the result, its seconds and its peak resident memory in MB."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (src, *path))))
     code = (f"import resource, sys\nfrom veriloco.cli import main\nsys.argv = ['veriloco', *{list(argv)!r}]\n"
             "try:\n    main()\nfinally:\n"
             "    print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")

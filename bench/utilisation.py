@@ -2,7 +2,8 @@
 same runs alternately.
 
     python bench/utilisation.py [--old REV] [--row eager] [--workers 2] [--rounds 6] [--inner-steps 30]
-                                [--trials 3] [--set KEY=VALUE ...] [--out bench/results/utilisation.json]
+                                [--trials 3] [--slow SECONDS] [--set KEY=VALUE ...]
+                                [--out bench/results/utilisation.json]
 
 Every run is `veriloco train configs/default.toml` with `bench/comm.py`'s shared overrides (the
 emulated 1 Gbit/s, 50 ms link; eval after the last round; outer Nesterov momentum 0.5) and the
@@ -10,6 +11,12 @@ row's own (`--row`: eager, eager-tau, fp32-d0, naive, ...; eager-tau's tau is co
 machine: 1), in a fresh interpreter. Side "new" runs the working tree's `src`; with `--old`, side
 "old" runs `git archive REV src`. The sides alternate, and each trial starts with the other side
 than the last, so the machine's drift falls on both.
+
+`--slow SECONDS`: every worker is also that much slower in every other round (worker w in the
+rounds r with r % 2 == w % 2: tests/red_team.py's `SlowRounds`, which sleeps in its first inner
+step; honest otherwise). A straggler that changes from round to round, as workers on machines of
+their own see when one has a slow round, without taking CPU from the others on this shared
+machine. The sleep counts as inner-step time.
 
 Per run, from its summary and records: `utilisation` (mean inner-step seconds / wall, the figure
 comm.py's target is judged on), the wall, tokens/s, `straggler_s` (per round, the slowest worker's
@@ -37,14 +44,18 @@ sys.path.insert(0, str(ROOT / "src"))
 FIELDS = ("utilisation", "wall_s", "tokens_per_s", "straggler_s", "wait_s")
 
 
+def comm_rows() -> dict:
+    """comm.py's veriloco rows that need no other row's result, by name."""
+    from comm import row_specs
+
+    return {s.name: s for s in row_specs() if s.kind == "veriloco" and not s.budget_ratio}
+
+
 def row_overrides(row: str, workers: int, rounds: int, inner_steps: int) -> list[str]:
     """comm.py's overrides for `row` (its shared ones first); tau = 1 for an overlap row."""
-    from comm import row_specs, shared_overrides
+    from comm import shared_overrides
 
-    specs = {s.name: s for s in row_specs() if s.kind == "veriloco" and not s.budget_ratio}
-    if row not in specs:
-        raise SystemExit(f"utilisation.py: --row must be one of {', '.join(sorted(specs))}")
-    spec = specs[row]
+    spec = comm_rows()[row]
     extra = ["--outer.overlap_steps=1"] if spec.overlap else []
     return shared_overrides(False, rounds, inner_steps, workers) + list(spec.overrides) + extra
 
@@ -53,7 +64,8 @@ def run_once(src: Path, overrides: list[str], out: Path) -> dict:
     """One run with the package at `src`: its figures (see the module docstring)."""
     from audit_memory import veriloco
 
-    done, _, _ = veriloco(src, "train", str(ROOT / "configs" / "default.toml"), "--out", str(out), "--quiet", *overrides)
+    done, _, _ = veriloco(src, "train", str(ROOT / "configs" / "default.toml"), "--out", str(out), "--quiet", *overrides,
+                          path=(ROOT / "tests",))  # --slow's SlowRounds
     if done.returncode != 0:
         raise SystemExit(f"utilisation.py: the run with {src} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     recs = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
@@ -75,14 +87,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--inner-steps", type=int, default=30)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--slow", type=float, default=0.0, metavar="SECONDS",
+                    help="each worker that much slower in every other round (a straggler that changes every round)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both sides")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "utilisation.json"))
     args = ap.parse_args()
-    if args.rounds < 2 or args.workers < 2 or args.trials < 1 or args.inner_steps < 2:
-        ap.error("needs --rounds >= 2, --workers >= 2, --inner-steps >= 2 and --trials >= 1")
+    if args.rounds < 2 or args.workers < 2 or args.trials < 1 or args.inner_steps < 2 or args.slow < 0:
+        ap.error("needs --rounds >= 2, --workers >= 2, --inner-steps >= 2, --trials >= 1 and --slow >= 0")
     if any("=" not in o for o in args.set):
         ap.error("--set takes KEY=VALUE")
+    if args.row not in comm_rows():
+        ap.error(f"--row must be one of {', '.join(sorted(comm_rows()))}")
     overrides = row_overrides(args.row, args.workers, args.rounds, args.inner_steps) + [f"--{o}" for o in args.set]
+    if args.slow:
+        overrides += [f"--adversary.{w}=red_team:SlowRounds:seconds={args.slow},parity={w % 2}" for w in range(args.workers)]
 
     from round_cost import source_of
 
@@ -103,8 +121,8 @@ def main() -> int:
     summary = [{"side": side, **{k: round(statistics.median(r[k] for r in rows if r["side"] == side), 4) for k in FIELDS}}
                for side, _ in sides]
     hashes = {json.dumps(r["params_hashes"]) for r in rows}
-    print(f"\nrow {args.row}, {args.workers} workers, {args.rounds} rounds x H = {args.inner_steps}; "
-          f"medians over {args.trials} trials")
+    print(f"\nrow {args.row}, {args.workers} workers, {args.rounds} rounds x H = {args.inner_steps}"
+          f"{f', each {args.slow} s slower in every other round' if args.slow else ''}; medians over {args.trials} trials")
     print("| side | utilisation | wall | tokens/s | straggler | exchange wait |")
     print("|---|---|---|---|---|---|")
     for s in summary:
@@ -115,7 +133,7 @@ def main() -> int:
         print(f"new/old: utilisation x{new['utilisation'] / old['utilisation']:.4f}, "
               f"tokens/s x{new['tokens_per_s'] / old['tokens_per_s']:.4f}, wall x{new['wall_s'] / old['wall_s']:.4f}")
     print(f"params hashes {'identical across all runs' if len(hashes) == 1 else 'DIFFER between runs'}")
-    out = {"old": args.old, "row": args.row, "workers": args.workers, "rounds": args.rounds,
+    out = {"old": args.old, "row": args.row, "workers": args.workers, "rounds": args.rounds, "slow": args.slow,
            "inner_steps": args.inner_steps, "overrides": overrides, "rows": rows, "summary": summary,
            "hashes_identical": len(hashes) == 1}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
