@@ -249,24 +249,26 @@ def test_two_workers_that_cannot_reach_each_other_cost_the_run_one_of_them_not_i
 
 
 def test_with_delay_1_a_straggler_has_a_round_of_slack(tmp_path):
-    """The same late packet (worker 1's, 0.7 s late in round 1) side by side: with delay 0 the others
+    """The same late packet (worker 1's, 1.0 s late in round 1) side by side: with delay 0 the others
     wait for it; with delay 1 the wait runs under their next round's inner steps."""
-    # 200 tiny steps (~0.3-1 s, by the machine's load) to hide most of the 0.7 s under
+    # 200 tiny steps (~0.3-1 s, by the machine's load) to hide most of the 1.0 s under
     common = ("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=200", "--run.round_deadline=3", *ELASTIC)
     waits, hidden = {}, 0.0
     for delay in (0, 1):
         run_dir = tmp_path / f"d{delay}"
-        train(tiny(*common, f"--outer.delay={delay}"), str(run_dir), quiet=True, faults=["late:1@1+0.7"])
+        train(tiny(*common, f"--outer.delay={delay}"), str(run_dir), quiet=True, faults=["late:1@1+1.0"])
         recs = rounds_of(run_dir)
         assert recs[1]["verdicts"] == ["accept"] * 3  # within the deadline: not late
         # the idle time of the punctual worker that waited longer for round 1's packets (under
-        # load either one's own steps may run late by as much as the straggler's 0.7 s)
+        # load either one's own steps may run late by a good part of the straggler's 1.0 s)
         j = max((0, 2), key=lambda k: recs[1]["wait_s"][k])
         waits[delay] = recs[1]["wait_s"][j]
         hidden = recs[2]["inner_s"][j]  # delay 1: round 1's exchange runs under round 2's steps
         report = audit_run(run_dir)
         assert report.ok, report.first_failure
-    assert waits[0] > 0.4, waits  # the others wait for most of the 0.7 s (less if they were slower)
+    # the others wait for most of the 1.0 s (less if they were slower: with 0.7 s late and a bound
+    # of 0.4 this failed once under load, at 0.36)
+    assert waits[0] > 0.5, waits
     # with delay 1 only what round 2's steps did not cover is left to wait (how long they take
     # depends on the machine and its load: measured, not assumed)
     assert waits[1] <= max(0.0, waits[0] - hidden) + 0.25, (waits, hidden)
