@@ -180,22 +180,34 @@ def test_pipelined_loss_gains_are_shared_among_checkers_and_a_false_one_is_convi
     """With checkers, each packet's gain is computed by one drawn worker's pipeline; a false
     checker (red_team:FalseChecker, honest as an auditor) reports every gain it checks as failing,
     every member recomputes it and convicts it (false_report, evidence: the loss gain) in the first
-    round the draw makes it a checker; the audit settles the recorded reports again."""
+    round the draw makes it a checker; the audit settles the recorded reports again.
+
+    Whether the draw makes worker 2 a checker before the last round is 1 - 1/64 for a run (each
+    round leaves it out with probability 1/4); the draw is seeded by the round's commitments, so by
+    the run id and by the bits of every loss and state hash (on the thirty-second session's
+    machine, with the code CI had passed at 74f7360, the first seed drew only workers 0 and 1 in
+    all 4 rounds). So the run is repeated with the next run.seed until it does: 3 tries miss with
+    probability 2^-18."""
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)
     sys.path.insert(0, tests_dir)
-    rounds = 4
-    run, _ = train(tiny(*BASE, *LG_CHECKERS, f"--train.rounds={rounds}", "--adversary.2=red_team:FalseChecker"),
-                   str(tmp_path / "c"), quiet=True)
-    recs = rounds_of(run.root)
+    rounds, draws = 4, []
+    for seed in range(3):
+        run, _ = train(tiny(*BASE, *LG_CHECKERS, f"--train.rounds={rounds}", "--adversary.2=red_team:FalseChecker",
+                            f"--run.seed={seed}"), str(tmp_path / f"c{seed}"), quiet=True)
+        recs = rounds_of(run.root)
+        checkers = [{row[0] for rows in rec["stages"][0]["loss_gain_reports"].values() for row in rows} for rec in recs]
+        if any(2 in c for c in checkers[:-1]):
+            break
+        draws.append(checkers)
+    else:
+        pytest.fail(f"worker 2 was never drawn as a checker before the last round; checkers per round, per seed: {draws}")
     for rec in recs:
         reports = [part["loss_gain_reports"] for part in rec["stages"]]
         assert reports[0] == reports[1]  # one table for the worker's stages
     assert sorted(recs[0]["stages"][0]["loss_gain_reports"]) == ["0", "1", "2"]
     assert all(len(rows) == 1 for rows in recs[0]["stages"][0]["loss_gain_reports"].values())  # one checker each
-    checkers = [{row[0] for rows in rec["stages"][0]["loss_gain_reports"].values() for row in rows} for rec in recs]
-    k = next(i for i, c in enumerate(checkers) if 2 in c)
-    assert k < rounds - 1, checkers  # drawn before the last round for this config
+    k = next(i for i, c in enumerate(checkers) if 2 in c)  # before the last round
     assert verdicts_of(run.root, 2) == ["accept"] * k + ["false_report"] + ["banned"] * (rounds - 1 - k)
     assert "loss_gain" in recs[k]["stages"][0]["evidence"]["2"]
     for j in (0, 1):

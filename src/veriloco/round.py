@@ -1310,14 +1310,19 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         work, ended = part.stats_comm.all_gather_start(gathered, mine), time.perf_counter()
     else:
         part.stats_comm.all_gather(gathered, mine)
-    return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, gathered, stage_record, entry_commitments,
+    # the recorder learns its worker's other stages' results (its own processes: trusted); gathered
+    # here, so that what is left to build the record with holds no collective and may run between
+    # two inner steps
+    stages = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group) if w.topo.stages > 1 else None
+    return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, gathered, stage_record, entry_commitments, stages,
                                               packets, evaluating, overlapped_s, ended))
 
 
 def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, gathered: list[torch.Tensor],
-               stage_record: dict, entry_commitments: list[dict], packets: dict[int, bytes], evaluating: bool,
-               overlapped_s: float, ended: float | None) -> dict:
-    """The round's record from every member's gathered figures (finish_round's last step)."""
+               stage_record: dict, entry_commitments: list[dict], stages: list[dict] | None, packets: dict[int, bytes],
+               evaluating: bool, overlapped_s: float, ended: float | None) -> dict:
+    """The round's record from every member's gathered figures (finish_round's last step), and
+    with stages, from every stage's record and commitments (`stages`, in stage order)."""
     W, members, res = w.workers, part.members, sent.result
     mine = gathered[0]
     g = torch.full((W, w.topo.stages, mine.numel()), float("nan"), dtype=torch.float64)  # [worker, stage, figure]
@@ -1329,12 +1334,11 @@ def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, g
     eval_total = g[members, w.stage, EVAL_AT:EVAL_AT + 2].sum(0)  # in members' order: the same on every one
     eval_loss = float(eval_total[0] / eval_total[1]) if evaluating else None
     record: dict = {"round": r}
-    if w.topo.stages == 1:
+    if stages is None:
         record |= stage_record
-    else:  # the recorder learns its worker's other stages' results (its own processes: trusted)
-        parts = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group)
-        record |= combine_stages([p["record"] for p in parts], w.store if w.is_recorder else None)
-        entry_commitments = [c | {"stage": s} for s, p in enumerate(parts) for c in p["entry"]]
+    else:
+        record |= combine_stages([p["record"] for p in stages], w.store if w.is_recorder else None)
+        entry_commitments = [c | {"stage": s} for s, p in enumerate(stages) for c in p["entry"]]
     here = [j in packets for j in range(W)]  # an absent worker: null figures, 0 bytes
     record |= {
         "hashes_agree": True,
@@ -1596,9 +1600,9 @@ def train_worker(
     # (start_finish's defer), so it does not wait every round for the slowest worker to finish its
     # own; the record is written as soon as they are here (between inner steps), and at the latest
     # before the next round's finish begins, which deletes the private state that a resume from the
-    # round before needs. Not with stages (the record gathers over the worker's own group) nor with
-    # adaptive H (a round's record sets the H of the round after next, which may start before it).
-    defer = w.topo.stages == 1 and not w.schedule.adaptive
+    # round before needs. Not with adaptive H (a round's record sets the H of the round after next,
+    # which may start before it).
+    defer = not w.schedule.adaptive
     settling: Finishing | None = None
 
     def settle() -> None:
