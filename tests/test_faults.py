@@ -23,7 +23,10 @@ def test_dead_worker_is_an_error_not_a_hang(tmp_path, monkeypatch):
         train(cfg, str(tmp_path / "run"), quiet=True)
     assert time.perf_counter() - t0 < 120
     recs = rounds_of(tmp_path / "run")
-    assert [r["round"] for r in recs] == [0, 1]  # round 2 never recorded: nothing half-applied
+    # round 2 never recorded: nothing half-applied. Round 1 is recorded once every worker's figures
+    # of it are gathered, under round 2's first steps: worker 2 may die before its own have left
+    # (then a resume does round 1 again)
+    assert [r["round"] for r in recs] in ([0], [0, 1])
     assert audit_run(tmp_path / "run").ok  # what was recorded is whole and verifies
 
 
