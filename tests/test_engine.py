@@ -120,6 +120,8 @@ def test_a_round_s_figures_are_gathered_under_the_next_round_so_a_changing_strag
     assert all(r["verdicts"] == ["accept", "accept"] for r in recs)
     lockstep = sum(max(r["inner_s"]) for r in recs)  # what rounds that end together take, at least
     assert all(max(r["inner_s"]) >= 1.0 for r in recs), [r["inner_s"] for r in recs]
+    # a round's time is its slowest process's own: from its start to the end of its work on it (whoever records it)
+    assert all(max(r["inner_s"]) <= r["round_s"] < max(r["inner_s"]) + 1.0 for r in recs), [r["round_s"] for r in recs]
     assert s["wall_s"] < lockstep - 1.5, (s["wall_s"], lockstep)
     report = audit_run(run_dir)
     assert report.ok, report.first_failure

@@ -1300,14 +1300,15 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
          moves.sent_bytes if moves else 0, moves.received_bytes if moves else 0, moves.seconds if moves else 0.0,
          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
          torch.cuda.max_memory_allocated(w.device) / 2**20 if w.device.type == "cuda" else 0.0,
-         w.store.bytes_written - w.store_mark, *sums, *_hash_words(params_hash)],
+         w.store.bytes_written - w.store_mark, time.perf_counter() - sent.started - overlapped_s,
+         *sums, *_hash_words(params_hash)],
         dtype=torch.float64,
     )
     w.store_mark = w.store.bytes_written
     gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
-    work = ended = None
+    work = None
     if defer:  # this process's part of the round ends here: the wait for the others' figures is not its round's
-        work, ended = part.stats_comm.all_gather_start(gathered, mine), time.perf_counter()
+        work = part.stats_comm.all_gather_start(gathered, mine)
     else:
         part.stats_comm.all_gather(gathered, mine)
     # the recorder learns its worker's other stages' results (its own processes: trusted); gathered
@@ -1315,12 +1316,12 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     # two inner steps
     stages = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group) if w.topo.stages > 1 else None
     return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, gathered, stage_record, entry_commitments, stages,
-                                              packets, evaluating, overlapped_s, ended))
+                                              packets, evaluating, defer, overlapped_s))
 
 
 def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, gathered: list[torch.Tensor],
                stage_record: dict, entry_commitments: list[dict], stages: list[dict] | None, packets: dict[int, bytes],
-               evaluating: bool, overlapped_s: float, ended: float | None) -> dict:
+               evaluating: bool, deferred: bool, overlapped_s: float) -> dict:
     """The round's record from every member's gathered figures (finish_round's last step), and
     with stages, from every stage's record and commitments (`stages`, in stage order)."""
     W, members, res = w.workers, part.members, sent.result
@@ -1363,8 +1364,11 @@ def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, g
         # the bytes each worker's processes wrote into their stores since the last record (its bundle, and a
         # checkpoint where it is its store's writer; not the private state, which is its own file)
         "store_bytes_written": [int(x) if h else 0 for x, h in zip(g[:, :, 20].sum(1), here, strict=True)],
-        # from the round's first inner step to this process's last work on it (deferred: the gather's start)
-        "round_s": round((ended or time.perf_counter()) - sent.started - overlapped_s, 4),
+        # deferred: the slowest process's own seconds of the round, from its start to the end of its work
+        # on it (each measures its own: the figures' gather is no one's round); blocking: this process's,
+        # from its start to the gathered figures
+        "round_s": round(float(g[members, :, OWN_AT].amax()) if deferred
+                         else time.perf_counter() - sent.started - overlapped_s, 4),
         "tokens": int(res.tokens * len(members)),
     }
     if w.device.type == "cuda":  # the most GPU memory each process's tensors have held, MiB (stages summed)
@@ -1518,7 +1522,8 @@ def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
     return dict(sorted(out.items()))
 
 
-EVAL_AT = 21  # where finish_round's gathered figures hold the eval sums (eval_sums)
+OWN_AT = 21  # where finish_round's gathered figures hold each process's own seconds of the round (round_s)
+EVAL_AT = OWN_AT + 1  # then the eval sums (eval_sums)
 HASH_AT = EVAL_AT + 2  # and, after those two, the params hash (_hash_words)
 
 
