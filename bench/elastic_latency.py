@@ -93,24 +93,15 @@ def main() -> int:
         print(f"elastic_latency.py: skipped: {why}")
         return 0
 
-    from round_cost import source_of
+    from round_cost import alternating
 
-    rows = []
     with tempfile.TemporaryDirectory(prefix="elastic-latency-") as tmp:
-        sides = [("new", ROOT / "src")]
-        if args.old:
-            old_dir = Path(tmp) / "old"
-            old_dir.mkdir()
-            sides.append(("old", source_of(args.old, old_dir)))
-        for trial in range(args.trials):
-            for side, src in sides if trial % 2 == 0 else sides[::-1]:
-                row = {"side": side, "trial": trial, **run_once(src, args, Path(tmp) / f"run-{side}-{trial}")}
-                rows.append(row)
-                print(f"trial {trial} | {side:>3} | round {row['round_s']:.3f} s (inner steps {row['inner_s']:.3f} s, "
-                      f"exchange {row['exchange_s']:.3f} s) | wall {row['wall_s']:.1f} s | eval {row['eval_loss']:.4f}",
-                      flush=True)
+        sides, rows = alternating(args.old, args.trials, Path(tmp), lambda src, out: run_once(src, args, out),
+                                  lambda row: f"trial {row['trial']} | {row['side']:>3} | round {row['round_s']:.3f} s "
+                                              f"(inner steps {row['inner_s']:.3f} s, exchange {row['exchange_s']:.3f} s) | "
+                                              f"wall {row['wall_s']:.1f} s | eval {row['eval_loss']:.4f}")
     summary = []
-    for side, _ in sides:
+    for side in sides:
         mine = [r for r in rows if r["side"] == side]
         summary.append({"side": side, **{k: round(statistics.median(r[k] for r in mine), 4)
                                          for k in ("round_s", "inner_s", "exchange_s", "protocol_share", "wall_s")}})

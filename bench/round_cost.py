@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +82,25 @@ def source_of(rev: str, into: Path) -> Path:
     with tarfile.open(tar) as t:
         t.extractall(into, filter="data")
     return into / "src"
+
+
+def alternating(old: str | None, trials: int, tmp: Path, run: Callable[[Path, Path], dict],
+                show: Callable[[dict], str]) -> tuple[list[str], list[dict]]:
+    """`trials` trials of run(src, out) with side "new" the working tree's `src` and, with `old`,
+    side "old" `git archive old src` (unpacked under `tmp`), alternately, each trial starting with
+    the other side than the last, so the machine's drift falls on both. Prints show(row) for each
+    run; returns the sides and the rows ({"side", "trial", **run's result}) in run order."""
+    sides = [("new", ROOT / "src")]
+    if old:
+        old_dir = tmp / "old"
+        old_dir.mkdir()
+        sides.append(("old", source_of(old, old_dir)))
+    rows = []
+    for trial in range(trials):
+        for side, src in sides if trial % 2 == 0 else sides[::-1]:
+            rows.append({"side": side, "trial": trial, **run(src, tmp / f"run-{side}-{trial}")})
+            print(show(rows[-1]), flush=True)
+    return [side for side, _ in sides], rows
 
 
 def run_once(src: Path, config: str, overrides: list[str], rounds: int, out: Path, hook: Path) -> tuple[list[dict], float]:

@@ -102,24 +102,15 @@ def main() -> int:
     if args.slow:
         overrides += [f"--adversary.{w}=red_team:SlowRounds:seconds={args.slow},parity={w % 2}" for w in range(args.workers)]
 
-    from round_cost import source_of
+    from round_cost import alternating
 
-    rows = []
     with tempfile.TemporaryDirectory(prefix="utilisation-") as tmp:
-        sides = [("new", ROOT / "src")]
-        if args.old:
-            old_dir = Path(tmp) / "old"
-            old_dir.mkdir()
-            sides.append(("old", source_of(args.old, old_dir)))
-        for trial in range(args.trials):
-            for side, src in sides if trial % 2 == 0 else sides[::-1]:
-                row = {"side": side, "trial": trial, **run_once(src, overrides, Path(tmp) / f"run-{side}-{trial}")}
-                rows.append(row)
-                print(f"trial {trial} | {side:>3} | utilisation {row['utilisation']:.2%} | wall {row['wall_s']:.2f} s | "
-                      f"{row['tokens_per_s']:.0f} tok/s | straggler {row['straggler_s']:.3f} s | "
-                      f"eval {row['eval_loss']:.4f}", flush=True)
+        sides, rows = alternating(args.old, args.trials, Path(tmp), lambda src, out: run_once(src, overrides, out),
+                                  lambda row: f"trial {row['trial']} | {row['side']:>3} | utilisation {row['utilisation']:.2%} | "
+                                              f"wall {row['wall_s']:.2f} s | {row['tokens_per_s']:.0f} tok/s | "
+                                              f"straggler {row['straggler_s']:.3f} s | eval {row['eval_loss']:.4f}")
     summary = [{"side": side, **{k: round(statistics.median(r[k] for r in rows if r["side"] == side), 4) for k in FIELDS}}
-               for side, _ in sides]
+               for side in sides]
     hashes = {json.dumps(r["params_hashes"]) for r in rows}
     print(f"\nrow {args.row}, {args.workers} workers, {args.rounds} rounds x H = {args.inner_steps}"
           f"{f', each {args.slow} s slower in every other round' if args.slow else ''}; medians over {args.trials} trials")
