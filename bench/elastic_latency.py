@@ -93,7 +93,7 @@ def main() -> int:
         print(f"elastic_latency.py: skipped: {why}")
         return 0
 
-    from round_cost import alternating
+    from round_cost import alternating, conclude
 
     with tempfile.TemporaryDirectory(prefix="elastic-latency-") as tmp:
         sides, rows = alternating(args.old, args.trials, Path(tmp), lambda src, out: run_once(src, args, out),
@@ -105,7 +105,6 @@ def main() -> int:
         mine = [r for r in rows if r["side"] == side]
         summary.append({"side": side, **{k: round(statistics.median(r[k] for r in mine), 4)
                                          for k in ("round_s", "inner_s", "exchange_s", "protocol_share", "wall_s")}})
-    hashes = {json.dumps(r["params_hashes"]) for r in rows}
     print(f"\n{args.workers} workers, {args.rounds} rounds, {args.bandwidth}, {args.latency} one way; medians over {args.trials} trials")
     print("| side | round | inner steps | exchange | not inner steps | wall |")
     print("|---|---|---|---|---|---|")
@@ -114,13 +113,8 @@ def main() -> int:
               f"{s['protocol_share']:.1%} | {s['wall_s']:.1f} s |")
     if len(summary) == 2:
         print(f"old / new round time: {summary[1]['round_s'] / summary[0]['round_s']:.2f}x")
-    print(f"params hashes {'identical across all runs' if len(hashes) == 1 else 'DIFFER between runs'}")
-    out = {"old": args.old, "latency": args.latency, "bandwidth": args.bandwidth, "workers": args.workers,
-           "rounds": args.rounds, "rows": rows, "summary": summary, "hashes_identical": len(hashes) == 1}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0 if len(hashes) == 1 else 1
+    return conclude(args.out, {"old": args.old, "latency": args.latency, "bandwidth": args.bandwidth,
+                               "workers": args.workers, "rounds": args.rounds, "rows": rows, "summary": summary}, rows)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,17 @@ def alternating(old: str | None, trials: int, tmp: Path, run: Callable[[Path, Pa
     return [side for side, _ in sides], rows
 
 
+def conclude(out: str, result: dict, rows: list[dict]) -> int:
+    """Says whether every row recorded the same params hashes, writes `result` (with
+    `hashes_identical`) to `out` as JSON; 0 if they did, else 1."""
+    same = len({json.dumps(r["params_hashes"]) for r in rows}) == 1
+    print(f"params hashes {'identical across all runs' if same else 'DIFFER between runs'}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result | {"hashes_identical": same}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if same else 1
+
+
 def run_once(src: Path, config: str, overrides: list[str], rounds: int, out: Path, hook: Path) -> tuple[list[dict], float]:
     """`veriloco train` with the package at `src`; the round records, and the MB its worker
     processes wrote to disk (IO_HOOK, from `hook`)."""

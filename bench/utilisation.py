@@ -102,7 +102,7 @@ def main() -> int:
     if args.slow:
         overrides += [f"--adversary.{w}=red_team:SlowRounds:seconds={args.slow},parity={w % 2}" for w in range(args.workers)]
 
-    from round_cost import alternating
+    from round_cost import alternating, conclude
 
     with tempfile.TemporaryDirectory(prefix="utilisation-") as tmp:
         sides, rows = alternating(args.old, args.trials, Path(tmp), lambda src, out: run_once(src, overrides, out),
@@ -111,7 +111,6 @@ def main() -> int:
                                               f"straggler {row['straggler_s']:.3f} s | eval {row['eval_loss']:.4f}")
     summary = [{"side": side, **{k: round(statistics.median(r[k] for r in rows if r["side"] == side), 4) for k in FIELDS}}
                for side in sides]
-    hashes = {json.dumps(r["params_hashes"]) for r in rows}
     print(f"\nrow {args.row}, {args.workers} workers, {args.rounds} rounds x H = {args.inner_steps}"
           f"{f', each {args.slow} s slower in every other round' if args.slow else ''}; medians over {args.trials} trials")
     print("| side | utilisation | wall | tokens/s | straggler | exchange wait |")
@@ -123,14 +122,9 @@ def main() -> int:
         new, old = summary
         print(f"new/old: utilisation x{new['utilisation'] / old['utilisation']:.4f}, "
               f"tokens/s x{new['tokens_per_s'] / old['tokens_per_s']:.4f}, wall x{new['wall_s'] / old['wall_s']:.4f}")
-    print(f"params hashes {'identical across all runs' if len(hashes) == 1 else 'DIFFER between runs'}")
-    out = {"old": args.old, "row": args.row, "workers": args.workers, "rounds": args.rounds, "slow": args.slow,
-           "inner_steps": args.inner_steps, "overrides": overrides, "rows": rows, "summary": summary,
-           "hashes_identical": len(hashes) == 1}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0 if len(hashes) == 1 else 1
+    return conclude(args.out, {"old": args.old, "row": args.row, "workers": args.workers, "rounds": args.rounds,
+                               "slow": args.slow, "inner_steps": args.inner_steps, "overrides": overrides, "rows": rows,
+                               "summary": summary}, rows)
 
 
 if __name__ == "__main__":
