@@ -11,7 +11,10 @@ writes `{"rows": [{"start_method", "run", "seconds"}...], "median_s": {...}, "ra
 
 `--cold REV`: whole commands as a user types them, each in a fresh interpreter (so the server
 starts anew too): `veriloco train configs/tiny.toml` for 1 round of 1 inner step (its report
-included), `veriloco audit` of that run, `veriloco config`, which starts no run, and
+included; every worker's round sampled for a replay, `--verify.replay_probability=1.0`, with
+`--train.inner_state=reset --verify.trace_every=1`), `veriloco audit` of that run, `veriloco
+audit --replay 100` of it (audit-replay: the audit also replays the sampled segments, so it builds
+inner loops), `veriloco config`, which starts no run, and
 `veriloco train` of a config file that is not there (bad-config: exit 2, one line) and of one
 with a codec out of range (bad-codec: `--compress.codec=int8:block=0`, exit 2); git
 revision REV's `src` (from `git archive`) against the working tree's, alternating. Prints the
@@ -90,7 +93,7 @@ def become_subreaper() -> None:
 
 # a 1-round tiny run, its audit, the config reference, and `veriloco train` of a config file that is not there
 # (exit 2: how long a user waits for the one-line error)
-COMMANDS = ("train", "audit", "config", "bad-config", "bad-codec")
+COMMANDS = ("train", "audit", "audit-replay", "config", "bad-config", "bad-codec")
 
 
 def cold(args: argparse.Namespace) -> None:
@@ -106,12 +109,13 @@ def cold(args: argparse.Namespace) -> None:
             for side, src in sides.items():
                 for command in COMMANDS:
                     run = str(Path(tmp) / f"{side}-{i}")
-                    argv = {"config": ["config"], "audit": ["audit", run],
+                    argv = {"config": ["config"], "audit": ["audit", run], "audit-replay": ["audit", run, "--replay", "100"],
                             "bad-config": ["train", str(Path(tmp) / "missing.toml"), "--out", run + "-bad"],
                             "bad-codec": ["train", str(ROOT / "configs" / "tiny.toml"), "--compress.codec=int8:block=0",
                                           "--out", run + "-badcodec"]}.get(command) or [
                         "train", str(ROOT / "configs" / "tiny.toml"), "--out", run, "--quiet",
-                        f"--topology.workers={args.workers}", "--train.rounds=1", "--train.inner_steps=1"]
+                        f"--topology.workers={args.workers}", "--train.rounds=1", "--train.inner_steps=1",
+                        "--verify.replay_probability=1.0", "--train.inner_state=reset", "--verify.trace_every=1"]
                     wall, cpu, orphans = cold_run(src, argv, 2 if command.startswith("bad-") else 0)
                     rows.append({"command": command, "side": side, "run": i, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                                  "orphans": orphans})

@@ -13,7 +13,7 @@ def test_cold_commands_of_both_sides_count_the_processes_they_started(tmp_path):
     assert p.returncode == 0, p.stderr
     result = json.loads(out.read_text())
     rows = {(r["command"], r["side"]): r for r in result["rows"]}
-    commands = ("train", "audit", "config", "bad-config", "bad-codec")
+    commands = ("train", "audit", "audit-replay", "config", "bad-config", "bad-codec")  # (1 worker: nothing to replay)
     assert set(rows) == {(c, s) for c in commands for s in ("old", "new")}
     for side in ("old", "new"):
         train, config = rows["train", side], rows["config", side]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -441,6 +442,56 @@ def sum_groups(model: nn.Module, groups: int, group: Callable[[int], torch.Tenso
     return losses
 
 
+class AdamW:
+    """`torch.optim.AdamW`'s step, bit for bit (tests/test_engine.py compares them): the same
+    lazily made state (`step` a CPU scalar, `exp_avg`, `exp_avg_sq`) and the same kernel call
+    (`torch.optim.adam.adam` with decoupled weight decay), without `torch.optim.Optimizer`, whose
+    first construction in a process imports torch._dynamo (0.9 s: an audit's first replay paid
+    it). What the inner loop uses of an optimizer: `param_groups` (each step sets their lr),
+    `state` (param -> its tensors, in the order they were made), `zero_grad`, `step`."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], foreach: bool,
+                 eps: float = 1e-8) -> None:
+        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, **g, "params": list(g["params"])} for g in groups]
+        self.foreach = foreach
+        self.state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)  # as torch's
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim.adam import adam
+
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                if not self.state.get(p):
+                    self.state[p] = {"step": torch.tensor(0.0, dtype=scalar, device="cpu"),
+                                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            st = [self.state[p] for p in params]
+            adam(params, [p.grad for p in params], [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st], [],
+                 [s["step"] for s in st], foreach=self.foreach, capturable=False, differentiable=False, fused=None,
+                 grad_scale=None, found_inf=None, has_complex=any(torch.is_complex(p) for p in params),
+                 decoupled_weight_decay=True, amsgrad=False, beta1=g["betas"][0], beta2=g["betas"][1], lr=g["lr"],
+                 weight_decay=g["weight_decay"], eps=g["eps"], maximize=False)
+
+
 class InnerLoop:
     """AdamW over one model (or one pipeline stage's slice of it)."""
 
@@ -453,7 +504,7 @@ class InnerLoop:
         # one kernel path on the CPU, which keeps CPU runs bit-reproducible on every machine; on a GPU
         # the multi-tensor kernels (a replay there takes the same path)
         self._foreach = any(p.is_cuda for p in model.parameters())
-        self.opt = torch.optim.AdamW(
+        self.opt = AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
