@@ -21,8 +21,9 @@ from typing import Any
 
 # a platform without fork (Windows) starts each worker with spawn, importing torch anew
 START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-# torch, the engine, the elastic worker's entry, and torch's pipelining, which brings torch._dynamo: the first
-# construction of any torch optimizer imports that (~1 s of CPU), which every worker would pay otherwise
+# torch, the engine, the elastic worker's entry, and torch's pipelining (stages), which brings torch._dynamo
+# (~1 s of CPU) that every pipelined worker would pay otherwise; so does the first construction of any torch
+# optimizer (the engine's own are not torch optimizers: inner.AdamW, outer.OuterOptimizer)
 PRELOAD = ["veriloco.run", "veriloco.elastic", "torch.distributed.pipelining"]
 
 
