@@ -91,8 +91,8 @@ def become_subreaper() -> None:
         raise SystemExit(f"startup: --cold needs Linux's PR_SET_CHILD_SUBREAPER (errno {ctypes.get_errno()})")
 
 
-# a 1-round tiny run, its audit, the config reference, and `veriloco train` of a config file that is not there
-# (exit 2: how long a user waits for the one-line error)
+# a 1-round tiny run, its audit without and with replays, the config reference, and `veriloco train` of a config
+# file that is not there and of a bad codec (exit 2: how long a user waits for the one-line error)
 COMMANDS = ("train", "audit", "audit-replay", "config", "bad-config", "bad-codec")
 
 
@@ -137,7 +137,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=None, help="default 3; 5 with --cold")
     ap.add_argument("--workers", type=int, default=None, help="default 4; 2 with --cold")
-    ap.add_argument("--cold", metavar="REV", help="fresh `veriloco train`, `audit`, `config`, bad-config and bad-codec commands: REV's src against the working tree's")
+    ap.add_argument("--cold", metavar="REV", help="fresh `veriloco train`, `audit`, `audit --replay`, `config`, bad-config and bad-codec commands: REV's src "
+                         "against the working tree's")
     ap.add_argument("--out", default=None, help="default bench/results/startup.json (startup-cold.json with --cold)")
     args = ap.parse_args()
     cold_mode = args.cold is not None

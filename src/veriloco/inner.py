@@ -105,10 +105,10 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
     steps; `land.move()` before step land.step; `poll()` after every step (the loops' shared
     `run`). The seconds of move() and poll() are not the loop's."""
     t0, c0 = time.perf_counter(), time.thread_time()
-    losses, trace, tokens, landing = [], [], 0, Spent()
+    losses, trace, tokens, aside = [], [], 0, Spent()  # aside: move's and poll's time
 
     def move() -> None:
-        with landing.timing():
+        with aside.timing():
             land.move()
 
     if trace_every:
@@ -122,12 +122,12 @@ def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], trace_hash: C
         if trace_every and (s + 1) % trace_every == 0:
             trace.append(trace_hash())
         if poll is not None:
-            with landing.timing():
+            with aside.timing():
                 poll()
     if land is not None and steps <= land.step:
         move()
-    return InnerResult(losses, time.perf_counter() - t0 - landing.wall, tokens, trace,
-                       time.thread_time() - c0 - landing.cpu)
+    return InnerResult(losses, time.perf_counter() - t0 - aside.wall, tokens, trace,
+                       time.thread_time() - c0 - aside.cpu)
 
 
 class Replicas:
@@ -443,7 +443,7 @@ def sum_groups(model: nn.Module, groups: int, group: Callable[[int], torch.Tenso
 
 
 class AdamW:
-    """`torch.optim.AdamW`'s step, bit for bit (tests/test_engine.py compares them): the same
+    """`torch.optim.AdamW`'s step, bit for bit (tests/test_inner_adamw.py compares them): the same
     lazily made state (`step` a CPU scalar, `exp_avg`, `exp_avg_sq`) and the same kernel call
     (`torch.optim.adam.adam` with decoupled weight decay), without `torch.optim.Optimizer`, whose
     first construction in a process imports torch._dynamo (0.9 s: an audit's first replay paid

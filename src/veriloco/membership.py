@@ -375,7 +375,7 @@ class Membership:
 
     def alive_times(self, workers: list[int]) -> dict[int, float]:
         """When each of `workers` last said it was alive (-inf: never), in one round trip."""
-        return {j: _time_of(t) for j, t in zip(workers, self._texts([f"alive/{j}" for j in workers]), strict=True)}
+        return {j: _parse_stamp(t)[1] for j, t in zip(workers, self._texts([f"alive/{j}" for j in workers]), strict=True)}
 
     def _stamp_text(self, key: str, store: dist.TCPStore | None = None) -> str | None:
         """The value of `key`, or None if there is none (check() does not block; get() of a
@@ -504,7 +504,7 @@ class Membership:
         now = time.time()
         store = store or self.store
         for j, text in zip(others, self._texts([f"alive/{j}" for j in others], store), strict=True):
-            if _time_of(text) < now - self.heartbeat_timeout_s:
+            if _parse_stamp(text)[1] < now - self.heartbeat_timeout_s:
                 return f"worker {j} of the quorum went silent"
         try:  # add(0) reads a counter without waiting for it (get() of a missing key would wait)
             left = store.add(f"left/{view.key}", 0)
@@ -533,14 +533,6 @@ def _parse_stamp(text: str | None) -> tuple[int | None, float]:
         return (int(head[0]) if head else None), float(t)
     except (ValueError, IndexError):
         return None, float("-inf")
-
-
-def _time_of(text: str | None) -> float:
-    """The time in an alive/ value ("T"), -inf if there is none or it is unreadable."""
-    try:
-        return float(text) if text is not None else float("-inf")
-    except ValueError:
-        return float("-inf")
 
 
 def reachable_part(active: list[int], reports: dict[int, set[int]]) -> list[int]:

@@ -198,7 +198,6 @@ class Worker:
     writes_checkpoints: bool = True  # whether this process puts its stage's checkpoints into its store (checkpoint_writer)
     sole_writer: bool = False  # ... and nobody else does: written without looking first (static runs)
     store_mark: int = 0  # store.bytes_written at the last record
-    own_root: tuple = (-1, 0, "")  # (round, steps, this worker's batch root then): its newest commitment's
 
     @property
     def is_recorder(self) -> bool:
@@ -261,6 +260,7 @@ class Sent:
     waited_s: float = 0.0  # elastic: time already spent waiting for this round's quorum and exchange
     bundle: bytes | None = None  # what it sent (the exchange hands these very bytes back as its own)
     bundle_hash: str | None = None  # their sha256, the store's name for them
+    batch_root: str = ""  # the root of the batches this worker was assigned for the round (the check's for it)
 
 
 HEADER_BYTES_PER_TENSOR = 200  # measured: 150-190 bytes of safetensors header per tensor and codec
@@ -698,8 +698,7 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     w.own_decoded = [decoded] if cfg.outer.delay or w.adversary is not None else []
     w.own_packet = packet if w.adversary is not None else None  # read by nothing else: not kept a round
     packet_hash = sha256_hex(packet)  # stored inside its bundle (finish_round), not a second time on its own
-    own_root = batch_root(w.task, w.worker, r, cfg.train.inner_steps)
-    w.own_root = (r, cfg.train.inner_steps, own_root)  # the check of this round recomputes every worker's but this one
+    own_root = batch_root(w.task, w.worker, r, cfg.train.inner_steps)  # the round's check takes it from Sent
     losses = [sum(result.losses[i : i + k]) / len(result.losses[i : i + k]) for i in range(0, len(result.losses), k)]
     commitment = {
         "run_id": w.identity.run_id, "round": r, "worker": w.worker, "base_hash": w.base_hashes[r],
@@ -715,7 +714,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     # stored by its sender before anyone has it, so a receiver that shares the store finds it there
     # and writes nothing (finish_round's put); one copy of each bundle per store, not one per process
     bundle_hash = w.store.put(bundle)
-    return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash)
+    return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash,
+                batch_root=own_root)
 
 
 def loss_gain_fn(w: Worker, r: int):
@@ -1204,7 +1204,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         check = check_round(
             packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
             admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
-            batch_root_of=lambda j: w.own_root[2] if w.own_root[:2] == (r, cfg.train.inner_steps) and j == w.worker
+            batch_root_of=lambda j: sent.batch_root if j == w.worker and sent.batch_root
             else batch_root(w.task, j, r, cfg.train.inner_steps),
             equivocation=w.identity.equivocation, screen=cfg.verify.screen, previous=w.previous,
             earlier=w.earlier if screens_earlier(cfg) else None,
@@ -1325,8 +1325,7 @@ def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, g
     """The round's record from every member's gathered figures (finish_round's last step), and
     with stages, from every stage's record and commitments (`stages`, in stage order)."""
     W, members, res = w.workers, part.members, sent.result
-    mine = gathered[0]
-    g = torch.full((W, w.topo.stages, mine.numel()), float("nan"), dtype=torch.float64)  # [worker, stage, figure]
+    g = torch.full((W, w.topo.stages, gathered[0].numel()), float("nan"), dtype=torch.float64)  # [worker, stage, figure]
     g[members] = torch.stack(gathered).view(len(members), w.topo.stages, -1)
     # the agreement check rides on the same gather (one collective less a round: on a long link each
     # costs a round trip or two): every stage's G must be the same on all the round's members
