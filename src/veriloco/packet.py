@@ -6,21 +6,26 @@ Layout: tensors named `<param>/<part>` (the codec's parts), and ONE safetensors 
 order varies between runs: with several keys the same delta would give different bytes. Equal
 deltas give equal packets, and a packet's sha256 is its name in the store.
 Decoding never unpickles, checks the size before parsing, and checks every name, spec and
-shape against what the receiver expects; anything else is a `PacketError`.
+shape against what the receiver expects; anything else is a `PacketError`. It reads the tensors
+in place (`_parts`: views of the packet's own memory, validated as the safetensors library
+validates a buffer), so a model-sized fp32 packet is copied once, into the delta, not three times
+(the bundle's slice, safetensors' per-tensor bytes, the codec's copy).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
+import warnings
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .compress import Codec, CodecError, codec_from_spec
 from .compress._common import all_finite
 from .hashing import canonical_json
+from .tensorfile import DTYPES
 
 FORMAT = "1"
 
@@ -43,9 +48,9 @@ def encode_packet(delta: dict[str, torch.Tensor], codecs: dict[str, Codec]) -> b
     return st_save(tensors, metadata={"veriloco.packet": canonical_json(meta).decode()})
 
 
-def _meta(data: bytes) -> dict:
+def _meta(data: bytes | memoryview, header: dict | None = None) -> dict:
     """The packet's own metadata object (format, codecs, shapes), validated for shape."""
-    raw = _header(data)["__metadata__"].get("veriloco.packet")
+    raw = (header or _header(data))["__metadata__"].get("veriloco.packet")
     try:
         meta = json.loads(raw) if isinstance(raw, str) else None
     except json.JSONDecodeError:
@@ -62,14 +67,22 @@ def _meta(data: bytes) -> dict:
     return meta
 
 
-def _header(data: bytes) -> dict:
+def _unique(pairs: list[tuple[str, object]]) -> dict:
+    """json's object_pairs_hook: an object that names a key twice is not one safetensors reads."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise PacketError("packet header names a key twice")
+    return out
+
+
+def _header(data: bytes | memoryview) -> dict:
     if len(data) < 8:
         raise PacketError(f"packet of {len(data)} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", data[:8])
     if n > len(data) - 8 or n > 16 << 20:
         raise PacketError(f"packet header claims {n} bytes, packet has {len(data) - 8}")
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(bytes(data[8 : 8 + n]), object_pairs_hook=_unique)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PacketError(f"packet header is not JSON: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
@@ -77,20 +90,64 @@ def _header(data: bytes) -> dict:
     return header
 
 
-def packet_codecs(data: bytes) -> dict[str, str]:
+def _parts(data: bytes | memoryview, header: dict) -> tuple[dict[str, torch.Tensor], range]:
+    """(name -> tensor, the addresses of `data`'s memory) of a packet whose header is `header`:
+    each tensor reads `data`'s memory in place, not a copy, so nothing may write to it.
+    Checked as `safetensors.torch.load` checks a buffer: a known dtype, a shape of non-negative
+    ints, a byte count equal to the shape's, and offsets that tile the data after the header
+    exactly, from its first byte to its last, without a gap or an overlap."""
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    entries = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+            ok = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)  # not bools
+                  and type(begin) is int and type(end) is int and end - begin == math.prod(shape) * dtype.itemsize)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise PacketError(f"packet tensor {name!r:.60} has a malformed dtype, shape or offsets")
+        entries.append((begin, end, name, dtype, shape))
+    at = 0
+    for begin, end, name, _, _ in sorted(entries, key=lambda e: (e[0], e[1])):
+        if begin != at:
+            raise PacketError(f"packet tensor {name!r:.60} starts at byte {begin} of the data, not {at}: "
+                              "tensors overlap or leave a gap")
+        at = end
+    if at != len(data) - start:
+        raise PacketError(f"packet has {len(data) - start} bytes of tensor data, its tensors {at}")
+    out = {}
+    with warnings.catch_warnings():  # read only: a packet's bytes are immutable, and no view is written
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        first = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+        for begin, end, name, dtype, shape in entries:  # at any alignment (a packet inside a bundle has none)
+            out[name] = (torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start + begin)
+                         .reshape(shape) if end > begin else torch.empty(shape, dtype=dtype))
+    return out, range(first, first + len(data))
+
+
+def packet_codecs(data: bytes | memoryview) -> dict[str, str]:
     """{param: codec spec} of a packet, read from its header without decoding tensors."""
     return _meta(data)["codecs"]
 
 
 def decode_packet(
-    data: bytes, expected_shapes: dict[str, tuple[int, ...]], max_bytes: int
+    data: bytes | memoryview, expected_shapes: dict[str, tuple[int, ...]], max_bytes: int
 ) -> dict[str, torch.Tensor]:
-    """Decode a peer's packet into fp32 tensors of exactly `expected_shapes`."""
-    if not isinstance(data, (bytes, bytearray)):
+    """Decode a peer's packet into fp32 tensors of exactly `expected_shapes`, each of its own
+    memory (none is a view of `data`)."""
+    if isinstance(data, bytearray):  # mutable: the tensors below would see a later write
+        data = bytes(data)
+    if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1):
+        data = data.cast("B")
+    if not isinstance(data, (bytes, memoryview)):
         raise PacketError("packet is not bytes")
     if len(data) > max_bytes:
         raise PacketError(f"packet is {len(data)} bytes, over the limit of {max_bytes}")
-    meta = _meta(bytes(data))
+    header = _header(data)
+    meta = _meta(data, header)
     codecs, shapes = meta["codecs"], meta["shapes"]
     want = {k: list(v) for k, v in expected_shapes.items()}
     if set(codecs) != set(want) or shapes != want:
@@ -101,10 +158,7 @@ def decode_packet(
             if missing or extra
             else "packet shapes do not match the model"
         )
-    try:
-        tensors = st_load(bytes(data))
-    except Exception as e:  # safetensors raises its own error types on malformed input
-        raise PacketError(f"packet is not valid safetensors: {str(e)[:120]}") from None
+    tensors, memory = _parts(data, header)
     grouped: dict[str, dict[str, torch.Tensor]] = {k: {} for k in want}
     for name, t in tensors.items():
         key, _, part = name.rpartition("/")
@@ -119,6 +173,8 @@ def decode_packet(
             raise PacketError(f"tensor {key}: {e}") from None
         if not all_finite(value):
             raise PacketError(f"tensor {key} decodes to non-finite values")
+        if value.untyped_storage().data_ptr() in memory:
+            value = value.clone()  # a codec that returned its part as it is: the delta gets memory of its own
         out[key] = value
     return out
 
@@ -140,8 +196,10 @@ def encode_bundle(signed_commitment: bytes, packet: bytes, extras: tuple[bytes, 
     return b"".join(out)
 
 
-def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20) -> tuple[bytes, bytes, list[bytes]]:
-    """(signed commitment, packet, extras) of a peer's bundle; PacketError if malformed."""
+def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20, *,
+                  view: bool = False) -> tuple[bytes, bytes | memoryview, list[bytes]]:
+    """(signed commitment, packet, extras) of a peer's bundle; PacketError if malformed. `view`:
+    the packet as a memoryview of `data` (bytes), not a copy of the model-sized part."""
     if len(data) < 16 or data[:4] != BUNDLE_MAGIC:
         raise PacketError("bundle does not start with VLB1")
     (n,) = struct.unpack(">I", data[4:8])
@@ -152,7 +210,7 @@ def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20) -> tuple[byt
     pos += 8
     if m > len(data) - pos:
         raise PacketError(f"bundle claims a packet of {m} bytes, bundle has {len(data) - pos}")
-    packet, pos = data[pos : pos + m], pos + m
+    packet, pos = (memoryview(data)[pos : pos + m] if view else data[pos : pos + m]), pos + m
     extras = []
     while pos < len(data):
         if len(extras) >= MAX_EXTRAS or pos + 4 > len(data):

@@ -33,6 +33,7 @@ how far they can move one round; screening, replay and the ledger handle the res
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -115,10 +116,12 @@ class FlatRow:
     def chunk(self, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the row: a view where one tensor holds them all."""
         pieces = []
-        for k, p in enumerate(self.parts):
+        k = max(bisect.bisect_right(self.starts, start) - 1, 0)  # the first tensor that may hold element `start`
+        while k < len(self.parts) and self.starts[k] < stop:
             lo, hi = max(start, self.starts[k]), min(stop, self.starts[k + 1])
             if lo < hi:
-                pieces.append(p[lo - self.starts[k] : hi - self.starts[k]])
+                pieces.append(self.parts[k][lo - self.starts[k] : hi - self.starts[k]])
+            k += 1
         if not pieces:
             return self.parts[0].new_empty(0, dtype=self.dtype)
         if len(pieces) == 1 and pieces[0].dtype == self.dtype:

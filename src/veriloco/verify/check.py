@@ -138,7 +138,7 @@ def check_bundles(
     for w, data in (bundles.items() if isinstance(bundles, dict) else enumerate(bundles)):
         commitments[w] = None
         try:
-            raw_commitment, packet, extras = decode_bundle(data)
+            raw_commitment, packet, extras = decode_bundle(data, view=True)  # the packet read in place
             packet_hashes[w] = (packet_hashes_known or {}).get(w) or sha256_hex(packet)
             signed = parse_signed_commitment(raw_commitment)
             gossip = [parse_signed_commitment(x) for x in extras]

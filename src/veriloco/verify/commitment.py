@@ -352,17 +352,18 @@ def check_commitment(
     return None
 
 
-def check_packet(signed: SignedCommitment | Mapping[str, Any], packet: bytes, packet_hash: str | None = None) -> str | None:
+def check_packet(signed: SignedCommitment | Mapping[str, Any], packet: bytes | memoryview,
+                 packet_hash: str | None = None) -> str | None:
     """None if `packet` is the one the commitment names (size, sha256, codec per parameter),
     else MALFORMED. Tensors are not decoded here (packet.decode_packet does that).
     `packet_hash`: sha256_hex(packet), where the caller has just computed it."""
     c = _as_signed(signed).commitment
-    if not isinstance(packet, (bytes, bytearray)):
+    if not isinstance(packet, (bytes, bytearray, memoryview)):
         return MALFORMED
-    if len(packet) != c.packet_bytes or (packet_hash or sha256_hex(bytes(packet))) != c.packet_hash:
+    if len(packet) != c.packet_bytes or (packet_hash or sha256_hex(packet)) != c.packet_hash:
         return MALFORMED
     try:
-        codecs = packet_codecs(bytes(packet))
+        codecs = packet_codecs(packet)
     except PacketError:
         return MALFORMED
     if isinstance(c.codec, str):

@@ -1,0 +1,126 @@
+"""Packets are read in place (packet._parts): the same tensors as safetensors' own reader, the same
+buffers refused, and a decoded delta that never shares memory with the bytes it came from."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from fuzz_targets import SHAPES, _delta, valid_packets
+from safetensors.torch import load as st_load
+
+from veriloco.compress import codec_from_spec
+from veriloco.compress.identity import IdentityCodec
+from veriloco.hashing import sha256_hex
+from veriloco.packet import PacketError, decode_bundle, decode_packet, encode_bundle, packet_codecs
+
+
+def reference_decode(packet: bytes) -> dict[str, torch.Tensor]:
+    """What decode_packet returned before it read in place: safetensors' load, then each codec."""
+    codecs = packet_codecs(packet)
+    grouped: dict[str, dict[str, torch.Tensor]] = {k: {} for k in codecs}
+    for name, t in st_load(packet).items():
+        key, _, part = name.rpartition("/")
+        grouped[key][part] = t
+    return {k: codec_from_spec(codecs[k]).decode(parts, SHAPES[k]) for k, parts in grouped.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("index", range(len(valid_packets())))
+def test_in_place_read_matches_safetensors_and_owns_its_memory(index: int) -> None:
+    packet = valid_packets()[index]
+    want = reference_decode(packet)
+    digest = sha256_hex(packet)
+    got = decode_packet(packet, SHAPES, len(packet))
+    assert same(got, want)
+    # out of a bundle, as a memoryview whose first byte is at no particular alignment
+    for commitment in (b"{}", b"{ }", b"{  }", b"{   }"):
+        _, view, _ = decode_bundle(encode_bundle(commitment, packet), view=True)
+        assert isinstance(view, memoryview) and bytes(view) == packet
+        assert same(decode_packet(view, SHAPES, len(packet)), want)
+    for t in got.values():  # writing to the delta leaves the received bytes as they were
+        t.add_(1.0)
+    assert sha256_hex(packet) == digest
+    assert same(decode_packet(packet, SHAPES, len(packet)), want)
+
+
+def test_a_codec_that_returns_its_part_gets_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    packet = valid_packets()[0]  # fp32
+    monkeypatch.setattr(IdentityCodec, "decode", lambda self, parts, shape: parts["v"].reshape(shape))
+    got = decode_packet(packet, SHAPES, len(packet))
+    assert same(got, {k: v.to(torch.float32) for k, v in _delta().items()})
+    digest = sha256_hex(packet)
+    for t in got.values():
+        t.mul_(-3.0)
+    assert sha256_hex(packet) == digest
+
+
+def _buffer(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _packet(entries: dict[str, dict], data: bytes) -> bytes:
+    """A packet of SHAPES' names with fp32 codecs, whose tensor entries are `entries`."""
+    meta = {"format": "1", "codecs": dict.fromkeys(SHAPES, "fp32"), "shapes": {k: list(v) for k, v in SHAPES.items()}}
+    return _buffer({"__metadata__": {"veriloco.packet": json.dumps(meta)}, **entries}, data)
+
+
+A, B = 4 * 128, 4 * 16  # bytes of a.weight/v and b.bias/v
+GOOD = {"a.weight/v": {"dtype": "F32", "shape": [128], "data_offsets": [0, A]},
+        "b.bias/v": {"dtype": "F32", "shape": [16], "data_offsets": [A, A + B]}}
+
+
+def with_entry(name: str, **change: object) -> dict[str, dict]:
+    return {**GOOD, name: {**GOOD[name], **change}}
+
+
+HOSTILE = {
+    "gap": (with_entry("b.bias/v", data_offsets=[A + 4, A + B + 4]), A + B + 4),
+    "overlap": (with_entry("b.bias/v", data_offsets=[A - 4, A + B - 4]), A + B),
+    "trailing bytes": (GOOD, A + B + 4),
+    "cut short": (GOOD, A + B - 4),
+    "past the end": (with_entry("b.bias/v", data_offsets=[A, A + B + 8], shape=[18]), A + B),
+    "size not the shape's": (with_entry("b.bias/v", shape=[15]), A + B),
+    "unknown dtype": (with_entry("b.bias/v", dtype="F33"), A + B),
+    "negative dim": (with_entry("b.bias/v", shape=[-16]), A + B),
+    "offsets reversed": (with_entry("b.bias/v", data_offsets=[A + B, A]), A + B),
+    "a dim that is not an int": (with_entry("b.bias/v", shape=[16.0]), A + B),
+    "no offsets": ({**GOOD, "b.bias/v": {"dtype": "F32", "shape": [16]}}, A + B),
+    "not an object": ({**GOOD, "b.bias/v": [1, 2]}, A + B),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_buffers_safetensors_refuses_are_refused(case: str) -> None:
+    entries, size = HOSTILE[case]
+    packet = _packet(entries, bytes(size))
+    with pytest.raises(Exception):  # noqa: B017 - safetensors raises its own types
+        st_load(packet)
+    with pytest.raises(PacketError):
+        decode_packet(packet, SHAPES, len(packet))
+
+
+def test_the_good_buffer_of_those_cases_decodes() -> None:
+    packet = _packet(GOOD, bytes(A + B))
+    assert same(decode_packet(packet, SHAPES, len(packet)), {k: torch.zeros(s) for k, s in SHAPES.items()})
+    assert same(reference_decode(packet), decode_packet(packet, SHAPES, len(packet)))
+
+
+def test_a_key_named_twice_is_refused() -> None:
+    meta = json.dumps({"format": "1", "codecs": dict.fromkeys(SHAPES, "fp32"),
+                       "shapes": {k: list(v) for k, v in SHAPES.items()}})
+    def entry(begin: int) -> str:
+        return json.dumps({"dtype": "F32", "shape": [16], "data_offsets": [begin, begin + B]})
+
+    first = json.dumps({"dtype": "F32", "shape": [128], "data_offsets": [0, A]})
+    raw = (f'{{"__metadata__":{{"veriloco.packet":{json.dumps(meta)}}},"a.weight/v":{first},'
+           f'"b.bias/v":{entry(A)},"b.bias/v":{entry(A + B)}}}').encode()
+    packet = struct.pack("<Q", len(raw)) + raw + bytes(A + 2 * B)
+    with pytest.raises(PacketError, match="twice"):
+        decode_packet(packet, SHAPES, len(packet))
