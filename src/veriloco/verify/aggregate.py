@@ -420,34 +420,51 @@ def bounded_dots(items: Sequence[Delta], pairs: Sequence[tuple[int, int]],
     """For each pair (i, j) of float32 deltas: (e, b) with |e - d| <= b, both for d the exact dot
     product a_i.a_j and for `det_dot`'s (float64 pairwise sums of products that are exact in
     float64: within log2(n) 2^-53 |a_i| |a_j| of it, inside the slack below), from `norms` (the
-    rows' norms, or upper bounds). Cheap where `det_dot` is exact: a float32 `torch.dot` per block of
-    m = _EST_BLOCK elements, summed in float64. The bound holds whatever order the dot sums a
+    rows' norms, or upper bounds). Cheap where `det_dot` is exact: float32 dots of blocks of
+    m = _EST_BLOCK elements, summed in float64. The bound holds whatever order a dot sums a
     block in: a block's error is at most gamma_m sum_k |x_k y_k| (Higham, Accuracy and Stability
-    of Numerical Algorithms, eq. 3.5: any order of evaluation), gamma_m = m u / (1 - m u) with
-    u = 2^-24, and over the blocks sum |x_k y_k| <= |a_i| |a_j| (Cauchy-Schwarz); summing the
-    blocks' results in float64 adds at most 2^-52 of that per block, underflow below float32's
-    normal range at most 2^-148 per element, and 1e-9 of it covers norms a few ulps short. For a
-    screen that only needs to know that no dot comes near a threshold (screen.py: the
-    near-duplicate tests). None if a tensor is not float32 or a block's dot is not finite: the
-    caller computes the dots exactly."""
+    of Numerical Algorithms, eq. 3.5: any order of evaluation, with or without fused
+    multiply-adds), gamma_m = m u / (1 - m u) with u = 2^-24, and over the blocks
+    sum |x_k y_k| <= |a_i| |a_j| (Cauchy-Schwarz); summing the blocks' results in float64 adds at
+    most 2^-52 of that per block, underflow below float32's normal range at most 2^-148 per
+    element, and 1e-9 of it covers norms a few ulps short. On the CPU a block's dots are one float32
+    matrix product, [the pairs' first rows] x [every row]^T, so each row's block is read once for
+    all its pairs, not once per pair (elsewhere `torch.dot` per pair: a GPU's matrix product may
+    round its inputs to TF32). For a screen that only needs to know that no dot comes near a
+    threshold (screen.py: the near-duplicate tests). None if a tensor is not float32, the rows'
+    tensors differ in size, or a pair's sum is not finite: the caller computes the dots exactly."""
     parts = [[t.detach().reshape(-1) for t in flat_parts(d)] for d in items]
+    if not pairs:
+        return []
     if any(t.dtype != torch.float32 for row in parts for t in row):
         return None
-    out = []
-    for i, j in pairs:
-        total, n, blocks = 0.0, 0, 0
-        for x, y in zip(parts[i], parts[j], strict=True):
-            if x.numel() != y.numel():
-                return None
-            n += x.numel()
-            for lo in range(0, x.numel(), _EST_BLOCK):
-                total += float(torch.dot(x[lo : lo + _EST_BLOCK], y[lo : lo + _EST_BLOCK]))
-                blocks += 1
-        if not math.isfinite(total):
-            return None
-        scale = norms[i] * norms[j]
-        out.append((total, (_GAMMA * (1 + 1e-9) + (blocks + 1) * 2.0**-52) * scale + n * 2.0**-148))
-    return out
+    firsts = sorted({i for i, _ in pairs})
+    rows = firsts + sorted({r for pair in pairs for r in pair} - set(firsts))
+    sizes = [x.numel() for x in parts[rows[0]]]
+    if any([x.numel() for x in parts[r]] != sizes for r in rows):
+        return None
+    at = {r: k for k, r in enumerate(rows)}
+    where = [(at[i], at[j]) for i, j in pairs]
+    gemm = all(t.device.type == "cpu" for r in rows for t in parts[r])
+    totals = [0.0] * len(pairs)
+    blocks = 0
+    for t, size in enumerate(sizes):
+        for lo in range(0, size, _EST_BLOCK):
+            hi = lo + _EST_BLOCK
+            if gemm:
+                x = torch.stack([parts[r][t][lo:hi] for r in rows])
+                g = torch.mm(x[: len(firsts)], x.T).tolist()
+                for p, (a, b) in enumerate(where):
+                    totals[p] += g[a][b]
+            else:
+                for p, (i, j) in enumerate(pairs):
+                    totals[p] += float(torch.dot(parts[i][t][lo:hi], parts[j][t][lo:hi]))
+            blocks += 1
+    if not all(math.isfinite(total) for total in totals):
+        return None
+    n = sum(sizes)
+    return [(total, (_GAMMA * (1 + 1e-9) + (blocks + 1) * 2.0**-52) * norms[i] * norms[j] + n * 2.0**-148)
+            for total, (i, j) in zip(totals, pairs, strict=True)]
 
 
 def flat_parts(delta: Delta) -> list[torch.Tensor]:
