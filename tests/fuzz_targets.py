@@ -67,7 +67,7 @@ def decode_packet_target(data: bytes) -> None:
 
 
 def decode_bundle_target(data: bytes) -> None:
-    c, p, extras = decode_bundle(data)
+    c, p, extras = decode_bundle(data, view=True)  # as check_bundles reads it: the packet in place
     decode_packet(p, SHAPES, MAX_PACKET)
     parse_signed_commitment(c)
     for x in extras:

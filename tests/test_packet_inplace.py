@@ -4,17 +4,26 @@ buffers refused, and a decoded delta that never shares memory with the bytes it 
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import pytest
 import torch
-from fuzz_targets import SHAPES, _delta, valid_packets
+from fuzz_targets import SHAPES, _delta, mutate, valid_packets
 from safetensors.torch import load as st_load
 
-from veriloco.compress import codec_from_spec
+from veriloco.compress import CodecError, codec_from_spec
+from veriloco.compress._common import all_finite
 from veriloco.compress.identity import IdentityCodec
 from veriloco.hashing import sha256_hex
-from veriloco.packet import PacketError, decode_bundle, decode_packet, encode_bundle, packet_codecs
+from veriloco.packet import (
+    PacketError,
+    _meta,
+    decode_bundle,
+    decode_packet,
+    encode_bundle,
+    packet_codecs,
+)
 
 
 def reference_decode(packet: bytes) -> dict[str, torch.Tensor]:
@@ -124,3 +133,64 @@ def test_a_key_named_twice_is_refused() -> None:
     packet = struct.pack("<Q", len(raw)) + raw + bytes(A + 2 * B)
     with pytest.raises(PacketError, match="twice"):
         decode_packet(packet, SHAPES, len(packet))
+
+
+def old_decode(data: bytes) -> dict[str, torch.Tensor]:
+    """decode_packet as it was before it read in place (8b459e1): safetensors' own reader."""
+    meta = _meta(data)
+    codecs = meta["codecs"]
+    want = {k: list(v) for k, v in SHAPES.items()}
+    if set(codecs) != set(want) or meta["shapes"] != want:
+        raise PacketError("packet does not match the model")
+    try:
+        tensors = st_load(data)
+    except Exception as e:  # noqa: BLE001 - what the old decoder caught
+        raise PacketError(str(e)) from None
+    grouped: dict[str, dict[str, torch.Tensor]] = {k: {} for k in want}
+    for name, t in tensors.items():
+        key, _, part = name.rpartition("/")
+        if key not in grouped or not part:
+            raise PacketError("a tensor that belongs to no parameter")
+        grouped[key][part] = t
+    out = {}
+    for key, parts in grouped.items():
+        try:
+            value = codec_from_spec(codecs[key]).decode(parts, tuple(want[key]))
+        except CodecError as e:
+            raise PacketError(str(e)) from None
+        if not all_finite(value):
+            raise PacketError("non-finite")
+        out[key] = value
+    return out
+
+
+def test_mutated_packets_decode_as_safetensors_decoded_them() -> None:
+    """Differential: for mutated valid packets, the in-place reader and safetensors' refuse the
+    same ones and decode the rest to the same tensors (a header naming a key twice aside, which
+    only the in-place reader refuses)."""
+    seeds = valid_packets()
+    rnd = random.Random(1)
+    outcomes = {"both refuse": 0, "same tensors": 0}
+    for k in range(1500):
+        seed = seeds[k % len(seeds)]
+        if k % 3:
+            data = mutate(seed, rnd)
+        else:  # bytes of the tensors changed, the header intact: decoded, or refused by a codec or as non-finite
+            data = bytearray(seed)
+            start = 8 + struct.unpack("<Q", seed[:8])[0]
+            for _ in range(rnd.randint(1, 4)):
+                data[rnd.randrange(start, len(data))] = rnd.randrange(256)
+            data = bytes(data)
+        try:
+            want = old_decode(data)
+        except PacketError:
+            want = None
+        try:
+            got = decode_packet(data, SHAPES, len(data) + 1)
+        except PacketError as e:
+            assert want is None or "twice" in str(e), (k, str(e))
+            outcomes["both refuse"] += 1
+            continue
+        assert want is not None and same(got, want), k
+        outcomes["same tensors"] += 1
+    assert min(outcomes.values()) > 50, outcomes  # both sides of the comparison were exercised
