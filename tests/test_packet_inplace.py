@@ -11,8 +11,9 @@ import pytest
 import torch
 from fuzz_targets import SHAPES, _delta, mutate, valid_packets
 from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
-from veriloco.compress import CodecError, codec_from_spec
+from veriloco.compress import CodecError, build_codecs, codec_from_spec
 from veriloco.compress._common import all_finite
 from veriloco.compress.identity import IdentityCodec
 from veriloco.hashing import sha256_hex
@@ -23,7 +24,9 @@ from veriloco.packet import (
     decode_packet,
     encode_bundle,
     packet_codecs,
+    save_bytes,
 )
+from veriloco.tensorfile import DTYPES
 
 
 def reference_decode(packet: bytes) -> dict[str, torch.Tensor]:
@@ -194,3 +197,26 @@ def test_mutated_packets_decode_as_safetensors_decoded_them() -> None:
         assert want is not None and same(got, want), k
         outcomes["same tensors"] += 1
     assert min(outcomes.values()) > 50, outcomes  # both sides of the comparison were exercised
+
+
+def test_save_bytes_are_safetensors_save() -> None:
+    """packet.save_bytes (what encode_packet writes) against safetensors.torch.save, byte for byte:
+    every codec's packet, and mixes of every dtype a packet may hold, empty and 0-d tensors, a
+    non-ASCII name and metadata, with and without metadata."""
+    for codecs in ("fp32", "fp16", "bf16", "int8:block=16", "int4:block=16", "topk:bits=8,density=0.1", "lowrank:rank=2"):
+        tensors = {}
+        for key, codec in build_codecs(codecs, SHAPES).items():
+            tensors |= {f"{key}/{part}": t.contiguous() for part, t in codec.encode(key, _delta()[key]).items()}
+        meta = {"veriloco.packet": '{"format":"1"}'}
+        assert save_bytes(tensors, meta) == st_save(tensors, metadata=meta), codecs
+    rnd = random.Random(3)
+    dtypes = list(DTYPES.values())
+    for _ in range(60):
+        tensors = {}
+        for i in range(rnd.randint(1, 7)):
+            shape = rnd.choice([(), (0,), (3,), (2, 5), (1, 0, 4), (7, 3)])
+            dtype = rnd.choice(dtypes)
+            name = rnd.choice(["w", "b", "é.weight", "layer.0", "z/v", "a"]) + str(i)
+            tensors[name] = (torch.rand(shape) * 100).to(dtype)
+        meta = rnd.choice([None, {"k": "v\"é\n"}])
+        assert save_bytes(tensors, meta) == st_save(tensors, metadata=meta), sorted((k, v.dtype) for k, v in tensors.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -184,3 +185,22 @@ def test_all_finite_is_isfinite_all_including_sums_that_overflow():
         x[617] = bad
         assert not all_finite(x) and not all_finite(x.to(torch.bfloat16))
     assert not all_finite(torch.tensor([3e38, 3e38, math.inf]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_mean_a_chunk_at_a_time_is_the_stacked_mean(dtype, monkeypatch):
+    """aggregate._mean (chunks of _MEAN_CHUNK through one float64 buffer) against the definition it
+    keeps: the float64 mean of the stacked rows, rounded once to the deltas' dtype, bit for bit; tensors
+    shorter than a chunk, one chunk exactly, and several with a short last one."""
+    agg = importlib.import_module("veriloco.verify.aggregate")  # the module (veriloco.verify.aggregate is also a function)
+
+    monkeypatch.setattr(agg, "_MEAN_CHUNK", 64)
+    g = torch.Generator().manual_seed(9)
+    for workers in (1, 2, 3, 5):
+        xs = [{"a": (torch.randn(7, 29, generator=g) * 10.0 ** torch.randint(-30, 30, (7, 29), generator=g)).to(dtype),
+               "b": torch.randn(64, generator=g).to(dtype), "c": torch.randn(3, generator=g).to(dtype)}
+              for _ in range(workers)]
+        got = agg._mean(xs)
+        rows, template = agg.stack(xs)
+        want = agg.unflatten(agg._mean_rows(rows), template)
+        assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in want), workers

@@ -549,16 +549,31 @@ def _mean_rows(rows: torch.Tensor) -> torch.Tensor:
     return acc / rows.shape[0]
 
 
+_MEAN_CHUNK = 1 << 16  # float64 elements the mean adds at a time (512 KB, which stays in the cache)
+
+
 def _mean(items: list[Delta]) -> Delta:
     """unflatten(_mean_rows(stack(items)), items[0]), bit for bit (the same float64 adds in
     the same order, the same division and rounding, element by element), one tensor at a time:
-    no [n, d] float64 matrix and no flat copy (bench/round_cost.py)."""
+    no [n, d] float64 matrix and no flat copy (bench/round_cost.py). Each tensor `_MEAN_CHUNK`
+    elements at a time, through one reused float64 buffer, rounded straight into the result's
+    dtype: no float64 copy of a tensor, nor of its mean."""
+    buf: list[torch.Tensor] = []
 
     def mean(ts: list[torch.Tensor]) -> torch.Tensor:
-        acc = ts[0].detach().to(torch.float64, copy=True)
-        for t in ts[1:]:
-            acc += t.detach()
-        return acc / len(ts)
+        first = ts[0].detach()
+        n = first.numel()
+        out = torch.empty(n, dtype=first.dtype, device=first.device)  # _assemble's dtype: no conversion there
+        if not buf or buf[0].device != first.device:
+            buf[:] = [torch.empty(_MEAN_CHUNK, dtype=torch.float64, device=first.device)]
+        for lo in range(0, n, _MEAN_CHUNK):
+            hi = min(lo + _MEAN_CHUNK, n)
+            acc = buf[0][: hi - lo].copy_(first[lo:hi])  # exact, as .to(float64)
+            for t in ts[1:]:
+                acc += t.detach()[lo:hi]  # left to right, one worker at a time, in float64
+            acc /= len(ts)
+            out[lo:hi] = acc  # rounded once, as .to(dtype)
+        return out
 
     return _by_tensor(items, mean)
 
