@@ -76,6 +76,13 @@ class ExchangeHandle:
         self._result = packets
         return packets
 
+    def forget(self) -> None:
+        """Let go of the received packets (the caller is done with their bytes); `wait()` after
+        this is an error."""
+        self._result = None
+        self._box.pop("packets", None)
+        self._box.setdefault("error", "the exchange's packets were let go")
+
 
 class Exchange:
     """All-gather of packets among the ranks of `group` (None: the default group)."""

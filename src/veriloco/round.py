@@ -1186,6 +1186,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     wait0 = time.perf_counter()
     packets = dict(zip(members, sent.handle.wait(), strict=True))
     wait_s = time.perf_counter() - wait0 + sent.waited_s
+    sizes = {j: len(data) for j, data in packets.items()}  # commitment + packet, as sent
     stats = sent.handle.stats
 
     # 4. verify every bundle: signature, commitment, packet, data, screen (verify/check.py)
@@ -1200,9 +1201,13 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     base_hash = w.base_hashes.pop(r)
     checks, loss_gains = Spent(), Spent()  # this worker's time in check_round, of which loss gains
     gain, gains = loss_gains_for(w, r, part, loss_gains)
+    def let_go() -> None:  # stored, hashed and decoded: the bundles' bytes are not read again
+        packets.clear()
+        sent.handle.forget()
+
     with checks.timing():
         check = check_round(
-            packets, run_id=w.identity.run_id, round=r, base_hash=base_hash,
+            packets, after_decode=let_go, run_id=w.identity.run_id, round=r, base_hash=base_hash,
             admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
             batch_root_of=lambda j: sent.batch_root if j == w.worker and sent.batch_root
             else batch_root(w.task, j, r, cfg.train.inner_steps),
@@ -1232,7 +1237,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     # every packet this round decoded (a rejected one resent next round is still a replay), and the accepted deltas
     w.previous = (dict(check.packet_hashes), check.accepted)
     for j in range(W):  # a worker that missed the round has no "last delta" to start from
-        if j not in packets:
+        if j not in sizes:
             w.history.pop(j, None)
             w.history_rounds.pop(j, None)
     verify_s = time.perf_counter() - verify0
@@ -1263,11 +1268,11 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     if stale.exists():
         stale.unlink()
     commitments = [check.commitments.get(j) for j in range(W)]
-    verdicts = [check.verdicts[j] if j in packets else part.absent.get(j, ABSENT) for j in range(W)]
+    verdicts = [check.verdicts[j] if j in sizes else part.absent.get(j, ABSENT) for j in range(W)]
     stage_record = {  # what this stage decided; the whole record when there is one stage
         "packets": hashes,
         "bundles": [bundle_hashes.get(j) for j in range(W)],
-        "bundle_bytes": [len(packets[j]) if j in packets else 0 for j in range(W)],  # commitment + packet, as sent
+        "bundle_bytes": [sizes.get(j, 0) for j in range(W)],  # commitment + packet, as sent
         "verdicts": verdicts,
         "evidence": {str(j): e for j, e in check.evidence.items()},
         "commitments": [c.digest if c else None for c in commitments],
@@ -1316,11 +1321,11 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     # two inner steps
     stages = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group) if w.topo.stages > 1 else None
     return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, gathered, stage_record, entry_commitments, stages,
-                                              packets, evaluating, defer, overlapped_s))
+                                              sizes, evaluating, defer, overlapped_s))
 
 
 def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, gathered: list[torch.Tensor],
-               stage_record: dict, entry_commitments: list[dict], stages: list[dict] | None, packets: dict[int, bytes],
+               stage_record: dict, entry_commitments: list[dict], stages: list[dict] | None, sizes: dict[int, int],
                evaluating: bool, deferred: bool, overlapped_s: float) -> dict:
     """The round's record from every member's gathered figures (finish_round's last step), and
     with stages, from every stage's record and commitments (`stages`, in stage order)."""
@@ -1339,7 +1344,7 @@ def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, g
     else:
         record |= combine_stages([p["record"] for p in stages], w.store if w.is_recorder else None)
         entry_commitments = [c | {"stage": s} for s, p in enumerate(stages) for c in p["entry"]]
-    here = [j in packets for j in range(W)]  # an absent worker: null figures, 0 bytes
+    here = [j in sizes for j in range(W)]  # an absent worker: null figures, 0 bytes
     record |= {
         "hashes_agree": True,
         "train_loss": [float(x) if h else None for x, h in zip(g[:, -1, 0], here, strict=True)],  # the same on a worker's stages

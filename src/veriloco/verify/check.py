@@ -92,7 +92,8 @@ SCREEN_ARGS = ("screen", "previous", "earlier", "loss_gain_of", "loss_gains_of",
                "loss_gain_floor")  # screen_checked's
 
 
-def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> RoundCheck:
+def check_round(bundles: list[bytes] | dict[int, bytes], after_decode: Callable[[], None] | None = None,
+                **checks: Any) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id; a dict when only some
     workers took part, as under elastic membership): `check_bundles` with the `checks` it takes
     (run id, round, base hash, keys, shapes, ...), then `screen_checked` with those it takes
@@ -101,9 +102,13 @@ def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> Round
     `loss_gains_of(decoded, seed)` settles them from the assigned checkers' reports (lossgain.py;
     `seed`: the round's commitments), and a checker whose report does not reproduce gets
     FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the loss-gain test, or "audit"
-    it (RoundCheck.suspects)."""
+    it (RoundCheck.suspects). `after_decode()`: called once every bundle is decoded, before the
+    screen (a caller that lets the bundles' bytes go there: the decoded deltas hold none of them)."""
     screen = {k: checks.pop(k) for k in SCREEN_ARGS if k in checks}
-    return screen_checked(check_bundles(bundles, **checks), base_hash=checks["base_hash"], **screen)
+    bundled = check_bundles(bundles, **checks)
+    if after_decode is not None:
+        after_decode()
+    return screen_checked(bundled, base_hash=checks["base_hash"], **screen)
 
 
 def check_bundles(
