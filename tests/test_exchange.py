@@ -29,3 +29,31 @@ def test_a_new_exchange_waits_for_the_previous_ones_collectives():
     assert second.wait() == [b"second"] and first.wait() == [b"first"]
     (_, _, first_end), (_, second_start, _) = sorted(spans)  # "first" < "second"
     assert second_start >= first_end
+
+
+def test_a_forgotten_exchange_holds_no_packet():
+    # a round lets the received bundles go once they are decoded (round.start_finish): the handle
+    # must not keep them alive, and a later wait() must fail rather than return nothing
+    import gc
+    import weakref
+
+    import pytest
+
+    from veriloco.exchange import ExchangeError
+
+    class Packet(bytearray):  # a packet that a weak reference can watch (bytes cannot have one)
+        pass
+
+    ex = Exchange.__new__(Exchange)
+    ex.link, ex._last = None, None
+    ex._run = lambda packet, box: box.update(packets=[packet, Packet(b"theirs")], sent=0, received=0)
+    handle = ex.start(b"mine")
+    got = handle.wait()
+    theirs = weakref.ref(got[1])
+    assert handle.wait() is got  # waited twice: the same list
+    del got
+    handle.forget()
+    gc.collect()
+    assert theirs() is None
+    with pytest.raises(ExchangeError, match="let go"):
+        handle.wait()

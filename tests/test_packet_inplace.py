@@ -1,5 +1,7 @@
 """Packets are read in place (packet._parts): the same tensors as safetensors' own reader, the same
-buffers refused, and a decoded delta that never shares memory with the bytes it came from."""
+buffers refused, and a decoded delta that never shares memory with the bytes it came from, so a
+round may let the received bundles go once they are decoded. Packets are written as
+safetensors.torch.save writes them (packet.save_bytes)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ from safetensors.torch import save as st_save
 from veriloco.compress import CodecError, build_codecs, codec_from_spec
 from veriloco.compress._common import all_finite
 from veriloco.compress.identity import IdentityCodec
-from veriloco.hashing import sha256_hex
+from veriloco.hashing import canonical_json, sha256_hex
 from veriloco.packet import (
     PacketError,
     _meta,
     decode_bundle,
     decode_packet,
     encode_bundle,
+    encode_packet,
     packet_codecs,
     save_bytes,
 )
@@ -220,3 +223,47 @@ def test_save_bytes_are_safetensors_save() -> None:
             tensors[name] = (torch.rand(shape) * 100).to(dtype)
         meta = rnd.choice([None, {"k": "v\"é\n"}])
         assert save_bytes(tensors, meta) == st_save(tensors, metadata=meta), sorted((k, v.dtype) for k, v in tensors.items())
+
+
+def test_check_round_lets_the_bundles_go_before_its_screen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """round.start_finish drops the received bundles in check_round's `after_decode`: the hook runs
+    once, after every bundle is decoded and before the screen, and the verdicts, evidence, hashes
+    and deltas are those of a check that kept them."""
+    import importlib
+
+    from veriloco.verify.commitment import Commitment, EquivocationDetector, sign_commitment
+    from veriloco.verify.identity import derive_worker_key, public_key_hex
+
+    check = importlib.import_module("veriloco.verify.check")
+    shapes = {"a.weight": (64, 32), "b.bias": (32,)}
+    run, base = "ab" * 32, "cd" * 32
+    g = torch.Generator().manual_seed(5)
+    common = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+    def bundle(w: int) -> bytes:
+        delta = {k: common[k] + 0.5 * torch.randn(s, generator=g) for k, s in shapes.items()}
+        packet = encode_packet(delta, build_codecs("int8:block=32" if w == 1 else "fp32", shapes))
+        c = Commitment(run_id=run, round=1, worker=w, base_hash=base, batch_root=sha256_hex(b"%d" % w),
+                       trace_root=check.hex_root(["ef" * 32]), trace=("ef" * 32,), losses=(2.5,),
+                       packet_hash=sha256_hex(packet), packet_bytes=len(packet),
+                       codec=packet_codecs(packet)["a.weight"])
+        return encode_bundle(canonical_json(sign_commitment(c, derive_worker_key(0, w))), packet)
+
+    bundles = {w: bundle(w) for w in range(4)}
+    keys = {w: public_key_hex(derive_worker_key(0, w)) for w in range(4)}
+
+    def run_check(hook) -> check.RoundCheck:
+        return check.check_round(dict(bundles) if hook is None else held, after_decode=hook, run_id=run, round=1,
+                                 base_hash=base, admitted_keys=keys, shapes=shapes, max_packet_bytes=1 << 20,
+                                 batch_root_of=lambda w: sha256_hex(b"%d" % w), equivocation=EquivocationDetector(keys))
+
+    kept = run_check(None)
+    assert sorted(kept.accepted) == [0, 1, 2, 3]
+    events: list[str] = []
+    screen = check.screen_checked
+    monkeypatch.setattr(check, "screen_checked", lambda *a, **k: (events.append("screen"), screen(*a, **k))[1])
+    held = dict(bundles)
+    got = run_check(lambda: (events.append(f"let go of {len(held)}"), held.clear()))
+    assert events == ["let go of 4", "screen"] and not held
+    assert (got.verdicts, got.evidence, got.packet_hashes) == (kept.verdicts, kept.evidence, kept.packet_hashes)
+    assert all(same(got.decoded[w], kept.decoded[w]) for w in kept.decoded)
