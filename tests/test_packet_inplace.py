@@ -225,10 +225,10 @@ def test_save_bytes_are_safetensors_save() -> None:
         assert save_bytes(tensors, meta) == st_save(tensors, metadata=meta), sorted((k, v.dtype) for k, v in tensors.items())
 
 
-def test_check_round_lets_the_bundles_go_before_its_screen(monkeypatch: pytest.MonkeyPatch) -> None:
-    """round.start_finish drops the received bundles in check_round's `after_decode`: the hook runs
-    once, after every bundle is decoded and before the screen, and the verdicts, evidence, hashes
-    and deltas are those of a check that kept them."""
+def test_check_round_consumes_the_bundles_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """round.start_finish holds the received bundles in one dict and lets check_round take each out
+    as it checks it (`consume`): when a packet is decoded, the bundles not yet checked are all that
+    is left of them, and the verdicts, evidence, hashes and deltas are those of a check that kept them."""
     import importlib
 
     from veriloco.verify.commitment import Commitment, EquivocationDetector, sign_commitment
@@ -249,21 +249,21 @@ def test_check_round_lets_the_bundles_go_before_its_screen(monkeypatch: pytest.M
                        codec=packet_codecs(packet)["a.weight"])
         return encode_bundle(canonical_json(sign_commitment(c, derive_worker_key(0, w))), packet)
 
-    bundles = {w: bundle(w) for w in range(4)}
+    bundles = {w: bundle(w) for w in (2, 0, 3, 1)}  # an elastic round's members need not come sorted
     keys = {w: public_key_hex(derive_worker_key(0, w)) for w in range(4)}
 
-    def run_check(hook) -> check.RoundCheck:
-        return check.check_round(dict(bundles) if hook is None else held, after_decode=hook, run_id=run, round=1,
-                                 base_hash=base, admitted_keys=keys, shapes=shapes, max_packet_bytes=1 << 20,
-                                 batch_root_of=lambda w: sha256_hex(b"%d" % w), equivocation=EquivocationDetector(keys))
+    def run_check(given: dict[int, bytes], consume: bool) -> check.RoundCheck:
+        return check.check_round(given, consume=consume, run_id=run, round=1, base_hash=base, admitted_keys=keys,
+                                 shapes=shapes, max_packet_bytes=1 << 20, batch_root_of=lambda w: sha256_hex(b"%d" % w),
+                                 equivocation=EquivocationDetector(keys))
 
-    kept = run_check(None)
+    kept = run_check(dict(bundles), consume=False)
     assert sorted(kept.accepted) == [0, 1, 2, 3]
-    events: list[str] = []
-    screen = check.screen_checked
-    monkeypatch.setattr(check, "screen_checked", lambda *a, **k: (events.append("screen"), screen(*a, **k))[1])
     held = dict(bundles)
-    got = run_check(lambda: (events.append(f"let go of {len(held)}"), held.clear()))
-    assert events == ["let go of 4", "screen"] and not held
+    left: list[list[int]] = []
+    decode = check.decode_packet
+    monkeypatch.setattr(check, "decode_packet", lambda *a, **k: (left.append(list(held)), decode(*a, **k))[1])
+    got = run_check(held, consume=True)
+    assert left == [[0, 3, 1], [3, 1], [1], []] and not held
     assert (got.verdicts, got.evidence, got.packet_hashes) == (kept.verdicts, kept.evidence, kept.packet_hashes)
     assert all(same(got.decoded[w], kept.decoded[w]) for w in kept.decoded)

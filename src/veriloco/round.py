@@ -1186,6 +1186,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     wait0 = time.perf_counter()
     packets = dict(zip(members, sent.handle.wait(), strict=True))
     wait_s = time.perf_counter() - wait0 + sent.waited_s
+    sent.handle.forget()  # the bundles are held here only: the check takes each out as it decodes it
     sizes = {j: len(data) for j, data in packets.items()}  # commitment + packet, as sent
     stats = sent.handle.stats
 
@@ -1201,13 +1202,9 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     base_hash = w.base_hashes.pop(r)
     checks, loss_gains = Spent(), Spent()  # this worker's time in check_round, of which loss gains
     gain, gains = loss_gains_for(w, r, part, loss_gains)
-    def let_go() -> None:  # stored, hashed and decoded: the bundles' bytes are not read again
-        packets.clear()
-        sent.handle.forget()
-
     with checks.timing():
         check = check_round(
-            packets, after_decode=let_go, run_id=w.identity.run_id, round=r, base_hash=base_hash,
+            packets, consume=True, run_id=w.identity.run_id, round=r, base_hash=base_hash,
             admitted_keys=w.identity.admitted, shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
             batch_root_of=lambda j: sent.batch_root if j == w.worker and sent.batch_root
             else batch_root(w.task, j, r, cfg.train.inner_steps),

@@ -92,8 +92,7 @@ SCREEN_ARGS = ("screen", "previous", "earlier", "loss_gain_of", "loss_gains_of",
                "loss_gain_floor")  # screen_checked's
 
 
-def check_round(bundles: list[bytes] | dict[int, bytes], after_decode: Callable[[], None] | None = None,
-                **checks: Any) -> RoundCheck:
+def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> RoundCheck:
     """Verdict per worker for this round's bundles (index = worker id; a dict when only some
     workers took part, as under elastic membership): `check_bundles` with the `checks` it takes
     (run id, round, base hash, keys, shapes, ...), then `screen_checked` with those it takes
@@ -102,13 +101,9 @@ def check_round(bundles: list[bytes] | dict[int, bytes], after_decode: Callable[
     `loss_gains_of(decoded, seed)` settles them from the assigned checkers' reports (lossgain.py;
     `seed`: the round's commitments), and a checker whose report does not reproduce gets
     FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the loss-gain test, or "audit"
-    it (RoundCheck.suspects). `after_decode()`: called once every bundle is decoded, before the
-    screen (a caller that lets the bundles' bytes go there: the decoded deltas hold none of them)."""
+    it (RoundCheck.suspects)."""
     screen = {k: checks.pop(k) for k in SCREEN_ARGS if k in checks}
-    bundled = check_bundles(bundles, **checks)
-    if after_decode is not None:
-        after_decode()
-    return screen_checked(bundled, base_hash=checks["base_hash"], **screen)
+    return screen_checked(check_bundles(bundles, **checks), base_hash=checks["base_hash"], **screen)
 
 
 def check_bundles(
@@ -126,6 +121,7 @@ def check_bundles(
     banned: set[int] | frozenset[int] = frozenset(),
     bundle_hashes: Mapping[int, str] | None = None,
     packet_hashes_known: Mapping[int, str] | None = None,
+    consume: bool = False,
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
     hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
@@ -134,13 +130,17 @@ def check_bundles(
     store's digest), so that a model-sized bundle is not hashed twice; a packet is hashed once.
     `packet_hashes_known`: the sha256 of the packet inside a bundle where the caller hashed it
     itself (its own bundle, the very bytes it built and sent: round.finish_round), not hashed
-    again."""
+    again. `consume` (a dict of bundles): take each bundle out of it as it is checked, so that a
+    caller holding them nowhere else has one bundle's bytes at a time beside the decoded deltas
+    (which hold none of them), not all of them."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
     decoded: dict[int, dict[str, torch.Tensor]] = {}
     evidence: dict[int, Any] = {}
-    for w, data in (bundles.items() if isinstance(bundles, dict) else enumerate(bundles)):
+    order = list(bundles) if isinstance(bundles, dict) else range(len(bundles))  # the keys, before any is taken out
+    for w in order:
+        data = bundles.pop(w) if consume and isinstance(bundles, dict) else bundles[w]
         commitments[w] = None
         try:
             raw_commitment, packet, extras = decode_bundle(data, view=True)  # the packet read in place
