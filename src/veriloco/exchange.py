@@ -37,6 +37,11 @@ def _send_view(packet: bytes) -> torch.Tensor:
         return torch.frombuffer(packet, dtype=torch.uint8)
 
 
+def _received(buf: torch.Tensor) -> memoryview:
+    """A received packet's bytes: a read-only view of `buf` (the memoryview keeps it alive)."""
+    return memoryview(buf.cpu().numpy()).toreadonly()
+
+
 class ExchangeError(RuntimeError):
     """The exchange failed (a peer died, timed out, or sent an oversized packet)."""
 
@@ -59,7 +64,9 @@ class ExchangeHandle:
         self.stats = ExchangeStats()
         self._result: list[bytes] | None = None
 
-    def wait(self) -> list[bytes]:
+    def wait(self) -> list[bytes | memoryview]:
+        """Every rank's packet in rank order: this rank's as given, the others' as read-only
+        memoryviews of what was received."""
         if self._result is not None:
             return self._result
         self._thread.join()
@@ -156,9 +163,9 @@ class Exchange:
             bufs = {r: torch.empty(n, dtype=torch.uint8, device=self.device) for r, n in enumerate(sizes_list)
                     if r != self.rank and n}
             self._transfer(own, bufs)
-            # each received tensor is let go as soon as its bytes are made (nothing else holds it once
-            # _transfer returned): one packet's memory twice at a time, not every packet's
-            box["packets"] = [packet if r == self.rank else bufs.pop(r).cpu().numpy().tobytes() if r in bufs else b""
+            # a peer's packet is handed on as a read-only view of the memory it was received into, not
+            # copied into bytes (on a GPU, copied to the host once): a packet's memory once, not twice
+            box["packets"] = [packet if r == self.rank else _received(bufs.pop(r)) if r in bufs else b""
                               for r in range(self.size)]
             peers = self.size - 1
             box["sent"] = (len(packet) + 8) * peers

@@ -220,16 +220,17 @@ def encode_bundle(signed_commitment: bytes, packet: bytes, extras: tuple[bytes, 
     return b"".join(out)
 
 
-def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20, *,
+def decode_bundle(data: bytes | memoryview, max_commitment_bytes: int = 1 << 20, *,
                   view: bool = False) -> tuple[bytes, bytes | memoryview, list[bytes]]:
-    """(signed commitment, packet, extras) of a peer's bundle; PacketError if malformed. `view`:
-    the packet as a memoryview of `data` (bytes), not a copy of the model-sized part."""
+    """(signed commitment, packet, extras) of a peer's bundle (bytes, or a read-only memoryview as
+    the exchange hands it on); PacketError if malformed. `view`: the packet as a memoryview of
+    `data`, not a copy of the model-sized part."""
     if len(data) < 16 or data[:4] != BUNDLE_MAGIC:
         raise PacketError("bundle does not start with VLB1")
     (n,) = struct.unpack(">I", data[4:8])
     if n > max_commitment_bytes or 8 + n + 8 > len(data):
         raise PacketError(f"bundle claims a commitment of {n} bytes, bundle has {len(data) - 8}")
-    commitment, pos = data[8 : 8 + n], 8 + n
+    commitment, pos = bytes(data[8 : 8 + n]), 8 + n
     (m,) = struct.unpack(">Q", data[pos : pos + 8])
     pos += 8
     if m > len(data) - pos:
@@ -242,6 +243,6 @@ def decode_bundle(data: bytes, max_commitment_bytes: int = 1 << 20, *,
         (k,) = struct.unpack(">I", data[pos : pos + 4])
         if k > max_commitment_bytes or pos + 4 + k > len(data):
             raise PacketError(f"bundle extra claims {k} bytes, bundle has {len(data) - pos - 4}")
-        extras.append(data[pos + 4 : pos + 4 + k])
+        extras.append(bytes(data[pos + 4 : pos + 4 + k]))
         pos += 4 + k
     return commitment, packet, extras
