@@ -15,7 +15,6 @@ validates a buffer), so a model-sized fp32 packet is copied once, into the delta
 from __future__ import annotations
 
 import json
-import math
 import struct
 import warnings
 
@@ -24,7 +23,7 @@ import torch
 from .compress import Codec, CodecError, codec_from_spec
 from .compress._common import all_finite
 from .hashing import canonical_json
-from .tensorfile import DTYPES, NAMES
+from .tensorfile import NAMES, header_entry
 
 FORMAT = "1"
 
@@ -125,14 +124,10 @@ def _parts(data: bytes | memoryview, header: dict) -> tuple[dict[str, torch.Tens
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (begin, end) = DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
-            ok = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)  # not bools
-                  and type(begin) is int and type(end) is int and end - begin == math.prod(shape) * dtype.itemsize)
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
+        got = header_entry(entry)
+        if got is None:
             raise PacketError(f"packet tensor {name!r:.60} has a malformed dtype, shape or offsets")
+        dtype, shape, begin, end = got
         entries.append((begin, end, name, dtype, shape))
     at = 0
     for begin, end, name, _, _ in sorted(entries, key=lambda e: (e[0], e[1])):

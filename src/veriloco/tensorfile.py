@@ -38,6 +38,19 @@ MAX_HEADER = 64 << 20  # bytes; larger is not a file veriloco reads (the format 
 Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]  # name -> (dtype, shape)
 
 
+def header_entry(entry: object, dtypes: Mapping[str, torch.dtype] = DTYPES) -> tuple[torch.dtype, list[int], int, int] | None:
+    """(dtype, shape, begin, end) of one tensor's entry in a safetensors header, or None if it is
+    malformed: an unknown dtype, a shape that is not a list of non-negative ints, offsets that are
+    not two ints, or a byte count that is not the shape's (end < begin among them)."""
+    try:
+        dtype, shape, (begin, end) = dtypes[entry["dtype"]], entry["shape"], entry["data_offsets"]  # type: ignore[index]
+        ok = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)  # not bools
+              and type(begin) is int and type(end) is int and end - begin == math.prod(shape) * dtype.itemsize)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return (dtype, shape, begin, end) if ok else None
+
+
 class TensorFile(Mapping[str, torch.Tensor]):
     """The tensors of a safetensors file, each read when asked for (module docstring). ValueError,
     one line starting with `label`, for a file that is not one."""
@@ -60,15 +73,10 @@ class TensorFile(Mapping[str, torch.Tensor]):
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
-            try:
-                dtype, shape, (begin, end) = dtypes[entry["dtype"]], entry["shape"], entry["data_offsets"]
-                ok = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)  # not bools
-                      and type(begin) is int and type(end) is int
-                      and 0 <= begin <= end <= data and end - begin == math.prod(shape) * dtype.itemsize)
-            except (KeyError, TypeError, ValueError):
-                ok = False
-            if not ok:
+            got = header_entry(entry, dtypes)
+            if got is None or not 0 <= got[2] <= got[3] <= data:
                 raise ValueError(f"{label} is not a safetensors file veriloco reads: tensor {name!r:.60} is malformed")
+            dtype, shape, begin, end = got
             self.index[name] = (dtype, tuple(shape), 8 + n + begin, end - begin)
 
     def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
