@@ -93,18 +93,14 @@ def main() -> int:
         print(f"elastic_latency.py: skipped: {why}")
         return 0
 
-    from round_cost import alternating, conclude
+    from round_cost import alternating, conclude, side_medians
 
     with tempfile.TemporaryDirectory(prefix="elastic-latency-") as tmp:
         sides, rows = alternating(args.old, args.trials, Path(tmp), lambda src, out: run_once(src, args, out),
                                   lambda row: f"trial {row['trial']} | {row['side']:>3} | round {row['round_s']:.3f} s "
                                               f"(inner steps {row['inner_s']:.3f} s, exchange {row['exchange_s']:.3f} s) | "
                                               f"wall {row['wall_s']:.1f} s | eval {row['eval_loss']:.4f}")
-    summary = []
-    for side in sides:
-        mine = [r for r in rows if r["side"] == side]
-        summary.append({"side": side, **{k: round(statistics.median(r[k] for r in mine), 4)
-                                         for k in ("round_s", "inner_s", "exchange_s", "protocol_share", "wall_s")}})
+    summary = side_medians(sides, rows, ("round_s", "inner_s", "exchange_s", "protocol_share", "wall_s"))
     print(f"\n{args.workers} workers, {args.rounds} rounds, {args.bandwidth}, {args.latency} one way; medians over {args.trials} trials")
     print("| side | round | inner steps | exchange | not inner steps | wall |")
     print("|---|---|---|---|---|---|")

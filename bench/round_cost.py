@@ -103,6 +103,12 @@ def alternating(old: str | None, trials: int, tmp: Path, run: Callable[[Path, Pa
     return [side for side, _ in sides], rows
 
 
+def side_medians(sides: list[str], rows: list[dict], fields: tuple[str, ...]) -> list[dict]:
+    """Per side (`alternating`'s order), the median over its rows of each field, rounded to 4 places."""
+    return [{"side": side, **{k: round(statistics.median(r[k] for r in rows if r["side"] == side), 4) for k in fields}}
+            for side in sides]
+
+
 def conclude(out: str, result: dict, rows: list[dict]) -> int:
     """Says whether every row recorded the same params hashes, writes `result` (with
     `hashes_identical`) to `out` as JSON; 0 if they did, else 1."""

@@ -102,15 +102,14 @@ def main() -> int:
     if args.slow:
         overrides += [f"--adversary.{w}=red_team:SlowRounds:seconds={args.slow},parity={w % 2}" for w in range(args.workers)]
 
-    from round_cost import alternating, conclude
+    from round_cost import alternating, conclude, side_medians
 
     with tempfile.TemporaryDirectory(prefix="utilisation-") as tmp:
         sides, rows = alternating(args.old, args.trials, Path(tmp), lambda src, out: run_once(src, overrides, out),
                                   lambda row: f"trial {row['trial']} | {row['side']:>3} | utilisation {row['utilisation']:.2%} | "
                                               f"wall {row['wall_s']:.2f} s | {row['tokens_per_s']:.0f} tok/s | "
                                               f"straggler {row['straggler_s']:.3f} s | eval {row['eval_loss']:.4f}")
-    summary = [{"side": side, **{k: round(statistics.median(r[k] for r in rows if r["side"] == side), 4) for k in FIELDS}}
-               for side in sides]
+    summary = side_medians(sides, rows, FIELDS)
     print(f"\nrow {args.row}, {args.workers} workers, {args.rounds} rounds x H = {args.inner_steps}"
           f"{f', each {args.slow} s slower in every other round' if args.slow else ''}; medians over {args.trials} trials")
     print("| side | utilisation | wall | tokens/s | straggler | exchange wait |")

@@ -433,9 +433,9 @@ def bounded_dots(items: Sequence[Delta], pairs: Sequence[tuple[int, int]],
     round its inputs to TF32). For a screen that only needs to know that no dot comes near a
     threshold (screen.py: the near-duplicate tests). None if a tensor is not float32, the rows'
     tensors differ in size, or a pair's sum is not finite: the caller computes the dots exactly."""
-    parts = [[t.detach().reshape(-1) for t in flat_parts(d)] for d in items]
     if not pairs:
         return []
+    parts = [[t.detach().reshape(-1) for t in flat_parts(d)] for d in items]
     if any(t.dtype != torch.float32 for row in parts for t in row):
         return None
     firsts = sorted({i for i, _ in pairs})
@@ -558,17 +558,18 @@ def _mean(items: list[Delta]) -> Delta:
     no [n, d] float64 matrix and no flat copy (bench/round_cost.py). Each tensor `_MEAN_CHUNK`
     elements at a time, through one reused float64 buffer, rounded straight into the result's
     dtype: no float64 copy of a tensor, nor of its mean."""
-    buf: list[torch.Tensor] = []
+    buf: torch.Tensor | None = None
 
     def mean(ts: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal buf
         first = ts[0].detach()
         n = first.numel()
         out = torch.empty(n, dtype=first.dtype, device=first.device)  # _assemble's dtype: no conversion there
-        if not buf or buf[0].device != first.device:
-            buf[:] = [torch.empty(_MEAN_CHUNK, dtype=torch.float64, device=first.device)]
+        if buf is None or buf.device != first.device:
+            buf = torch.empty(_MEAN_CHUNK, dtype=torch.float64, device=first.device)
         for lo in range(0, n, _MEAN_CHUNK):
             hi = min(lo + _MEAN_CHUNK, n)
-            acc = buf[0][: hi - lo].copy_(first[lo:hi])  # exact, as .to(float64)
+            acc = buf[: hi - lo].copy_(first[lo:hi])  # exact, as .to(float64)
             for t in ts[1:]:
                 acc += t.detach()[lo:hi]  # left to right, one worker at a time, in float64
             acc /= len(ts)
