@@ -129,6 +129,18 @@ def _paced_gloo_class() -> type:
     return PacedGloo
 
 
+def torch_adamw(opt: Any) -> torch.optim.AdamW:
+    """`torch.optim.AdamW` over the same groups (lr, betas, eps, weight decay) as the inner loop's
+    `veriloco.inner.AdamW`, before any step: torchft's DiLoCo registers a step pre-hook on the
+    optimizer it is given, which only `torch.optim.Optimizer` has. The same kernel call, so the
+    same steps bit for bit (tests/test_inner_adamw.py compares the two classes)."""
+    if any(opt.state.values()):
+        raise ValueError("torch_adamw: the optimizer has already stepped")
+    first = opt.param_groups[0]
+    return torch.optim.AdamW([{k: v for k, v in g.items()} for g in opt.param_groups], lr=first["lr"],
+                             betas=first["betas"], eps=first["eps"], foreach=opt.foreach)
+
+
 def _worker(
     rank: int, world: int, cfg: Config, link: Link | None, lighthouse: str, barrier: Any, out_dir: str,
 ) -> None:
@@ -154,6 +166,7 @@ def _worker(
             return lm_loss(mod(x), y)
 
         inner = InnerLoop(model, t, t.rounds * t.inner_steps, loss_fn)
+        inner.opt = torch_adamw(inner.opt)  # torchft hooks the optimizer's step: it needs torch's class
         o = cfg.outer
         outer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
                                 nesterov=o.nesterov and o.momentum > 0)
