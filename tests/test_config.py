@@ -46,10 +46,31 @@ def test_override_types():
         ("--model.d_model=31", "divisible"),
         ("train.rounds", "--section.key=value"),
         ("--verify.loss_gain_floor=1.5", "verify.loss_gain_floor must be in [0, 1), got 1.5"),
-        ("--verify.loss_gain_floor=nan", "verify.loss_gain_floor must be in [0, 1), got nan"),
+        ("--verify.loss_gain_floor=nan", "verify.loss_gain_floor: expected a finite number, got nan"),
         ("--verify.replay_extent=half", "verify.replay_extent must be 'round', 'segment' or 'state', got 'half'"),
         ("--train.round_warmup_steps=9", "train.round_warmup_steps must be in [0, train.inner_steps = 5], got 9"),
         ("--train.inner_state=reset --verify.replay_probability=0.5", "verify.trace_every (10) must divide train.inner_steps (5)"),
+        # found by a sweep of every int and float field at -1 and 0 (thirty-fourth session): each of
+        # these was accepted and failed later (a ZeroDivisionError, "training failed" with exit 1),
+        # or ran as nothing should (a negative weight decay, a beta of 1.5: the inner AdamW, unlike
+        # torch's class, checks none of its arguments)
+        ("--model.n_head=0", "model.n_head must be >= 1, got 0"),
+        ("--model.n_head=-2", "model.n_head must be >= 1, got -2"),
+        ("--model.d_model=0", "model.d_model must be >= 1, got 0"),
+        ("--topology.microbatches=0", "topology.microbatches must be >= 1, got 0"),
+        ("--train.beta1=1.5", "train.beta1 and train.beta2 must be in [0, 1), got 1.5 and 0.95"),
+        ("--train.beta2=-0.1", "train.beta1 and train.beta2 must be in [0, 1), got 0.9 and -0.1"),
+        ("--train.weight_decay=-1", "train.weight_decay must be >= 0, got -1.0"),
+        ("--train.grad_clip=-1", "train.grad_clip must be >= 0 (0: no clipping), got -1.0"),
+        ("--train.warmup_steps=-1", "train.warmup_steps must be >= 0, got -1"),
+        ("--data.max_bytes=-1", "data.max_bytes must be >= 0 (0: all of the corpus), got -1"),
+        ("--run.seed=-1", "run.seed must be in [0, 2^63), got -1"),
+        ("--run.seed=36893488147419103232", "run.seed must be in [0, 2^63), got 36893488147419103232"),
+        ("--run.max_packet_bytes=0", "run.max_packet_bytes must be >= 1, got 0"),
+        # TOML's inf and nan: `> 0` lets inf through (outer.lr = inf failed in the workers)
+        ("--outer.lr=inf", "outer.lr: expected a finite number, got inf"),
+        ("--train.lr=-inf", "train.lr: expected a finite number, got -inf"),
+        ("--outer.momentum=nan", "outer.momentum: expected a finite number, got nan"),
     ],
 )
 def test_bad_override_names_the_key(override, needle):
@@ -86,6 +107,40 @@ def test_cli_exit_2_one_line(args, needle, tmp_path, monkeypatch, capsys):
     code, lines, _ = cli(monkeypatch, capsys, *args, *(["--out", str(tmp_path / "r")] if args[1] != "--resume" else []))
     assert code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "r" / "rounds.jsonl").exists()  # nothing half-written
+
+
+def test_a_file_where_a_directory_must_go_exits_2_with_nothing_made(tmp_path, monkeypatch, capsys):
+    """`--out` of train and export, and keygen's, at a file or under one: one line and exit 2 (each was
+    exit 1, train's "training failed: [Errno 20] Not a directory", the others' a traceback), and
+    no directory is left that the command made."""
+    from veriloco.run import train
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a directory\n")
+    run = tmp_path / "run"
+    train(tiny("--train.rounds=1", "--train.inner_steps=1"), str(run), quiet=True)
+    before = sorted(tmp_path.rglob("*"))
+    for args in (["train", str(TINY), "--out", str(a_file)],
+                 ["train", str(TINY), "--out", str(a_file / "deeper" / "r")],
+                 ["export", str(run), "--out", str(a_file / "x")],
+                 ["keygen", "--out", str(a_file), "--workers", "2"],
+                 ["keygen", "--out", str(a_file / "keys"), "--workers", "2"]):
+        code, lines, _ = cli(monkeypatch, capsys, *args)
+        assert code == 2 and len(lines) == 1 and "is a file" in lines[0] and str(a_file) in lines[0], (args, lines)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_keygen_writes_no_key_into_a_directory_that_has_some(tmp_path, monkeypatch, capsys):
+    """A second keygen for more workers refuses before writing any (it used to fail at the first
+    existing key, after writing none, but at a later one after writing the first ones)."""
+    keys = tmp_path / "keys"
+    assert cli(monkeypatch, capsys, "keygen", "--out", str(keys), "--workers", "2")[0] == 0
+    (keys / "worker-0.key").unlink()
+    (keys / "worker-0.pub").unlink()
+    before = {p.name: p.read_bytes() for p in keys.iterdir()}
+    code, lines, _ = cli(monkeypatch, capsys, "keygen", "--out", str(keys), "--workers", "3")
+    assert code == 2 and len(lines) == 1 and "worker-1.key already exists" in lines[0], lines
+    assert {p.name: p.read_bytes() for p in keys.iterdir()} == before
 
 
 def test_the_module_entry_exits_2_in_one_line(tmp_path):

@@ -41,7 +41,9 @@ def test_the_same_seed_prints_the_same_text(run_dir):
 
 def test_bad_input_is_one_line(run_dir, tmp_path, monkeypatch, capsys):
     for args, message in (((str(run_dir), "--tokens", "0"), "--tokens must be >= 1, got 0"),
-                          ((str(run_dir), "--temperature", "-1"), "--temperature must be >= 0"),
+                          ((str(run_dir), "--temperature", "-1"), "--temperature must be a number >= 0"),
+                          ((str(run_dir), "--temperature", "nan"), "--temperature must be a number >= 0, got nan"),
+                          ((str(run_dir), "--seed", str(1 << 64)), "--seed must be in [-2^63, 2^64)"),
                           ((str(run_dir), "--round", "7"), "round 7 is not in"),
                           ((str(tmp_path),), "is not a run directory")):
         code, lines, _ = cli(monkeypatch, capsys, "sample", *args)

@@ -388,12 +388,19 @@ def keygen(
     workers: int = typer.Option(..., "--workers", help="how many workers"),
 ) -> None:
     """Ed25519 keys for each worker: worker-<w>.key (private, 0600) and worker-<w>.pub."""
+    from .records import RunDirError, make_dirs
     from .verify.identity import IdentityError, generate_key, public_key_hex, save_private_key
 
     if workers < 1:
         fail(f"--workers must be >= 1, got {workers}")
     d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
+    taken = [p for w in range(workers) for p in (d / f"worker-{w}.key", d / f"worker-{w}.pub") if p.exists()]
+    if taken:  # before any key is written: a key lost is an identity lost, and half a set is no set
+        fail(f"{taken[0]} already exists; keygen writes new keys into a directory without them")
+    try:
+        make_dirs(d)
+    except RunDirError as e:
+        fail(str(e))
     for w in range(workers):
         private, _ = generate_key()
         try:

@@ -460,6 +460,8 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML's inf and nan: no field means anything by them
+                raise ConfigError(f"{where}: expected a finite number, got {value}")
             return float(value)
     elif typ is str:
         if isinstance(value, str):
@@ -550,6 +552,8 @@ def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     m, t, d = cfg.model, cfg.train, cfg.data
     need(m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}")
+    need(m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}")
+    need(m.d_model >= 1, f"model.d_model must be >= 1, got {m.d_model}")
     need(m.d_model % m.n_head == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_head ({m.n_head})")
     need(m.ctx >= 2, f"model.ctx must be >= 2, got {m.ctx}")
     need(m.vocab_size >= 2, f"model.vocab_size must be >= 2, got {m.vocab_size}")
@@ -559,6 +563,11 @@ def validate(cfg: Config) -> None:
     need(t.inner_steps >= 1, f"train.inner_steps must be >= 1, got {t.inner_steps}")
     need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1,
+         f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1} and {t.beta2}")
+    need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0: no clipping), got {t.grad_clip}")
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
     need(t.eval_every >= 1, f"train.eval_every must be >= 1, got {t.eval_every}")
@@ -572,11 +581,14 @@ def validate(cfg: Config) -> None:
          f"train.round_warmup_steps must be in [0, train.inner_steps = {t.inner_steps}], got {t.round_warmup_steps}")
     need(0 < d.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5), got {d.eval_fraction}")
     need(d.chunk_bytes >= 1024, f"data.chunk_bytes must be >= 1024, got {d.chunk_bytes}")
+    need(d.max_bytes >= 0, f"data.max_bytes must be >= 0 (0: all of the corpus), got {d.max_bytes}")
     need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype must be uint16 or uint32, got {d.bin_dtype!r}")
     need(not d.eos or bool(d.tokenizer), "data.eos needs data.tokenizer (a byte-level corpus has no end-of-text token)")
     need(cfg.outer.lr > 0, f"outer.lr must be > 0, got {cfg.outer.lr}")
     need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
     _check_topology(cfg)
+    need(0 <= cfg.run.seed < 1 << 63, f"run.seed must be in [0, 2^63), got {cfg.run.seed}")
+    need(cfg.run.max_packet_bytes >= 1, f"run.max_packet_bytes must be >= 1, got {cfg.run.max_packet_bytes}")
     need(cfg.run.backend in ("auto", "gloo", "nccl"), f"run.backend must be auto, gloo or nccl, got {cfg.run.backend!r}")
     need(cfg.run.device in ("cpu", "cuda"), f"run.device must be 'cpu' or 'cuda', got {cfg.run.device!r}")
     need(cfg.run.backend != "nccl" or cfg.run.device == "cuda",
@@ -721,12 +733,12 @@ def _check_adaptive_h(cfg: Config) -> None:
 
 def _check_topology(cfg: Config) -> None:
     p, t = cfg.topology, cfg.train
+    need(p.microbatches >= 1, f"topology.microbatches must be >= 1, got {p.microbatches}")  # before the % below
     checks = (
         (p.workers >= 1, f"topology.workers must be >= 1, got {p.workers}"),
         (p.stages >= 1, f"topology.stages must be >= 1, got {p.stages}"),
         (p.stages <= cfg.model.n_layer,
          f"topology.stages ({p.stages}) > model.n_layer ({cfg.model.n_layer}): every stage needs at least one block"),
-        (p.microbatches >= 1, f"topology.microbatches must be >= 1, got {p.microbatches}"),
         (t.batch_size % p.microbatches == 0,
          f"train.batch_size ({t.batch_size}) must be divisible by topology.microbatches ({p.microbatches})"),
         (p.schedule in ("gpipe", "1f1b"), f"topology.schedule must be 'gpipe' or '1f1b', got {p.schedule!r}"),

@@ -29,7 +29,7 @@ import torch
 
 from .config import Config, ConfigError, config_from_dict
 from .hashing import TensorsHasher
-from .records import RunDir, pruned
+from .records import RunDir, make_dirs, pruned, remove_dirs
 from .store import LocalStore, StoreError
 from .tensorfile import FileTensors, TensorFile, write_tensors
 
@@ -194,7 +194,7 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
         raise ExportError(f"{out} already exists; export writes a new directory")
     opened = open_round(run_dir, round)
     cfg, params, r = opened.cfg, opened.params, opened.round
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = make_dirs(out.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed to out once whole
     try:
         if cfg.model.arch != "gpt":
@@ -223,6 +223,7 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_dirs(made)
         raise
     return out, r
 

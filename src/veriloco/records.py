@@ -34,6 +34,32 @@ class RunDirError(ValueError):
     """A run directory is missing, incomplete, or holds malformed records."""
 
 
+def make_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """`mkdir -p path`; returns the directories it made, deepest first (what to remove if what
+    follows fails). A file where a directory must go, or a directory the OS refuses to make, is a
+    RunDirError in one line, with nothing made."""
+    path = Path(path)
+    made = [d for d in (path, *path.parents) if not d.exists()]
+    nearest = next((d for d in (path, *path.parents) if d.exists()), None)
+    if nearest is not None and not nearest.is_dir():
+        raise RunDirError(f"{nearest} is a file, not a directory (making {path})")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # no permission, a read-only file system, ...
+        remove_dirs(made)
+        raise RunDirError(f"cannot make the directory {path}: {e.strerror or e}") from None
+    return made
+
+
+def remove_dirs(made: Sequence[Path]) -> None:
+    """Remove what `make_dirs` made, deepest first, each only if it is empty."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
 class RunDir:
     """Paths and readers/writers of one run directory."""
 

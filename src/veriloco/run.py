@@ -7,7 +7,6 @@ reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment torchru
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -24,7 +23,14 @@ from .hashing import canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_meta, build_model
 from .procs import start_workers, warm
-from .records import RunDir, RunDirError, checkpoint_blobs, prune_checkpoints
+from .records import (
+    RunDir,
+    RunDirError,
+    checkpoint_blobs,
+    make_dirs,
+    prune_checkpoints,
+    remove_dirs,
+)
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, StagedBlob, run_ref
 from .task import CorpusTask, Task, initial_digest
@@ -58,8 +64,9 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     written into the store one tensor at a time (from `[model] init`'s files, read a tensor at a
     time, or from the seed's model), so this holds at most the model, never its bytes beside it."""
     home = Path(out).parent if out else Path("runs")  # G_0 (and tokenized text) is staged beside the run directory
-    made = [d for d in (home, *home.parents) if not d.exists()]
-    home.mkdir(parents=True, exist_ok=True)
+    if out and Path(out).exists() and not Path(out).is_dir():
+        raise RunDirError(f"--out {out} is a file, not a run directory")
+    made = make_dirs(home)
     run = None
     try:
         with prepare_corpus(cfg.data, cfg.model.vocab_size, cfg.model.ctx, scratch=home) as corpus, StagedBlob(home) as g0:
@@ -100,9 +107,7 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     except BaseException:  # nothing half-written: a run directory this made goes, and the directories made for it
         if run is not None and run.root in made:
             shutil.rmtree(run.root, ignore_errors=True)
-        for d in made:
-            with contextlib.suppress(OSError):
-                d.rmdir()
+        remove_dirs(made)
         raise
     return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest["initial_params"])
 

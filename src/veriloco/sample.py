@@ -10,6 +10,7 @@ so the same command prints the same text.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -46,10 +47,12 @@ def sample(run_dir: str | Path, prompt: str = "", tokens: int = 200, temperature
     returns (the new text, the round)."""
     if tokens < 1:
         raise ExportError(f"--tokens must be >= 1, got {tokens}")
-    if temperature < 0:
-        raise ExportError(f"--temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ExportError(f"--temperature must be a number >= 0, got {temperature}")
     if top_k < 0:
         raise ExportError(f"--top-k must be >= 0, got {top_k}")
+    if not -(1 << 63) <= seed < 1 << 64:  # what torch's generator takes
+        raise ExportError(f"--seed must be in [-2^63, 2^64), got {seed}")
     opened = open_round(run_dir, round)
     cfg, params, r = opened.cfg, opened.params, opened.round
     encode, decode = _codec(opened)
