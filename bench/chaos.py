@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos.json"))
     args = ap.parse_args()
     rounds = 20 if args.quick else args.rounds
+    if rounds < 17:  # the faults are drawn across the run's quarters and halves, the last ones >= 8 rounds before its end
+        ap.error(f"--rounds must be >= 17 to hold the drawn faults, got {rounds}")
     workers, steps = 4, 10
     base = [f"--topology.workers={workers}", f"--train.rounds={rounds}", f"--train.inner_steps={steps}",
             "--train.eval_every=4", "--run.membership=elastic", "--run.min_workers=2", "--run.round_deadline=1",
