@@ -196,6 +196,19 @@ def test_a_key_dir_without_a_key_for_every_worker_exits_2(tmp_path):
     assert len(res.stderr.splitlines()) == 1 and not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("pub", [b"not a key\n", b"\xff\xfe\x00"])
+def test_a_malformed_public_key_file_is_named_in_one_line(pub, tmp_path, monkeypatch, capsys):
+    """(The second, not UTF-8, was "training failed: 'utf-8' codec can't decode ..." with exit 1;
+    the first named no file.)"""
+    keys = tmp_path / "keys"
+    assert cli(monkeypatch, capsys, "keygen", "--out", str(keys), "--workers", "2")[0] == 0
+    (keys / "worker-1.pub").write_bytes(pub)
+    code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(tmp_path / "r"), f"--verify.key_dir={keys}")
+    assert code == 2 and len(lines) == 1, lines
+    assert f"public key file {keys / 'worker-1.pub'} is neither 64 hex characters nor a PEM public key" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
 def test_describe_lists_every_key():
     text = describe()
     for key in ("inner_steps", "[outer]", "nesterov", "max_packet_bytes", "eval_fraction"):

@@ -46,7 +46,7 @@ def admitted_keys(cfg: Config) -> dict[str, str]:
     for w in range(cfg.topology.workers):
         pub = Path(cfg.verify.key_dir) / f"worker-{w}.pub" if cfg.verify.key_dir else None
         if pub is not None and pub.exists():
-            out[str(w)] = public_key_hex(load_public_key(pub.read_text()))
+            out[str(w)] = public_key_hex(load_public_key(pub.read_bytes(), source=f"public key file {pub}"))
         else:
             out[str(w)] = public_key_hex(worker_key(cfg, w))
     return out
