@@ -259,6 +259,33 @@ def test_resume_refuses_a_torn_private_state_file_in_one_line(tmp_path, monkeypa
     assert len(rounds_of(run.root)) == 1  # nothing written
 
 
+def test_a_stopped_run_s_ledger_is_one_file_and_resume_refuses_a_broken_one_before_starting(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Stopped after 2 of 3 rounds, the ledger is closed: its WAL folded into ledger.sqlite (it was
+    left beside it, so a copy of the file alone lacked the entries). A resume names a missing,
+    unreadable or foreign ledger in one line, exit 2, before any worker starts (each was "training
+    failed: LedgerError ..." with exit 1, from the workers), and writes nothing."""
+    other, _ = train(tiny("--train.rounds=2", "--run.seed=1"), str(tmp_path / "other"), quiet=True)
+    run, _ = train(tiny("--train.rounds=3"), str(tmp_path / "r"), quiet=True, stop_after=2)
+    ledger = run.root / "ledger.sqlite"
+    assert not Path(f"{ledger}-wal").exists()
+    good = ledger.read_bytes()
+    (tmp_path / "copy.sqlite").write_bytes(good)  # the file alone holds every entry
+    with SqliteLedger(tmp_path / "copy.sqlite") as copy:
+        assert copy.size() == 2
+    for breaks, needle in ((lambda: ledger.unlink(), "ledger.sqlite is missing"),
+                           (lambda: ledger.write_bytes(b"not a database\n"), "file is not a database"),
+                           (lambda: ledger.write_bytes((other.root / "ledger.sqlite").read_bytes()),
+                            "entry 1 is not the one round 1's record names")):
+        breaks()
+        code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run.root))
+        assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+        assert len(rounds_of(run.root)) == 2 and not (run.root / "workers" / "0" / "state-2.safetensors").exists()
+        ledger.write_bytes(good)
+    _, summary = resume(str(run.root), quiet=True)
+    assert summary["complete"]
+
+
 def test_resume_refuses_a_record_whose_bans_or_disputes_are_not_worker_ids(tmp_path):
     from veriloco.records import RunDirError
     from veriloco.run import resume

@@ -1681,6 +1681,9 @@ def train_worker(
     settle()
     if w.replicas is not None:
         w.replicas.end()
+    head, root = (w.ledger.head_hash(), w.ledger.root()) if w.ledger is not None else (None, None)
+    if w.ledger is not None:  # the last SQLite connection to close folds its WAL into ledger.sqlite: one file
+        w.ledger.close()
     if not w.is_recorder:
         return None
     records = w.run.rounds()
@@ -1704,8 +1707,8 @@ def train_worker(
         "final_params_hash": last["params_hash"],
         "mode": "diloco",
         "complete": len(records) == cfg.train.rounds,
-        "ledger_head": w.ledger.head_hash() if w.ledger is not None else None,
-        "ledger_root": w.ledger.root() if w.ledger is not None else None,
+        "ledger_head": head,
+        "ledger_root": root,
     }
 
 

@@ -250,6 +250,8 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
             state_history(state, cfg.topology.workers, done)
         except ValueError as e:
             raise RunDirError(str(e)) from None
+    if done and cfg.ledger.backend == "sqlite":
+        check_ledger(run, records)
     run.truncate_to(done)
     store = LocalStore(run.store_dir)
     prune_checkpoints(store, records, cfg.run.keep_checkpoints)  # what a crash between a record and its pruning left
@@ -261,6 +263,32 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     warn_disk(cfg, run, done)
     task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
     return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
+
+
+def check_ledger(run: RunDir, records: list[dict]) -> None:
+    """RunDirError unless the run's SQLite ledger holds the entries of its recorded rounds, the last
+    one the entry its record names (one more is a crash between an append and its record): a
+    resume appends to it, and its workers found a missing or broken one only once started."""
+    import sqlite3
+
+    from .ledger import SqliteLedger
+    from .ledger.entry import LedgerError
+
+    path, done = run.root / "ledger.sqlite", len(records)
+    if not path.is_file():
+        raise RunDirError(f"{path} is missing: a resume appends to the ledger of the run's {done} recorded rounds")
+    try:
+        with SqliteLedger(path) as ledger:
+            held = ledger.size()
+            last = ledger.entry_hash(done - 1) if held >= done else None
+    except LedgerError as e:  # names the file
+        raise RunDirError(str(e).splitlines()[0]) from None
+    except sqlite3.Error as e:
+        raise RunDirError(f"{path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if held < done:
+        raise RunDirError(f"{path} holds {held} entries for the run's {done} recorded rounds")
+    if records[-1].get("entry") not in (None, last):
+        raise RunDirError(f"{path}: entry {done - 1} is not the one round {done - 1}'s record names")
 
 
 def check_device(cfg: Config) -> None:
