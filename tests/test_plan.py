@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import TINY, cli, rounds_of, tiny
 
@@ -58,6 +60,12 @@ def test_the_traffic_it_plans_is_what_the_workers_send(tmp_path, monkeypatch, ca
     assert "3.00 replays a round across the 3 workers" in out and "fetched by 80% of them" in out
     state_mb = sum(map(sum, (rec["state_bytes_sent"] for rec in recs))) / 2 / 1e6
     assert "2 round(s), its own [verify]): replays " in out and f"{len(fetched)} start state(s) fetched, {state_mb:,.2f} MB a round" in out
+    lines = (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()
+    for bad in ("x", [0.1, "x"], [True], [float("nan")]):  # a record's step times, edited: one line, exit 2
+        edited = [lines[0], json.dumps(json.loads(lines[1]) | {"inner_s": bad})]  # (was a TypeError's traceback)
+        (tmp_path / "run" / "rounds.jsonl").write_text("\n".join(edited) + "\n")
+        code, err, _ = cli(monkeypatch, capsys, "plan", str(tmp_path / "run"))
+        assert code == 2 and len(err) == 1 and "rounds.jsonl line 2: its inner_s is not a list of seconds" in err[0], err
     fp32 = make_plan(tiny("--topology.workers=3"))
     assert fp32.sent_per_round == 2 * 4 * fp32.params  # a float32 packet is the model's bytes
     assert 3.5 < fp32.sent_per_round / plan.sent_per_round < 4  # int8: a byte a value, plus block scales

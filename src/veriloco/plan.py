@@ -136,10 +136,22 @@ def run_config(run_dir: str | Path, overrides: list[str]) -> tuple[Config, float
     if not isinstance(config, dict):
         raise RunDirError(f"{run_dir}: its manifest holds no config")
     H = load_config(base=config).train.inner_steps  # the run's own H (adaptive H records each round's)
-    steps = [sum(rec["inner_s"]) / len(rec["inner_s"]) / rec.get("inner_steps", H)
-             for rec in run.rounds() if rec.get("inner_s")]
+    steps = []
+    for i, rec in enumerate(run.rounds()):
+        seconds, h = rec.get("inner_s"), rec.get("inner_steps", H)
+        if not seconds:
+            continue
+        if not (isinstance(seconds, list) and all(_seconds(x) for x in seconds) and type(h) is int and h >= 1):
+            raise RunDirError(f"{run.rounds_path} line {i + 1}: its inner_s is not a list of seconds, or its "
+                              "inner_steps not a number of steps")
+        steps.append(sum(seconds) / len(seconds) / h)
     cfg = load_config(None, overrides, base=config)
     return cfg, (statistics.median(steps) if steps else None)
+
+
+def _seconds(x: object) -> bool:
+    """Whether a record's x is a number of seconds (finite, >= 0; a bool is not one)."""
+    return type(x) in (int, float) and math.isfinite(x) and x >= 0
 
 
 def _figures(recs: list[dict], key: str) -> float:
