@@ -402,6 +402,11 @@ def test_join_refuses_what_it_cannot_use_in_one_line(tmp_path):
          "--host and --workers need run.membership = 'elastic'"),
         (["train", str(ROOT / "configs" / "tiny.toml"), "--run.membership=elastic", "--workers", "0,7",
           "--out", str(tmp_path / "r")], "--workers must name workers of 0..1"),
+        # an address the coordinator cannot listen on: it failed with exit 1 after making the run's
+        # directory (999.1.1.1), or hung (::1, an IPv6 address in IPv4's host:port strings)
+        *((["train", str(ROOT / "configs" / "tiny.toml"), "--run.membership=elastic", "--host", host,
+            "--out", str(tmp_path / "r")], f"--host {host}: not an IPv4 address of this machine")
+          for host in ("999.1.1.1", "192.0.2.1", "::1")),
     ]:
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and len(res.stderr.splitlines()) == 1 and needle in res.stderr, (args, res.output)

@@ -312,6 +312,12 @@ def check_placement(cfg: Config, placement) -> None:
     W = cfg.topology.workers
     if placement.local is not None and any(not 0 <= j < W for j in placement.local):
         raise ConfigError(f"--workers must name workers of 0..{W - 1}, got {list(placement.local)}")
+    try:  # the coordinator listens there: an address of this machine (it failed only once the run was made)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((placement.host, 0))
+    except (OSError, UnicodeError) as e:  # (an IPv6 address hung the run: its host:port strings are IPv4's)
+        raise ConfigError(f"--host {placement.host}: not an IPv4 address of this machine, or a name of one, to "
+                          f"listen on ({getattr(e, 'strerror', None) or e})") from None
 
 
 def check_stop_after(stop_after: int | None) -> None:
