@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import rounds_of, tiny
+from conftest import TINY, cli, rounds_of, tiny
 
 from veriloco.audit import audit_run
 from veriloco.run import train
@@ -123,6 +123,46 @@ def test_lazy_disguises_its_short_delta_as_asked():
         tiny("--adversary.1=lazy:scale=big")
     with pytest.raises(ConfigError, match=r"skim: skip must be in \[0, 1\), got 1.0"):
         tiny("--adversary.1=skim:skip=1")
+
+
+@pytest.mark.parametrize("spec, needle", [
+    # each of these ran, silently, as the attack with its defaults (thirty-fourth session)
+    ("lazy:skp=0.25", "lazy: unknown parameter 'skp'; it takes scale, skip"),
+    ("lazy:skip=2", "lazy: skip must be in [0, 1), got 2.0"),
+    ("lazy:skip=-0.25", "lazy: skip must be in [0, 1), got -0.25"),
+    ("noise:scale=3", "noise: unknown parameter 'scale'; it takes none"),
+    ("scaled:factor=abc", "scaled: factor must be a number, got 'abc'"),
+    ("scaled:factor=nan", "scaled: factor must be a number, got nan"),  # failed the run with exit 1
+    ("copy:noise=-1", "copy: noise must be a number >= 0, got -1.0"),
+    ("alie:z=inf", "alie: z must be a number, got inf"),
+    ("ipm:eps=0.5", "ipm: unknown parameter 'eps'; it takes epsilon"),
+    ("sign_flip:factor=2", "sign_flip: unknown parameter 'factor'; it takes none"),
+])
+def test_a_built_in_attacker_s_parameters_are_checked_when_the_config_is_read(spec, needle, monkeypatch, capsys,
+                                                                              tmp_path):
+    from veriloco.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        tiny(f"--adversary.1={spec}")
+    assert str(e.value) == f"adversary.1: {needle}"
+    code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), f"--adversary.1={spec}", "--out", str(tmp_path / "r"))
+    assert code == 2 and lines == [f"veriloco: error: adversary.1: {needle}"] and not (tmp_path / "r").exists()
+
+
+def test_an_attacker_of_one_s_own_takes_any_parameters_unless_it_declares_them():
+    from veriloco.verify.adversary import Adversary, load_adversary, real
+
+    assert load_adversary("red_team:SlowRounds:seconds=0.5,parity=1", 1, 0).params == {"seconds": "0.5", "parity": "1"}
+
+    class Declared(Adversary):
+        kind = "declared"
+        PARAMS = {"rate": real(lambda x: x > 0, "a number > 0")}
+
+    assert Declared(1, 0, rate="2").params == {"rate": "2"}
+    with pytest.raises(ValueError, match="declared: rate must be a number > 0, got 0.0"):
+        Declared(1, 0, rate="0")
+    with pytest.raises(ValueError, match="declared: unknown parameter 'rat'; it takes rate"):
+        Declared(1, 0, rat="2")
 
 
 def test_skim_passes_the_screens_and_only_a_replay_catches_it(tmp_path):

@@ -20,7 +20,9 @@ Each built-in attacker does its best to pass the checks (a strawman would prove 
 lazy rescales its delta to the norm of an honest one, copy adds small noise, noise matches the
 honest norm, ALIE and IPM follow their papers. Users load their own with
 `--adversary.W=package.module:Class` (optionally `:key=value,...` parameters), so researchers can
-red-team the checks with attacks nobody here thought of.
+red-team the checks with attacks nobody here thought of. A class that sets `PARAMS` (every
+built-in does) has its parameters checked when the config is read: an unknown key or a bad value
+is one line, exit 2, not an attack silently run with its defaults (a typo in `lazy:skp=0.25`).
 
 References: ALIE, Baruch et al. 2019 ("A Little Is Enough", arXiv 1902.06156); IPM, Xie et al.
 2019 ("Fall of Empires", arXiv 1903.03936); Proof-of-Learning spoofing, Fang et al. 2023.
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +51,33 @@ class View:
     previous_deltas: dict[int, Delta] = field(default_factory=dict)  # last round's accepted
     own_previous_packet: bytes | None = None
     own_previous_delta: Delta | None = None
+
+
+def real(ok: Callable[[float], bool] = lambda x: True, what: str = "a number") -> Callable[[str], float]:
+    """A parameter's check for `PARAMS`: a finite number for which `ok` holds (`what` says which)."""
+    def check(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise ValueError(f"must be {what}, got {text!r}") from None
+        if not (math.isfinite(x) and ok(x)):
+            raise ValueError(f"must be {what}, got {x}")
+        return x
+
+    return check
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """A parameter's check for `PARAMS`: one of `choices`."""
+    def check(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return check
+
+
+FRACTION = real(lambda x: 0 <= x < 1, "in [0, 1)")
 
 
 def _norm(d: Delta) -> float:
@@ -68,8 +99,19 @@ class Adversary:
     """Honest by default; subclasses override the hooks they attack through."""
 
     kind = "honest"
+    # the parameters it takes, each with its check (`real`, `one_of`), or None: any, unchecked
+    PARAMS: dict[str, Callable[[str], object]] | None = None
 
     def __init__(self, worker: int, seed: int, **params: str) -> None:
+        known = type(self).PARAMS
+        for key, value in params.items() if known is not None else ():
+            if key not in known:
+                raise ValueError(f"{self.kind}: unknown parameter {key!r}; it takes "
+                                 f"{', '.join(sorted(known)) or 'none'}")
+            try:
+                known[key](value)
+            except ValueError as e:
+                raise ValueError(f"{self.kind}: {key} {e}") from None
         self.worker, self.params, self.seed = worker, params, seed
         self.gen = torch.Generator().manual_seed(seed * 1009 + worker)  # one stream for the process's life
 
@@ -124,6 +166,8 @@ class _SkipsWork(Adversary):
     """Base of the attackers that skip work: pads its trace with made-up state hashes (and its
     losses with plausible numbers) so the commitment has the shape of an honest one."""
 
+    PARAMS = {}
+
     def commitment(self, r: int, commitment: dict) -> dict:
         c = dict(commitment)
         want = int(self.params.get("_trace_entries", 0))
@@ -165,6 +209,7 @@ class Scaled(Adversary):
     """Trains honestly, then multiplies its delta by `factor` (default 10) to dominate the mean."""
 
     kind = "scaled"
+    PARAMS = {"factor": real()}
 
     def delta(self, r: int, delta: Delta, view: View) -> Delta:
         f = self.param("factor", 10.0)
@@ -175,6 +220,7 @@ class SignFlip(Adversary):
     """Trains honestly and sends the negated delta (pushes the model uphill)."""
 
     kind = "sign_flip"
+    PARAMS = {}
 
     def delta(self, r: int, delta: Delta, view: View) -> Delta:
         return {k: -v for k, v in delta.items()}
@@ -211,6 +257,7 @@ class Copy(_SkipsWork):
     """Copies another worker's latest accepted delta, plus small noise to dodge exact matching."""
 
     kind = "copy"
+    PARAMS = {"noise": real(lambda x: x >= 0, "a number >= 0")}
 
     def inner_steps(self, r: int, steps: int) -> int:
         return 0 if r > 0 else steps
@@ -235,11 +282,7 @@ class Lazy(_SkipsWork):
 
     kind = "lazy"
     SCALES = ("previous", "steps", "none")
-
-    def __init__(self, worker: int, seed: int, **params: str) -> None:
-        super().__init__(worker, seed, **params)
-        if self.params.get("scale", "previous") not in self.SCALES:
-            raise ValueError(f"lazy: scale must be one of {', '.join(self.SCALES)}, got {self.params['scale']!r}")
+    PARAMS = {"skip": FRACTION, "scale": one_of(*SCALES)}
 
     def inner_steps(self, r: int, steps: int) -> int:
         return max(1, round(steps * (1 - self.param("skip", 0.5))))
@@ -261,11 +304,7 @@ class Skim(Adversary):
     it really reached; only a replay, on the whole batches, tells them apart."""
 
     kind = "skim"
-
-    def __init__(self, worker: int, seed: int, **params: str) -> None:
-        super().__init__(worker, seed, **params)
-        if not 0 <= self.param("skip", 0.5) < 1:
-            raise ValueError(f"skim: skip must be in [0, 1), got {self.param('skip', 0.5)}")
+    PARAMS = {"skip": FRACTION}
 
     def batch(self, r: int, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = max(1, round(inputs.shape[0] * (1 - self.param("skip", 0.5))))
@@ -278,6 +317,7 @@ class WrongData(Adversary):
     batches, as if it had trained on them."""
 
     kind = "wrong_data"
+    PARAMS = {}
 
     def batch(self, r: int, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq = torch.cat([inputs, targets[:, -1:]], dim=1).flip(1)
@@ -288,6 +328,7 @@ class Alie(Adversary):
     """A Little Is Enough: mean - z * std of the honest deltas (estimated from last round)."""
 
     kind = "alie"
+    PARAMS = {"z": real()}
 
     def delta(self, r: int, delta: Delta, view: View) -> Delta:
         ds = list(view.previous_deltas.values())
@@ -305,6 +346,7 @@ class Ipm(Adversary):
     """Inner Product Manipulation: -epsilon times the mean of the honest deltas."""
 
     kind = "ipm"
+    PARAMS = {"epsilon": real()}
 
     def delta(self, r: int, delta: Delta, view: View) -> Delta:
         ds = list(view.previous_deltas.values()) or [delta]
@@ -316,6 +358,7 @@ class Malformed(Adversary):
     """Sends bytes that are not a valid bundle (truncated and corrupted)."""
 
     kind = "malformed"
+    PARAMS = {}
 
     def bundle(self, r: int, bundle: bytes, view: View) -> bytes:
         b = bytearray(bundle[: max(len(bundle) // 2, 9)])
@@ -328,6 +371,7 @@ class ForgedSignature(Adversary):
     its own signature with one bit flipped, on an otherwise honest commitment and packet)."""
 
     kind = "forged_signature"
+    PARAMS = {}
 
     def bundle(self, r: int, bundle: bytes, view: View) -> bytes:
         from ..packet import decode_bundle, encode_bundle
@@ -347,6 +391,7 @@ class Equivocate(Adversary):
     and lets both circulate: the second rides in its bundle's extras slot, as gossip would."""
 
     kind = "equivocate"
+    PARAMS = {}
 
     def second_commitment(self, r: int, commitment: dict) -> dict | None:
         c = dict(commitment)
@@ -361,6 +406,7 @@ class FalseAccuser(Adversary):
     delta it checks as raising the loss by a nat."""
 
     kind = "false_accuser"
+    PARAMS = {}
 
     def audit_report(self, r: int, worker: int, score: float) -> float:
         return 0.0 if score < 0 else 1.0
