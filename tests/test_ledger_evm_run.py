@@ -21,7 +21,7 @@ if _MISSING:
     pytest.skip(f"needs web3 and eth-tester[py-evm] (the 'chain' extra); missing {_MISSING}",
                 allow_module_level=True)
 
-from conftest import tiny  # noqa: E402
+from conftest import ROOT, tiny  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from veriloco.audit import audit_published, audit_run  # noqa: E402
@@ -104,6 +104,31 @@ def test_evm_inputs_that_name_no_run_exit_2(chain_run):
     bad(f"evm:0x{'12' * 20}@{url}", run_id_of(run), "no contract")
     bad(f"evm:not-an-address@{url}", run_id_of(run), "not an EVM address")
     bad(f"evm:{contract}@http://127.0.0.1:9", run_id_of(run), "cannot reach")
+
+
+def test_a_run_names_bad_chain_settings_before_it_makes_anything(chain_run, tmp_path):
+    """Each of these was found by the recorder once the workers had started: exit 1 ("training
+    failed: LedgerError ..." or another rank's gloo "Connection closed by peer"), the run directory
+    left behind. Now `run.check_chain` refuses them first, in one line, exit 2."""
+    run, contract, url = chain_run
+    key = run.parent / "recorder.key"
+    loose = tmp_path / "loose.key"
+    loose.write_text(key.read_text())
+    loose.chmod(0o644)
+    for settings, needle in (
+        ((url, contract, tmp_path / "missing.key"), "recorder key file"),
+        ((url, contract, loose), "is accessible by others"),
+        ((url, "not-an-address", key), "not an EVM address"),
+        ((url, "0x" + "12" * 20, key), "no contract at"),
+        (("http://127.0.0.1:9", contract, key), "cannot reach an EVM RPC at http://127.0.0.1:9"),
+    ):
+        rpc, address, key_file = settings
+        res = CliRunner().invoke(app, ["train", str(ROOT / "configs" / "tiny.toml"), "--out", str(tmp_path / "r"),
+                                       "--ledger.backend=evm", f"--ledger.rpc_url={rpc}",
+                                       f"--ledger.contract=\"{address}\"", f"--ledger.key_file={key_file}"])
+        assert res.exit_code == 2, (settings, res.output)
+        assert len(res.stderr.splitlines()) == 1 and needle in res.stderr, (settings, res.stderr)
+        assert not (tmp_path / "r").exists()
 
 
 def test_elastic_run_recorded_on_chain_by_whichever_worker_commits_audits_ok(chain_run, tmp_path):

@@ -187,6 +187,7 @@ def train(
     check_stop_after(stop_after)
     check_placement(cfg, placement)
     check_device(cfg)
+    check_chain(cfg)
     if faults:  # a bad spec fails before anything is written
         from .faults import parse_faults
 
@@ -234,6 +235,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     cfg = config_from_dict(manifest["config"])
     check_placement(cfg, placement)
     check_device(cfg)
+    check_chain(cfg)
     warm()
     records = run.rounds()
     done = len(records)
@@ -289,6 +291,21 @@ def check_ledger(run: RunDir, records: list[dict]) -> None:
         raise RunDirError(f"{path} holds {held} entries for the run's {done} recorded rounds")
     if records[-1].get("entry") not in (None, last):
         raise RunDirError(f"{path}: entry {done - 1} is not the one round {done - 1}'s record names")
+
+
+def check_chain(cfg: Config) -> None:
+    """`[ledger] backend = "evm"`: ConfigError, before anything is written or started, unless the
+    recorder's key file is good, the RPC answers and a contract is at the address (the workers
+    found these once started: exit 1, the run directory left behind)."""
+    if cfg.ledger.backend != "evm":
+        return
+    from .ledger.entry import LedgerError
+    from .ledger.evm import open_contract
+
+    try:
+        open_contract(cfg.ledger.rpc_url, cfg.ledger.contract, cfg.ledger.key_file, timeout_s=min(cfg.run.timeout_s, 30))
+    except LedgerError as e:
+        raise ConfigError(f"[ledger]: {str(e).splitlines()[0]}") from None
 
 
 def check_device(cfg: Config) -> None:

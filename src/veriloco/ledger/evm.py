@@ -90,6 +90,27 @@ def _import_chain_libs(tester: bool = False) -> None:
         sys.setrecursionlimit(limit)
 
 
+def open_contract(rpc_url: str, contract_address: str, key_file: str | os.PathLike[str] | None,
+                  gas_limit: int | None = None, timeout_s: float = 30.0) -> LineageContract:
+    """The LineageLedger contract at `contract_address` over HTTP(S) RPC, as the recorder of
+    `key_file` (None: read-only). LedgerError, naming the problem, for a key file that is missing
+    or malformed, an RPC that does not answer, or an address that is not a LineageLedger's; a run
+    calls this before it makes anything (`run.check_chain`), so a typo is not found by the
+    workers."""
+    _import_chain_libs()
+    from web3 import HTTPProvider, Web3
+
+    account = load_key(key_file) if key_file is not None else None
+    w3 = Web3(HTTPProvider(rpc_url, request_kwargs={"timeout": timeout_s}))
+    try:
+        reached = w3.is_connected()
+    except Exception:  # noqa: BLE001 - a URL web3 cannot use at all (no scheme, bad port) is not reached either
+        reached = False
+    if not reached:
+        raise LedgerError(f"cannot reach an EVM RPC at {rpc_url}")
+    return LineageContract(w3, contract_address, account, gas_limit=gas_limit)
+
+
 def load_abi() -> list[dict[str, Any]]:
     """The committed ABI of LineageLedger."""
     return json.loads(ABI_FILE.read_text())
@@ -512,15 +533,7 @@ class EvmLedger(Ledger):
         `key_file` holds the recorder's hex private key; None opens read-only (for audit).
         Other keyword arguments go to `EvmLedger(...)`.
         """
-        _import_chain_libs()
-        from web3 import HTTPProvider, Web3
-
-        account = load_key(key_file) if key_file is not None else None
-        w3 = Web3(HTTPProvider(rpc_url, request_kwargs={"timeout": timeout_s}))
-        if not w3.is_connected():
-            raise LedgerError(f"cannot reach an EVM RPC at {rpc_url}")
-        contract = LineageContract(w3, contract_address, account, gas_limit=gas_limit)
-        return cls(contract, run_id, mirror, **kwargs)
+        return cls(open_contract(rpc_url, contract_address, key_file, gas_limit, timeout_s), run_id, mirror, **kwargs)
 
     @classmethod
     def in_process(
