@@ -64,8 +64,8 @@ def test_override_types():
         ("--train.grad_clip=-1", "train.grad_clip must be >= 0 (0: no clipping), got -1.0"),
         ("--train.warmup_steps=-1", "train.warmup_steps must be >= 0, got -1"),
         ("--data.max_bytes=-1", "data.max_bytes must be >= 0 (0: all of the corpus), got -1"),
-        ("--run.seed=-1", "run.seed must be in [0, 2^63), got -1"),
-        ("--run.seed=36893488147419103232", "run.seed must be in [0, 2^63), got 36893488147419103232"),
+        ("--run.seed=-9223372036854775809", "run.seed must be in [-2^63, 2^63), got -9223372036854775809"),
+        ("--run.seed=36893488147419103232", "run.seed must be in [-2^63, 2^63), got 36893488147419103232"),
         ("--run.max_packet_bytes=0", "run.max_packet_bytes must be >= 1, got 0"),
         # TOML's inf and nan: `> 0` lets inf through (outer.lr = inf failed in the workers)
         ("--outer.lr=inf", "outer.lr: expected a finite number, got inf"),

@@ -587,7 +587,7 @@ def validate(cfg: Config) -> None:
     need(cfg.outer.lr > 0, f"outer.lr must be > 0, got {cfg.outer.lr}")
     need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
     _check_topology(cfg)
-    need(0 <= cfg.run.seed < 1 << 63, f"run.seed must be in [0, 2^63), got {cfg.run.seed}")
+    need(-(1 << 63) <= cfg.run.seed < 1 << 63, f"run.seed must be in [-2^63, 2^63), got {cfg.run.seed}")
     need(cfg.run.max_packet_bytes >= 1, f"run.max_packet_bytes must be >= 1, got {cfg.run.max_packet_bytes}")
     need(cfg.run.backend in ("auto", "gloo", "nccl"), f"run.backend must be auto, gloo or nccl, got {cfg.run.backend!r}")
     need(cfg.run.device in ("cpu", "cuda"), f"run.device must be 'cpu' or 'cuda', got {cfg.run.device!r}")
