@@ -120,6 +120,10 @@ def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file, monkeypatch, 
     code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), f"--data.tokenizer={bad}", "--out", str(out))
     assert code == 2 and len(lines) == 1 and "not a tokenizers tokenizer.json" in lines[0], lines
     assert not out.exists()
+    # tokenize's --out under a file: one line (was a FileExistsError's traceback)
+    code, lines, _ = cli(monkeypatch, capsys, "tokenize", "stdlib", "--tokenizer", str(tokenizer_file),
+                         "--out", str(bad / "t.bin"))
+    assert code == 2 and lines == [f"veriloco: error: {bad} is a file, not a directory (making {bad})"], lines
 
 
 def test_a_stored_corpus_of_an_unknown_kind_is_refused():

@@ -50,6 +50,7 @@ import torch
 from .config import DataConfig
 from .hashing import canonical_json, sha256_hex
 from .ledger.merkle import root as merkle_root
+from .records import RunDirError, make_dirs, remove_dirs
 
 
 class DataError(ValueError):
@@ -440,7 +441,10 @@ def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: st
         raise DataError(f"eos {eos!r:.60} is not a token of {tokenizer}")
     dtype = "uint16" if tok.get_vocab_size() <= 1 << 16 else "uint32"
     docs = documents(source)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        made = make_dirs(out.parent)
+    except RunDirError as e:
+        raise DataError(str(e)) from None
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     n = 0
     try:
@@ -452,6 +456,7 @@ def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: st
         os.rename(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        remove_dirs(made)
         raise
     return n, dtype
 
