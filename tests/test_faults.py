@@ -10,7 +10,7 @@ import pytest
 from conftest import rounds_of, tiny
 
 from veriloco.audit import audit_run
-from veriloco.run import train
+from veriloco.run import resume, train
 
 
 def test_dead_worker_is_an_error_not_a_hang(tmp_path, monkeypatch):
@@ -82,3 +82,35 @@ def test_crash_between_ledger_append_and_record_resumes_cleanly(tmp_path):
     assert [r["round"] for r in rounds_of(run.root)] == [0, 1, 2, 3]
     report = audit_run(run.root)
     assert report.ok, report.first_failure
+
+
+def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninterrupted_one(tmp_path):
+    """SIGINT to the terminal's whole process group, as Ctrl-C sends it, once a round is recorded:
+    the launcher ends its workers and exits 130 with one line naming the resume. Before, each worker
+    printed a KeyboardInterrupt from wherever it landed and the launcher nothing; with SIGINT to
+    the launcher alone the workers ran on. Nothing writes to the run afterwards, and the resume
+    reaches the uninterrupted run's params."""
+    import os
+    import signal
+    import subprocess
+
+    args = ["--train.rounds=150", "--train.inner_steps=3", "--train.eval_every=50"]
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "veriloco.cli", "train", str(Path(__file__).parents[1] / "configs" / "tiny.toml"),
+                          *args, "--quiet", "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not ((run / "rounds.jsonl").exists() and len(rounds_of(run)) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        f"veriloco: interrupted; continue with `veriloco train --resume {run}`"], err
+    done = len(rounds_of(run))
+    assert 2 <= done < 150
+    time.sleep(1.0)
+    assert len(rounds_of(run)) == done  # no worker runs on
+    _, resumed = resume(str(run), quiet=True)
+    _, whole = train(tiny(*args), str(tmp_path / "whole"), quiet=True)
+    assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]

@@ -103,6 +103,14 @@ def train(
     started = warm()
     try:
         _train(config, overrides, out, resume, quiet, stop_after, fault, host, local)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, and what continues the run
+        if started:
+            stop()
+        run_dir = getattr(e, "run_dir", None)
+        recorded = run_dir is not None and Path(run_dir, "rounds.jsonl").is_file() and Path(run_dir, "rounds.jsonl").stat().st_size
+        typer.echo("veriloco: interrupted" + (f"; continue with `veriloco train --resume {run_dir}`" if recorded else ""),
+                   err=True)
+        raise typer.Exit(130) from None
     except BaseException:
         if started:
             stop()

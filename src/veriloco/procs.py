@@ -71,8 +71,19 @@ def _running() -> bool:
 
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     """fn(rank, *args) in nprocs processes; waits for all, re-raises the first failure
-    (torch.multiprocessing.ProcessRaisedException / ProcessExitedException), as mp.spawn."""
+    (torch.multiprocessing.ProcessRaisedException / ProcessExitedException), as mp.spawn. Ctrl-C
+    (KeyboardInterrupt here) ends them before it is raised on: none is left to run on alone."""
     import torch.multiprocessing as mp
 
     context()  # sets the preload before the server first starts
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=START_METHOD)
+    procs = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=START_METHOD)
+    try:
+        while not procs.join():
+            pass
+    except KeyboardInterrupt:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in procs.processes:
+            p.join(30)
+        raise

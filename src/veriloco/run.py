@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import sys
 import traceback
@@ -112,10 +113,21 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest["initial_params"])
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while a run's workers ran: `run_dir` is the run, to continue with --resume."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(str(run_dir))
+        self.run_dir = run_dir
+
+
 def _spawned(
     rank: int, world: int, cfg: Config, task: Task, run_dir: str, start_round: int, port: int,
     quiet: bool, stop_after: int | None,
 ) -> None:
+    # Ctrl-C reaches every process of the terminal's group: the launcher stops the workers, which
+    # would otherwise each print a KeyboardInterrupt from wherever it happened to land
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     init_distributed(cfg, rank, world, f"tcp://127.0.0.1:{port}")
     try:
         summary = train_worker(cfg, rank, world, task, run_dir, start_round, quiet, stop_after)
@@ -172,7 +184,10 @@ def launch(
     check_placement(cfg, placement)
     world = cfg.topology.workers * cfg.topology.stages * cfg.topology.replicas
     port = free_port()
-    start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
+    try:
+        start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
+    except KeyboardInterrupt:
+        raise Interrupted(run.root) from None
     import json
 
     return json.loads(run.summary_path.read_text())
