@@ -87,9 +87,8 @@ def test_crash_between_ledger_append_and_record_resumes_cleanly(tmp_path):
 def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninterrupted_one(tmp_path):
     """SIGINT to the terminal's whole process group, as Ctrl-C sends it, once a round is recorded:
     the launcher ends its workers and exits 130 with one line naming the resume. Before, each worker
-    printed a KeyboardInterrupt from wherever it landed and the launcher nothing; with SIGINT to
-    the launcher alone the workers ran on. Nothing writes to the run afterwards, and the resume
-    reaches the uninterrupted run's params."""
+    printed a KeyboardInterrupt from wherever it landed and the launcher nothing. Nothing writes to
+    the run afterwards, and the resume reaches the uninterrupted run's params."""
     import os
     import signal
     import subprocess
