@@ -356,3 +356,21 @@ def test_the_agreement_check_compares_every_stage_across_the_members():
     # a digest that differs in its last bit only is still told apart (each word exact in a float64)
     c = a[:-1] + format(int(a[-1], 16) ^ 1, "x")
     assert not hashes_agree(gathered([[a], [c]]))
+
+
+def test_the_same_config_twice_without_out_trains_twice(tmp_path, monkeypatch, capsys):
+    """`make run` twice: the second run of a config (the same run id) goes to runs/<id>-2 instead
+    of stopping with "already holds a run" (exit 2); a stopped one in the way is named, to resume."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny("--train.rounds=2", "--train.inner_steps=1", "--train.eval_batches=1")
+    first, s1 = train(cfg, quiet=True)
+    second, s2 = train(cfg, quiet=True)
+    assert second.root == Path("runs") / f"{first.root.name}-2" and first.root.parent == Path("runs")
+    assert s1["final_params_hash"] == s2["final_params_hash"]
+    capsys.readouterr()
+    stopped, _ = train(tiny("--train.rounds=2", "--train.inner_steps=1", "--train.eval_batches=2"), quiet=True,
+                       stop_after=1)
+    third, _ = train(tiny("--train.rounds=2", "--train.inner_steps=1", "--train.eval_batches=2"), quiet=True)
+    assert third.root.name == f"{stopped.root.name}-2"
+    assert f"{stopped.root} holds this config's run, stopped before its end (continue it with `veriloco train " \
+           f"--resume {stopped.root}`)" in capsys.readouterr().err

@@ -79,7 +79,7 @@ def _print_summary(run_dir: Path, summary: dict) -> None:
 def train(
     ctx: typer.Context,
     config: str = typer.Argument(None, help="TOML config file (default: built-in defaults)"),
-    out: str = typer.Option(None, "--out", help="run directory (default: runs/<run-id>/)"),
+    out: str = typer.Option(None, "--out", help="run directory (default: runs/<run-id>/, or -2, -3, ... once taken)"),
     resume: str = typer.Option(None, "--resume", help="continue the run in this directory"),
     quiet: bool = typer.Option(False, "--quiet", help="no per-round progress lines"),
     stop_after: int = typer.Option(None, "--stop-after", help="stop cleanly after this many rounds (resume later)"),

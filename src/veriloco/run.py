@@ -7,6 +7,8 @@ reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment torchru
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shutil
 import signal
@@ -92,7 +94,7 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
             if cfg.model.init:
                 manifest["init"] = manifest["initial_params"]  # G_0 is weights from disk, not the seed's
             run_id = json_hash(manifest)
-            run = RunDir(out or home / run_id[:16])
+            run = RunDir(out) if out else default_run_dir(home, run_id)
             if run.rounds_path.exists() and run.rounds():
                 raise RunDirError(f"{run.root} already holds a run; use --resume {run.root} or another --out")
             made += [run.root] if not run.root.exists() else []
@@ -111,6 +113,25 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
         remove_dirs(made)
         raise
     return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest["initial_params"])
+
+
+def default_run_dir(home: Path, run_id: str) -> RunDir:
+    """Where a run goes without --out: `home`/<run id's first 16 hex digits>, or, when a run of
+    the same config is there already (the same run id), the first of -2, -3, ... holding none, so
+    that `make run` twice trains twice. A stopped one there is named on stderr, to --resume."""
+    name = run_id[:16]
+    for n in itertools.count(1):
+        run = RunDir(home / (name if n == 1 else f"{name}-{n}"))
+        if not (run.rounds_path.exists() and run.rounds_path.stat().st_size):
+            return run
+        try:
+            summary = json.loads(run.summary_path.read_text())
+        except (OSError, ValueError):
+            summary = None
+        if not (isinstance(summary, dict) and summary.get("complete") is True):
+            print(f"veriloco: {run.root} holds this config's run, stopped before its end (continue it with "
+                  f"`veriloco train --resume {run.root}`); this run goes to the next free directory", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -188,8 +209,6 @@ def launch(
         start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
     except KeyboardInterrupt:
         raise Interrupted(run.root) from None
-    import json
-
     return json.loads(run.summary_path.read_text())
 
 
