@@ -136,9 +136,7 @@ def torch_adamw(opt: Any) -> torch.optim.AdamW:
     same steps bit for bit (tests/test_inner_adamw.py compares the two classes)."""
     if any(opt.state.values()):
         raise ValueError("torch_adamw: the optimizer has already stepped")
-    first = opt.param_groups[0]
-    return torch.optim.AdamW([{k: v for k, v in g.items()} for g in opt.param_groups], lr=first["lr"],
-                             betas=first["betas"], eps=first["eps"], foreach=opt.foreach)
+    return torch.optim.AdamW([dict(g) for g in opt.param_groups], foreach=opt.foreach)  # each group names its lr, betas, eps, decay
 
 
 def _worker(

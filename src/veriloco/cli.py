@@ -106,9 +106,11 @@ def train(
     except KeyboardInterrupt as e:  # Ctrl-C: one line, and what continues the run
         if started:
             stop()
+        from .records import RunDir
+
         run_dir = getattr(e, "run_dir", None)
-        recorded = run_dir is not None and Path(run_dir, "rounds.jsonl").is_file() and Path(run_dir, "rounds.jsonl").stat().st_size
-        typer.echo("veriloco: interrupted" + (f"; continue with `veriloco train --resume {run_dir}`" if recorded else ""),
+        resumable = run_dir is not None and RunDir(run_dir).has_records()
+        typer.echo("veriloco: interrupted" + (f"; continue with `veriloco train --resume {run_dir}`" if resumable else ""),
                    err=True)
         raise typer.Exit(130) from None
     except BaseException:

@@ -125,6 +125,10 @@ class RunDir:
             out.append(obj)
         return out
 
+    def has_records(self) -> bool:
+        """Whether rounds.jsonl holds anything (read or not: a malformed one counts)."""
+        return self.rounds_path.is_file() and self.rounds_path.stat().st_size > 0
+
     def rounds(self) -> list[dict[str, Any]]:
         return self.read_jsonl(self.rounds_path)
 

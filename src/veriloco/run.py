@@ -122,7 +122,7 @@ def default_run_dir(home: Path, run_id: str) -> RunDir:
     name = run_id[:16]
     for n in itertools.count(1):
         run = RunDir(home / (name if n == 1 else f"{name}-{n}"))
-        if not (run.rounds_path.exists() and run.rounds_path.stat().st_size):
+        if not run.has_records():
             return run
         try:
             summary = json.loads(run.summary_path.read_text())

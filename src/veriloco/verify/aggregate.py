@@ -562,7 +562,7 @@ def _mean(items: list[Delta]) -> Delta:
 
     def mean(ts: list[torch.Tensor]) -> torch.Tensor:
         nonlocal buf
-        first = ts[0].detach()
+        first, rest = ts[0].detach(), [t.detach() for t in ts[1:]]
         n = first.numel()
         out = torch.empty(n, dtype=first.dtype, device=first.device)  # _assemble's dtype: no conversion there
         if buf is None or buf.device != first.device:
@@ -570,8 +570,8 @@ def _mean(items: list[Delta]) -> Delta:
         for lo in range(0, n, _MEAN_CHUNK):
             hi = min(lo + _MEAN_CHUNK, n)
             acc = buf[: hi - lo].copy_(first[lo:hi])  # exact, as .to(float64)
-            for t in ts[1:]:
-                acc += t.detach()[lo:hi]  # left to right, one worker at a time, in float64
+            for t in rest:
+                acc += t[lo:hi]  # left to right, one worker at a time, in float64
             acc /= len(ts)
             out[lo:hi] = acc  # rounded once, as .to(dtype)
         return out
