@@ -66,3 +66,18 @@ print(loop.step(torch.randn(3, 4), torch.randn(3, 2)) > 0, "torch._dynamo" in sy
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-1500:]
     assert done.stdout.split() == ["True", "False"], done.stdout
+
+
+@pytest.mark.parametrize("bad", [{"lr": -1e-3}, {"betas": (1.0, 0.95)}, {"betas": (0.9, -0.1)}, {"eps": -1.0},
+                                 {"weight_decay": -0.1}])
+def test_the_inner_adamw_refuses_what_torch_s_refuses(bad):
+    """torch.optim.AdamW's constructor checks its arguments; the inner loop's class did not (a beta of
+    1.5 from the config trained on: tests/test_config.py now refuses it there too)."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    group = {"params": [p], "weight_decay": bad.get("weight_decay", 0.1)}
+    kwargs = {"lr": bad.get("lr", 1e-3), "betas": bad.get("betas", (0.9, 0.95)), "eps": bad.get("eps", 1e-8)}
+    if "weight_decay" not in bad:  # torch checks its default's, not a group's: ours checks every group's
+        with pytest.raises(ValueError):
+            torch.optim.AdamW([dict(group)], **kwargs)
+    with pytest.raises(ValueError, match="AdamW: invalid"):
+        AdamW([dict(group)], foreach=False, **kwargs)

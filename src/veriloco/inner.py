@@ -453,6 +453,11 @@ class AdamW:
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], foreach: bool,
                  eps: float = 1e-8) -> None:
         self.param_groups = [{"lr": lr, "betas": betas, "eps": eps, **g, "params": list(g["params"])} for g in groups]
+        for g in self.param_groups:  # what torch.optim.AdamW's constructor refuses
+            b1, b2 = g["betas"]
+            if not (g["lr"] >= 0 and g["eps"] >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1 and g.get("weight_decay", 0) >= 0):
+                raise ValueError(f"AdamW: invalid lr {g['lr']}, eps {g['eps']}, betas {g['betas']} or weight decay "
+                                 f"{g.get('weight_decay', 0)}")
         self.foreach = foreach
         self.state: defaultdict[torch.Tensor, dict[str, torch.Tensor]] = defaultdict(dict)  # as torch's
 
