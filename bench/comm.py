@@ -237,6 +237,7 @@ def _launch_ddp(cfg: Config, out: str, link: Link, grace_s: float = 30.0) -> tup
     from veriloco.run import free_port, prepare_run
 
     run, task = prepare_run(cfg, out)
+    run.release()  # this bench runs each row into its own directory
     world = cfg.topology.workers
     ctx = mp.spawn(_ddp_worker, args=(world, cfg, task.as_task(), str(run.root), free_port(), True, link),
                    nprocs=world, join=False)

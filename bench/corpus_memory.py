@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
             data = [f"--data.source={tokens}", "--data.bin_dtype=uint16", "--data.max_bytes=0", "--data.chunk_bytes=65536"]
             cfg = load_config(ROOT / "configs" / "tiny.toml", data)
             run, task = prepare_run(cfg, str(Path(tmp) / "run"))
+            run.release()  # no workers run into it: only its store is read
             chunks = len(task.corpus.chunk_hashes)
         for _ in range(args.repeats if "workers" in parts else 0):
             for way in WAYS:

@@ -63,7 +63,8 @@ def test_cuda_without_a_gpu_is_one_line_exit_2_and_nothing_written(tmp_path, mon
 def test_on_device_keeps_a_cpu_fp32_task_and_casts_the_forward_in_bf16(tmp_path):
     from veriloco.run import prepare_run
 
-    _, corpus_task = prepare_run(tiny(), str(tmp_path / "run"))
+    run, corpus_task = prepare_run(tiny(), str(tmp_path / "run"))
+    run.release()
     task = corpus_task.as_task()
     assert on_device(task, "cpu", "fp32") is task  # the CPU fp32 path is untouched (bit for bit)
     bf16 = on_device(task, "cpu", "bf16")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, cli, rounds_of, tiny
+from conftest import ROOT, TINY, cli, rounds_of, tiny
 from safetensors.torch import load as st_load
 
 from veriloco.config import ConfigError, OuterConfig
@@ -374,3 +375,71 @@ def test_the_same_config_twice_without_out_trains_twice(tmp_path, monkeypatch, c
     assert third.root.name == f"{stopped.root.name}-2"
     assert f"{stopped.root} holds this config's run, stopped before its end (continue it with `veriloco train " \
            f"--resume {stopped.root}`)" in capsys.readouterr().err
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that claims `run_dir` (as a launcher running into it does) and holds it
+    until killed."""
+    code = ("import sys; from veriloco.records import RunDir; RunDir(sys.argv[1]).claim(); "
+            "print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_run_directory_another_launcher_holds_is_refused_and_left_as_it_was(tmp_path, monkeypatch, capsys):
+    """Two resumes of one run (or a resume of a run still going) raced for its rounds: the loser
+    failed with exit 1 on a state file the winner had pruned, and what each wrote depended on
+    timing. A launcher now holds its run directory (RUN/.lock, flock), and another one is refused
+    in one line, exit 2, with nothing written; once the holder is gone (killed: its lock file left
+    behind) the resume goes ahead, and a run leaves no lock file."""
+    run = tmp_path / "r"
+    train(tiny("--train.rounds=3"), str(run), quiet=True, stop_after=1)
+    assert not (run / ".lock").exists()
+    before = _files(run)
+    holder = _holder(run)
+    try:
+        code, err, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+        assert code == 2 and len(err) == 1 and err[0] == (
+            f"veriloco: error: {run} is in use by another veriloco process (pid {holder.pid}): wait for it to end, "
+            "or stop it, before running into it again")
+        code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(run), "--quiet")
+        assert code == 2 and "is in use by another veriloco process" in err[0]
+        assert _files(run) == before | {".lock": f"{holder.pid}\n".encode()}
+    finally:
+        holder.kill()
+        holder.wait()
+    _, summary = resume(str(run), quiet=True)  # the dead holder's lock file is no lock
+    assert summary["rounds"] == 3 and not (run / ".lock").exists()
+
+
+def test_a_fresh_run_into_a_held_directory_makes_nothing_there(tmp_path, monkeypatch, capsys):
+    """`--out D` while another launcher is preparing D (no rounds yet, so "already holds a run"
+    cannot tell): refused, and D, which the other made, is not removed on the way out. Without
+    --out, a run passes over runs/<id> held by a run of the same config just started, to -2."""
+    out = tmp_path / "d"
+    holder = _holder(out)
+    try:
+        code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(out), "--quiet")
+        assert code == 2 and "is in use by another veriloco process" in err[0]
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+        monkeypatch.chdir(tmp_path)
+        cfg = tiny("--train.rounds=1", "--train.inner_steps=1", "--train.eval_batches=1")
+        first, _ = train(cfg, quiet=True)
+        shutil.rmtree(first.root)  # as if the same config were starting into runs/<id> now
+        other = _holder(tmp_path / first.root)
+        try:
+            second, summary = train(cfg, quiet=True)
+            assert second.root == Path("runs") / f"{first.root.name}-2" and summary["complete"]
+            assert sorted(p.name for p in (tmp_path / first.root).iterdir()) == [".lock"]
+        finally:
+            other.kill()
+            other.wait()
+    finally:
+        holder.kill()
+        holder.wait()

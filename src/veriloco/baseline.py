@@ -132,7 +132,10 @@ def train_ddp(cfg: Config, out: str | None = None, quiet: bool = False, link=Non
     check_device(cfg)
     warm()
     run, task = prepare_run(cfg, out)
-    return run, launch_ddp(cfg, task.as_task(), run, quiet, link)
+    try:
+        return run, launch_ddp(cfg, task.as_task(), run, quiet, link)
+    finally:
+        run.release()
 
 
 def launch_ddp(cfg: Config, task: Task, run: RunDir, quiet: bool = False, link=None) -> dict:

@@ -16,6 +16,7 @@ is ignored and truncated on resume.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -32,6 +33,13 @@ if TYPE_CHECKING:
 
 class RunDirError(ValueError):
     """A run directory is missing, incomplete, or holds malformed records."""
+
+
+class RunInUse(RunDirError):
+    """Another process holds the run directory (`RunDir.claim`)."""
+
+
+_CLAIMS: dict[Path, int] = {}  # run directory (resolved) -> the open, flock'ed RUN/.lock this process holds
 
 
 def make_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -73,6 +81,58 @@ class RunDir:
 
     def worker_dir(self, worker: int) -> Path:
         return self.root / "workers" / str(worker)
+
+    # -- one launcher at a time -----------------------------------------------------------------
+    @property
+    def lock_path(self) -> Path:
+        return self.root / ".lock"
+
+    def claim(self) -> bool:
+        """Hold this run directory for this process until `release` (or until it ends), so that a
+        second `veriloco train --resume` of it, or a second run into it, is refused in one line
+        instead of racing the first for its rounds. An exclusive flock on RUN/.lock, which holds the
+        holder's pid for the message; the directory is made if missing. RunInUse when another
+        process holds it. Workers and joiners of an elastic run do not claim: only launchers.
+        True when this made the directory."""
+        key = self.root.resolve()
+        if key in _CLAIMS:
+            return False
+        made = not self.root.exists()
+        while True:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise RunDirError(f"cannot lock the run directory {self.root}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                os.close(fd)
+                pid = f" (pid {holder})" if holder.isdigit() else ""
+                raise RunInUse(f"{self.root} is in use by another veriloco process{pid}: wait for it to end, "
+                               "or stop it, before running into it again") from None
+            try:  # the file locked must still be the one at the path: a releasing holder unlinks it
+                same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _CLAIMS[key] = fd
+        return made
+
+    def release(self) -> None:
+        """Give up `claim` (nothing when not held): RUN/.lock goes, so a run leaves no trace of it."""
+        fd = _CLAIMS.pop(self.root.resolve(), None)
+        if fd is None:
+            return
+        try:
+            self.lock_path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
     # -- manifest ---------------------------------------------------------------------------
     def write_manifest(self, manifest: dict[str, Any]) -> str:

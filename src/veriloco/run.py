@@ -29,6 +29,7 @@ from .procs import start_workers, warm
 from .records import (
     RunDir,
     RunDirError,
+    RunInUse,
     checkpoint_blobs,
     make_dirs,
     prune_checkpoints,
@@ -94,10 +95,11 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
             if cfg.model.init:
                 manifest["init"] = manifest["initial_params"]  # G_0 is weights from disk, not the seed's
             run_id = json_hash(manifest)
-            run = RunDir(out) if out else default_run_dir(home, run_id)
+            run, fresh = (RunDir(out), None) if out else default_run_dir(home, run_id)
+            fresh = run.claim() if fresh is None else fresh  # held until train returns (RunInUse: nothing made)
+            made += [run.root] if fresh else []
             if run.rounds_path.exists() and run.rounds():
                 raise RunDirError(f"{run.root} already holds a run; use --resume {run.root} or another --out")
-            made += [run.root] if not run.root.exists() else []
             store = LocalStore(run.store_dir)
             store.put(canonical_json(manifest))  # named by its hash, the run id: a store says which runs it holds
             corpus.put_chunks(store.put)
@@ -108,6 +110,8 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
         manifest["run_id"] = run_id
         run.write_manifest(manifest)
     except BaseException:  # nothing half-written: a run directory this made goes, and the directories made for it
+        if run is not None:
+            run.release()
         if run is not None and run.root in made:
             shutil.rmtree(run.root, ignore_errors=True)
         remove_dirs(made)
@@ -115,15 +119,23 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
     return run, CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], manifest["initial_params"])
 
 
-def default_run_dir(home: Path, run_id: str) -> RunDir:
+def default_run_dir(home: Path, run_id: str) -> tuple[RunDir, bool]:
     """Where a run goes without --out: `home`/<run id's first 16 hex digits>, or, when a run of
     the same config is there already (the same run id), the first of -2, -3, ... holding none, so
-    that `make run` twice trains twice. A stopped one there is named on stderr, to --resume."""
+    that `make run` twice trains twice. A stopped one there is named on stderr, to --resume. The
+    directory returned is claimed (`RunDir.claim`; with whether this made it); one another launcher
+    holds is passed over."""
     name = run_id[:16]
     for n in itertools.count(1):
         run = RunDir(home / (name if n == 1 else f"{name}-{n}"))
         if not run.has_records():
-            return run
+            try:
+                made = run.claim()
+            except RunInUse:  # the same config, started a moment ago: its records are not written yet
+                continue
+            if not run.has_records():
+                return run, made
+            run.release()
         try:
             summary = json.loads(run.summary_path.read_text())
         except (OSError, ValueError):
@@ -230,8 +242,11 @@ def train(
         parse_faults(faults, cfg.topology.workers)
     warm()  # the workers' server imports while the corpus and G_0 are prepared here
     run, task = prepare_run(cfg, out)
-    warn_disk(cfg, run, 0)
-    return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults, placement)
+    try:
+        warn_disk(cfg, run, 0)
+        return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults, placement)
+    finally:
+        run.release()
 
 
 def warn_disk(cfg: Config, run: RunDir, done: int) -> None:
@@ -254,11 +269,15 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
     check_device(cfg)
     warm()
     run = RunDir(out)
-    manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
-                "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
-    manifest["run_id"] = json_hash(manifest)
-    run.write_manifest(manifest)
-    return launch(cfg, task, run, 0, quiet)
+    run.claim()
+    try:
+        manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
+                    "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
+        manifest["run_id"] = json_hash(manifest)
+        run.write_manifest(manifest)
+        return launch(cfg, task, run, 0, quiet)
+    finally:
+        run.release()
 
 
 def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, placement=None) -> tuple[RunDir, dict]:
@@ -270,6 +289,14 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     check_placement(cfg, placement)
     check_device(cfg)
     check_chain(cfg)
+    run.claim()  # a second resume of this run (or the run itself, still going) is refused, not raced
+    try:
+        return _resume(run, manifest, cfg, quiet, stop_after, placement)
+    finally:
+        run.release()
+
+
+def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: int | None, placement) -> tuple[RunDir, dict]:
     warm()
     records = run.rounds()
     done = len(records)
@@ -428,6 +455,7 @@ def torchrun_main(argv: list[str]) -> None:
         raise
     finally:
         dist.destroy_process_group()
+        run.release()  # held by each machine's local rank 0 since prepare_run
 
 
 if __name__ == "__main__":
