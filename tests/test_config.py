@@ -158,6 +158,7 @@ def test_the_module_entry_exits_2_in_one_line(tmp_path):
         (["--stop-after", "1"], "--stop-after needs train.mode = 'diloco'"),
         (["--fault", "die:1@1"], "--fault needs train.mode = 'diloco'"),
         (["--run.membership=elastic"], "run.membership = 'elastic' needs train.mode = 'diloco'"),
+        (["--adversary.1=noise"], "adversary.1: an attacker needs train.mode = 'diloco'"),  # (ran a clean baseline)
         (["--resume", "/tmp"], "--resume takes no config or overrides"),  # (was two lines and exit 1)
     ],
 )
@@ -332,4 +333,16 @@ def test_two_workers_with_an_attacker_or_a_robust_aggregator_warn_that_the_scree
     (line,) = config_warnings(tiny("--verify.aggregator=median"))
     assert "topology.workers = 2" in line
     assert config_warnings(tiny("--adversary.1=sign_flip", "--topology.workers=3")) == []
-    assert config_warnings(tiny("--verify.aggregator=median", "--train.mode=ddp")) == []
+    (line,) = config_warnings(tiny("--verify.aggregator=median", "--train.mode=ddp"))
+    assert line.startswith("train.mode = 'ddp' ignores [verify]:")
+
+
+def test_the_ddp_baseline_warns_of_the_sections_it_ignores():
+    """`--train.mode=ddp` with a codec, verification, an outer optimizer or a ledger set ran a plain
+    DDP baseline and said nothing; a line now names what it does not apply."""
+    from veriloco.config import config_warnings
+
+    assert config_warnings(tiny("--train.mode=ddp")) == []
+    (line,) = config_warnings(tiny("--train.mode=ddp", "--compress.codec=int8", "--outer.lr=0.5", "--ledger.backend=none"))
+    assert line.startswith("train.mode = 'ddp' ignores [outer], [compress], [ledger]: the DDP baseline all-reduces")
+    assert config_warnings(tiny("--compress.codec=int8", "--outer.lr=0.5")) == []

@@ -159,6 +159,17 @@ def test_ddp_baseline_same_batches_counts_bytes(tmp_path):
     assert summary["eval_loss_end"] < summary["eval_loss_start"]
 
 
+def test_the_ddp_baseline_paces_its_all_reduces_on_the_configs_link(tmp_path):
+    """`veriloco train --train.mode=ddp` ran on an unlimited link whatever [link] said (only
+    bench/comm.py passed one): every step's all-reduce now waits out the link's latency."""
+    from veriloco.baseline import train_ddp
+
+    cfg = tiny("--train.rounds=1", "--train.inner_steps=5", "--train.eval_batches=1", "--link.bandwidth=100gbit",
+               "--link.latency=100ms")
+    _, summary = train_ddp(cfg, str(tmp_path / "ddp"), quiet=True)
+    assert summary["wall_s"] >= 5 * 0.1  # at least one bucket a step, each 100 ms (unpaced: ~0.1 s in all)
+
+
 def test_make_run_path_shortened(tmp_path):
     out = tmp_path / "mr"
     p = subprocess.run(

@@ -128,7 +128,13 @@ def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, po
 
 
 def train_ddp(cfg: Config, out: str | None = None, quiet: bool = False, link=None) -> tuple[RunDir, dict]:
-    """Run the DDP baseline with cfg's model, data and schedule; returns (run dir, summary)."""
+    """Run the DDP baseline with cfg's model, data and schedule; returns (run dir, summary). Its
+    all-reduces are paced on `link` (link.Link), by default cfg's [link]."""
+    if link is None:
+        from .link import Link
+
+        link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
+        link = None if link.unlimited else link
     check_device(cfg)
     warm()
     run, task = prepare_run(cfg, out)

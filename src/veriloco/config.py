@@ -646,6 +646,9 @@ def validate(cfg: Config) -> None:
         need(not bad, f"verify.replay_match = 'distance' cannot re-encode with {bad[0] if bad else ''} (its encoder keeps "
              f"sender state across rounds, as PowerSGD's warm start does); use {', '.join(REPLAYABLE_CODECS)}"
              + (" or an adaptive ladder of them" if c.codec == "adaptive" else ""))
+    need(not cfg.adversary or cfg.train.mode == "diloco",
+         f"adversary.{next(iter(cfg.adversary), '')}: an attacker needs train.mode = 'diloco' (the DDP baseline has "
+         "no packets to attack or check)")
     for key, spec in cfg.adversary.items():
         need(int(key) < cfg.topology.workers, f"adversary.{key}: there are only {cfg.topology.workers} workers")
         from .verify.adversary import load_adversary
@@ -809,6 +812,9 @@ def config_from_dict(data: dict[str, dict[str, Any]]) -> Config:
 def config_warnings(cfg: Config) -> list[str]:
     """Valid settings that measured badly here, one line each (the CLI prints them; nothing is changed).
 
+    The DDP baseline with [outer], [compress], [verify] or [ledger] set: it has none of them, and a
+    user comparing it with the DiLoCo run of the same config should know they were not applied.
+
     Delay 1 with outer momentum above 0.5 and the eager or naive correction: on configs/tiny.toml
     (3 workers, H = 5) the eager run's eval loss jumps to 6.48 at round 6 of 16 where delay 0
     keeps falling, and diverges (7.47) at round 8 of 8; at momentum 0.5, or with the local
@@ -830,6 +836,11 @@ def config_warnings(cfg: Config) -> list[str]:
     and rejecting, `python bench/two_workers.py` refused noise in half the rounds and alie in a
     fifth."""
     o, t, v, out = cfg.outer, cfg.train, cfg.verify, []
+    ignored = [f"[{f.name}]" for f in fields(Config) if f.name in ("outer", "compress", "verify", "ledger")
+               and getattr(cfg, f.name) != f.default_factory()]
+    if t.mode == "ddp" and ignored:
+        out.append(f"train.mode = 'ddp' ignores {', '.join(ignored)}: the DDP baseline all-reduces every step's fp32 "
+                   "gradients, with no outer optimizer, packets, verification or ledger ([link] paces its all-reduces)")
     if t.mode == "diloco" and cfg.topology.workers == 2 and (cfg.adversary or v.aggregator != "mean"):
         out.append("topology.workers = 2: the screen's norm and cosine checks need a robust centre, which needs 3 "
                    "workers, and are skipped, and no aggregator can outvote either of two; a noisy, scaled or "
