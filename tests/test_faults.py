@@ -113,3 +113,42 @@ def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninte
     _, resumed = resume(str(run), quiet=True)
     _, whole = train(tiny(*args), str(tmp_path / "whole"), quiet=True)
     assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]
+
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_launcher_killed_alone_takes_its_workers_with_it(tmp_path, sig):
+    """A signal to the launcher alone, as a scheduler preempting a job sends SIGTERM (and later
+    SIGKILL): the workers trained on without it, into the run directory (by hand: 85 more rounds
+    after SIGTERM), and a resume started then raced them (its audit failed: a ledger entry with no
+    round record). Now SIGTERM is handled as Ctrl-C is, exit 143 and one line naming the resume,
+    and after SIGKILL each worker sees its launcher gone and exits. Either way nothing writes to
+    the run afterwards, and the resume reaches the uninterrupted run's params."""
+    import os
+    import signal
+    import subprocess
+
+    args = ["--train.rounds=150", "--train.inner_steps=3", "--train.eval_every=50"]
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "veriloco.cli", "train", str(Path(__file__).parents[1] / "configs" / "tiny.toml"),
+                          *args, "--quiet", "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ((run / "rounds.jsonl").exists() and len(rounds_of(run)) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(p.pid, getattr(signal, sig))
+    _, err = p.communicate(timeout=60)
+    if sig == "SIGTERM":
+        assert p.returncode == 143, err
+        assert [ln for ln in err.splitlines() if ln.strip()] == [
+            f"veriloco: terminated (SIGTERM); continue with `veriloco train --resume {run}`"], err
+    else:
+        assert p.returncode == -signal.SIGKILL
+    time.sleep(1.0)  # the workers' watch threads see the launcher's end within a scheduling tick
+    done = len(rounds_of(run))
+    assert 2 <= done < 150
+    time.sleep(1.5)
+    assert len(rounds_of(run)) == done  # no worker runs on
+    _, resumed = resume(str(run), quiet=True)
+    _, whole = train(tiny(*args), str(tmp_path / "whole"), quiet=True)
+    assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import signal
 import time
 
 import torch
@@ -20,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import Config
 from .inner import InnerLoop
-from .procs import start_workers, warm
+from .procs import die_with_parent, start_workers, warm
 from .records import RunDir
 from .round import init_distributed, progress_line
 from .run import check_device, free_port, prepare_run
@@ -56,6 +57,8 @@ def _counting_allreduce(state: _CommCounter, bucket):  # noqa: ANN001 - DDP reje
 
 
 def _ddp_worker(rank: int, world: int, cfg: Config, task: Task, run_dir: str, port: int, quiet: bool, link) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends the workers on Ctrl-C (procs.start_workers)
+    die_with_parent()
     init_distributed(cfg, rank, world, f"tcp://127.0.0.1:{port}")
     try:
         torch.set_num_threads(cfg.train.threads)

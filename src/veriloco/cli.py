@@ -103,16 +103,17 @@ def train(
     started = warm()
     try:
         _train(config, overrides, out, resume, quiet, stop_after, fault, host, local)
-    except KeyboardInterrupt as e:  # Ctrl-C: one line, and what continues the run
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM while workers ran): one line, and what continues the run
         if started:
             stop()
         from .records import RunDir
 
         run_dir = getattr(e, "run_dir", None)
         resumable = run_dir is not None and RunDir(run_dir).has_records()
-        typer.echo("veriloco: interrupted" + (f"; continue with `veriloco train --resume {run_dir}`" if resumable else ""),
-                   err=True)
-        raise typer.Exit(130) from None
+        terminated = getattr(e, "terminated", False)
+        typer.echo(("veriloco: terminated (SIGTERM)" if terminated else "veriloco: interrupted")
+                   + (f"; continue with `veriloco train --resume {run_dir}`" if resumable else ""), err=True)
+        raise typer.Exit(143 if terminated else 130) from None
     except BaseException:
         if started:
             stop()
@@ -221,11 +222,18 @@ def join(
 
     Its launcher, `veriloco train ... --host ADDR --workers ...`, runs on another machine."""
     from .elastic import join_elastic
+    from .procs import sigterm_as_interrupt
 
     try:
-        codes = join_elastic(run, _worker_list(workers), quiet)
+        with sigterm_as_interrupt():  # its supervisor loop kills the workers on the way out
+            codes = join_elastic(run, _worker_list(workers), quiet)
     except user_errors() as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt as e:
+        terminated = getattr(e, "terminated", False)
+        typer.echo(f"veriloco: {'terminated (SIGTERM)' if terminated else 'interrupted'}; workers "
+                   f"{', '.join(map(str, _worker_list(workers)))} of {run} stopped", err=True)
+        raise typer.Exit(143 if terminated else 130) from None
     failed = {j: c for j, c in codes.items() if c != 0}
     if failed:
         fail(f"workers ended in failure: {', '.join(f'{j} (exit {c})' for j, c in sorted(failed.items()))}; "

@@ -1107,6 +1107,9 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
 
 def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,
                  args: dict) -> None:
+    from .procs import die_with_parent
+
+    die_with_parent()  # a launcher (or joiner) killed outright takes its workers with it
     _stacks_on_signal(run_dir, args["worker"])
     replicas = None
     try:

@@ -11,10 +11,14 @@ processes only (never to or from a peer).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import multiprocessing
 import os
 import signal
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -69,13 +73,75 @@ def _running() -> bool:
     return _server_pid() is not None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to a launcher while its workers ran (a scheduler preempting the job, `kill PID`):
+    handled as Ctrl-C is (`sigterm_as_interrupt`), so that the workers end with the launcher."""
+
+    terminated = True  # what the CLI tells apart (exit 143, not Ctrl-C's 130), as on run.Interrupted
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within: SIGTERM raises Terminated in this process's main thread, as Ctrl-C raises
+    KeyboardInterrupt, so a launcher's cleanup (ending its workers) runs before it exits. Python's
+    default for SIGTERM is to die at once, and the workers ran on alone, into the run directory.
+    Outside the main thread (where no handler can be set) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise Terminated("SIGTERM")
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """In a worker: end this process at once when the launcher that started it ends, however it
+    ended (SIGKILL runs no cleanup), instead of training on alone into the run directory, where a
+    resume would then race it. A child of multiprocessing (forkserver or spawn) holds a sentinel
+    of its parent that reads EOF when the parent is gone: a daemon thread waits on it. (Its OS
+    parent is the forkserver, which outlives the launcher while the workers hold its alive pipe,
+    so the kernel's parent-death signal would not fire.) A worker started as a plain subprocess
+    (elastic's network namespaces) asks the kernel instead (Linux: PR_SET_PDEATHSIG)."""
+    from multiprocessing import connection, parent_process
+
+    parent = parent_process()
+    if parent is not None and parent.sentinel is not None:
+        def watch() -> None:
+            connection.wait([parent.sentinel])
+            os._exit(1)
+
+        threading.Thread(target=watch, name="veriloco-launcher-watch", daemon=True).start()
+        return
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    ppid = os.getppid()
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 and os.getppid() != ppid:
+        os._exit(1)  # the parent ended before the call took effect: nobody to work for
+
+
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     """fn(rank, *args) in nprocs processes; waits for all, re-raises the first failure
     (torch.multiprocessing.ProcessRaisedException / ProcessExitedException), as mp.spawn. Ctrl-C
-    (KeyboardInterrupt here) ends them before it is raised on: none is left to run on alone."""
+    (KeyboardInterrupt here) or SIGTERM (Terminated) ends them before it is raised on: none is left
+    to run on alone."""
     import torch.multiprocessing as mp
 
     context()  # sets the preload before the server first starts
+    with sigterm_as_interrupt():
+        _start_and_join(mp, fn, args, nprocs)
+
+
+def _start_and_join(mp: Any, fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     procs = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=START_METHOD)
     try:
         while not procs.join():

@@ -25,7 +25,7 @@ from .data import prepare_corpus
 from .hashing import canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_meta, build_model
-from .procs import start_workers, warm
+from .procs import Terminated, die_with_parent, sigterm_as_interrupt, start_workers, warm
 from .records import (
     RunDir,
     RunDirError,
@@ -147,11 +147,12 @@ def default_run_dir(home: Path, run_id: str) -> tuple[RunDir, bool]:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C while a run's workers ran: `run_dir` is the run, to continue with --resume."""
+    """Ctrl-C (or SIGTERM: `terminated`) while a run's workers ran: `run_dir` is the run, to
+    continue with --resume."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, terminated: bool = False) -> None:
         super().__init__(str(run_dir))
-        self.run_dir = run_dir
+        self.run_dir, self.terminated = run_dir, terminated
 
 
 def _spawned(
@@ -161,6 +162,7 @@ def _spawned(
     # Ctrl-C reaches every process of the terminal's group: the launcher stops the workers, which
     # would otherwise each print a KeyboardInterrupt from wherever it happened to land
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
     init_distributed(cfg, rank, world, f"tcp://127.0.0.1:{port}")
     try:
         summary = train_worker(cfg, rank, world, task, run_dir, start_round, quiet, stop_after)
@@ -211,7 +213,11 @@ def launch(
     if cfg.run.membership == "elastic":
         from .elastic import launch_elastic
 
-        return launch_elastic(cfg, task, run, faults or [], quiet, stop_after, placement)
+        try:
+            with sigterm_as_interrupt():  # its supervisor loop kills the workers on the way out
+                return launch_elastic(cfg, task, run, faults or [], quiet, stop_after, placement)
+        except KeyboardInterrupt as e:
+            raise Interrupted(run.root, isinstance(e, Terminated)) from None
     if faults:
         raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
     check_placement(cfg, placement)
@@ -219,8 +225,8 @@ def launch(
     port = free_port()
     try:
         start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
-    except KeyboardInterrupt:
-        raise Interrupted(run.root) from None
+    except KeyboardInterrupt as e:
+        raise Interrupted(run.root, isinstance(e, Terminated)) from None
     return json.loads(run.summary_path.read_text())
 
 
