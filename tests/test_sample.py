@@ -57,3 +57,26 @@ def test_bad_input_is_one_line(run_dir, tmp_path, monkeypatch, capsys):
                    quiet=True)
     with pytest.raises(ExportError, match="keeps no tokenizer"):
         sample(run.root)
+
+
+def test_ctrl_c_in_a_command_says_so_in_one_line(run_dir):
+    """Ctrl-C in a command other than train (which names the resume) ended it with exit 130 and
+    nothing on stderr: typer turns KeyboardInterrupt into a bare Exit(130)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    p = subprocess.Popen([sys.executable, "-m", "veriloco.cli", "sample", str(run_dir), "--tokens", "10000000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    # torch is imported inside the command (the CLI imports none until one needs it): once it is
+    # mapped, the Ctrl-C lands in the command, not in the interpreter's start
+    while "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and [ln for ln in err.splitlines() if ln.strip()] == ["veriloco: interrupted"], err

@@ -113,6 +113,7 @@ def train(
         terminated = getattr(e, "terminated", False)
         typer.echo(("veriloco: terminated (SIGTERM)" if terminated else "veriloco: interrupted")
                    + (f"; continue with `veriloco train --resume {run_dir}`" if resumable else ""), err=True)
+        _INTERRUPT_SAID.append(True)
         raise typer.Exit(143 if terminated else 130) from None
     except BaseException:
         if started:
@@ -233,6 +234,7 @@ def join(
         terminated = getattr(e, "terminated", False)
         typer.echo(f"veriloco: {'terminated (SIGTERM)' if terminated else 'interrupted'}; workers "
                    f"{', '.join(map(str, _worker_list(workers)))} of {run} stopped", err=True)
+        _INTERRUPT_SAID.append(True)
         raise typer.Exit(143 if terminated else 130) from None
     failed = {j: c for j, c in codes.items() if c != 0}
     if failed:
@@ -435,11 +437,17 @@ def config_reference() -> None:
     typer.echo(describe())
 
 
+_INTERRUPT_SAID: list[bool] = []  # train and join say how a Ctrl-C ended them (their own line): main() adds none
+
+
 def main() -> None:
     """The `veriloco` script. Usage errors (an unknown option, a missing or malformed argument)
     print one line and exit 2, as every other bad input does, instead of click's usage box."""
+    _INTERRUPT_SAID.clear()
     try:
         code = app(prog_name="veriloco", standalone_mode=False)
+        if code == 130 and not _INTERRUPT_SAID:  # Ctrl-C in a command (typer: Exit(130)) ended it silently
+            typer.echo("veriloco: interrupted", err=True)
     except Exception as e:
         # matched by what it has, not its class: typer vendors its own copy of click
         kind = type(e).__name__
