@@ -15,10 +15,11 @@ import ctypes
 import ctypes.util
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -129,11 +130,17 @@ def die_with_parent() -> None:
         os._exit(1)  # the parent ended before the call took effect: nobody to work for
 
 
+# how a worker fails when another one did first: the collective it was in lost its peer
+PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+GRACE_S = 5.0  # once one worker failed, how long the others get to end (and say why) before SIGTERM
+
+
 def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
-    """fn(rank, *args) in nprocs processes; waits for all, re-raises the first failure
-    (torch.multiprocessing.ProcessRaisedException / ProcessExitedException), as mp.spawn. Ctrl-C
-    (KeyboardInterrupt here) or SIGTERM (Terminated) ends them before it is raised on: none is left
-    to run on alone."""
+    """fn(rank, *args) in nprocs processes; waits for all, re-raises a failure
+    (torch.multiprocessing.ProcessRaisedException / ProcessExitedException), as mp.spawn: the
+    first, unless that one only lost its peer (`PEER_FAILURES`) and another failed of something
+    else (`root_cause`). Ctrl-C (KeyboardInterrupt here) or SIGTERM (Terminated) ends them before
+    it is raised on: none is left to run on alone."""
     import torch.multiprocessing as mp
 
     context()  # sets the preload before the server first starts
@@ -144,8 +151,14 @@ def start_workers(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -
 def _start_and_join(mp: Any, fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     procs = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=START_METHOD)
     try:
-        while not procs.join():
+        while not procs.join(grace_period=GRACE_S):
             pass
+    except mp.ProcessRaisedException as e:
+        cause = root_cause(e, procs.error_files)
+        if cause is e:
+            raise
+        raise mp.ProcessRaisedException(f"\n\n-- Process {cause[0]:d} terminated with the following error:\n{cause[1]}",
+                                        cause[0], procs.processes[cause[0]].pid) from None
     except KeyboardInterrupt:
         for p in procs.processes:
             if p.is_alive():
@@ -153,3 +166,32 @@ def _start_and_join(mp: Any, fn: Callable[..., None], args: tuple[Any, ...], npr
         for p in procs.processes:
             p.join(30)
         raise
+
+
+def root_cause(first: BaseException, error_files: Sequence[str]) -> BaseException | tuple[int, str]:
+    """What to report of a failed run: `first` (the failure the launcher saw first), unless all it
+    says is that a collective lost its peer (`PEER_FAILURES`) while another process failed of
+    something else: then (that process's index, its traceback). A worker that ran out of disk
+    space failed its run with its peer's "Connection closed by peer", since the peer, which only
+    noticed, exited first. Each error file holds a traceback string that torch's child wrapper
+    wrote (our own processes'); it is read with globals refused, so only a str can come out."""
+    if not any(m in str(first) for m in PEER_FAILURES):
+        return first
+    for i, path in enumerate(error_files):
+        if i == getattr(first, "error_index", None) or not os.access(path, os.R_OK):
+            continue
+        try:
+            with open(path, "rb") as f:
+                trace = _StrOnly(f).load()
+        except Exception:  # noqa: BLE001 - a file torch half-wrote: not a cause to report
+            continue
+        if isinstance(trace, str) and trace.strip() and not any(m in trace for m in PEER_FAILURES):
+            return i, trace
+    return first
+
+
+class _StrOnly(pickle.Unpickler):
+    """Unpickles plain data only (torch writes a str): any class or function is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not plain data")
