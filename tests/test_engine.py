@@ -187,6 +187,19 @@ def test_python_api_example_runs(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "eval loss" in p.stdout
+    # again into the same directory: its rounds were appended to the first run's, and the ledger
+    # refused round 0 with a RuntimeError from the workers; now refused before anything is written
+    before = _files(tmp_path / "ex")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_model.py"), str(tmp_path / "ex")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
+        f"veriloco.records.RunDirError: {tmp_path / 'ex'} already holds a run; train into another directory")
+    assert _files(tmp_path / "ex") == before
+    # the audit rebuilds the built-in tasks only, and says so (it said the seed's model had the wrong init hash)
+    from veriloco.audit import audit_run
+
+    report = audit_run(tmp_path / "ex")
+    assert not report.ok and report.first_failure.startswith("manifest: the run trained a user's Task (make_model)")
 
 
 def _checkpoint_params(store: LocalStore, digest: str) -> dict[str, torch.Tensor]:

@@ -466,6 +466,10 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
     if json_hash(core) != manifest.get("run_id"):
         _fail("manifest: its hash is not the run id (the manifest was changed)")
+    if "task" in manifest and "corpus_manifest" not in manifest:  # train_task's: the model and batches are user code
+        _fail(f"manifest: the run trained a user's Task ({str(manifest['task'])[:80]}), whose model and batches are "
+              "that user's code: the audit rebuilds only the built-in tasks (the model [model] describes, batches "
+              "from the committed corpus)")
     try:
         cfg = config_from_dict(manifest["config"])
     except ValueError as e:

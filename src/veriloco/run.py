@@ -277,6 +277,8 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
     run = RunDir(out)
     run.claim()
     try:
+        if run.has_records():  # its rounds would be appended to another run's (and its manifest replaced)
+            raise RunDirError(f"{run.root} already holds a run; train into another directory")
         manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
                     "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
         manifest["run_id"] = json_hash(manifest)
