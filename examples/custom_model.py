@@ -5,7 +5,9 @@
 A Task is four things: a model factory (same init every call), a loss, a pure batch function
 (worker, round, step) -> (inputs, targets), and fixed held-out batches. Everything else —
 inner AdamW steps, packets, the exchange over torch.distributed, the outer Nesterov step,
-content-addressed checkpoints, rounds.jsonl — is the same as for the built-in GPT.
+content-addressed checkpoints, rounds.jsonl — is the same as for the built-in GPT, and so is the
+offline audit: `audit_task(task, out)` redoes every round with this Task (`veriloco audit` on the
+command line rebuilds only the built-in tasks).
 On GPUs add "--run.device=cuda" (and "--train.precision=bf16") to the overrides: the models are
 built on the GPU and the batches copied there; the four functions stay as they are.
 """
@@ -15,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from veriloco import Task, load_config, train_task
+from veriloco import Task, audit_task, load_config, train_task
 
 
 def make_model() -> nn.Module:  # a small MLP regressor; the seed makes every worker's G_0 equal
@@ -41,5 +43,8 @@ if __name__ == "__main__":  # worker processes import this file: keep the launch
     out = sys.argv[1] if len(sys.argv) > 1 else "runs/custom-model"
     cfg = load_config(overrides=["--topology.workers=2", "--train.rounds=8", "--train.inner_steps=20",
                                  "--train.warmup_steps=10", "--train.lr=0.01", "--train.eval_batches=4"])
-    summary = train_task(Task(make_model, loss, batch, eval_batches), cfg, out)
+    task = Task(make_model, loss, batch, eval_batches)
+    summary = train_task(task, cfg, out)
     print(f"eval loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss_end']:.4f}; run in {out}")
+    report = audit_task(task, out)  # anyone holding the run directory and this file can check it
+    print(f"audit {'ok' if report.ok else 'FAILED: ' + str(report.first_failure)}: {report.rounds} rounds redone")

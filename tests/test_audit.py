@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import rounds_of, tiny
+from conftest import ROOT, rounds_of, tiny
 from typer.testing import CliRunner
 
 from veriloco.audit import audit_run
@@ -421,3 +421,40 @@ def test_the_audit_leaves_the_process_as_it_found_it(run, mode):
         assert torch.are_deterministic_algorithms_enabled() is mode and torch.get_num_threads() == threads
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_a_users_task_run_is_audited_with_its_task(tmp_path, monkeypatch):
+    """`veriloco audit` rebuilds only the built-in tasks; `audit_task(task, RUN)` audits a
+    `train_task` run with the user's Task: every round redone, the drawn replays re-run bit for bit
+    on the user's model, and another model or other batches fail at round 0."""
+    import torch
+
+    from veriloco import Task, load_config, train_task
+    from veriloco.audit import audit_task
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # the workers import the Task's functions from there too
+    import custom_model as cm
+    task = Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches)
+    cfg = load_config(overrides=["--topology.workers=3", "--train.rounds=4", "--train.inner_steps=10",
+                                 "--train.warmup_steps=10", "--train.lr=0.01", "--train.eval_batches=4",
+                                 "--verify.replay_probability=0.5", "--train.inner_state=reset",
+                                 "--train.round_warmup_steps=2", "--verify.trace_every=5"])
+    run = tmp_path / "run"
+    train_task(task, cfg, str(run), quiet=True)
+    report = audit_task(task, run, replay=100)
+    assert report.ok, report.first_failure
+    assert report.checked["replays"] >= 1 and report.checked["checkpoints"] == 4 and report.checked["signatures"] == 12
+    assert audit_run(run).first_failure.startswith("manifest: the run trained a user's Task (make_model)")
+
+    def doubled(w, r, s):
+        x, y = cm.batch(w, r, s)
+        return x, 2 * y
+
+    def reseeded():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+    assert audit_task(Task(cm.make_model, cm.loss, doubled, cm.eval_batches), run).first_failure == \
+        "round 0: worker 0's verdict recomputes to 'wrong_data', the entry says 'accept'"
+    assert audit_task(Task(reseeded, cm.loss, cm.batch, cm.eval_batches), run).first_failure == \
+        "round 0: worker 0's verdict recomputes to 'stale_base', the entry says 'accept'"

@@ -186,7 +186,7 @@ def test_python_api_example_runs(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_model.py"), str(tmp_path / "ex")],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "eval loss" in p.stdout
+    assert "eval loss" in p.stdout and "audit ok: 8 rounds redone" in p.stdout
     # again into the same directory: its rounds were appended to the first run's, and the ledger
     # refused round 0 with a RuntimeError from the workers; now refused before anything is written
     before = _files(tmp_path / "ex")
@@ -195,7 +195,8 @@ def test_python_api_example_runs(tmp_path):
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
         f"veriloco.records.RunDirError: {tmp_path / 'ex'} already holds a run; train into another directory")
     assert _files(tmp_path / "ex") == before
-    # the audit rebuilds the built-in tasks only, and says so (it said the seed's model had the wrong init hash)
+    # `veriloco audit` rebuilds the built-in tasks only, and says so (it said the seed's model had
+    # the wrong init hash); the example audits itself with its Task (audit_task)
     from veriloco.audit import audit_run
 
     report = audit_run(tmp_path / "ex")

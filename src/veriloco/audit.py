@@ -58,7 +58,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
-from .config import config_from_dict
+from .config import Config, config_from_dict
 from .data import DataError
 from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
 from .hf import transformers_version
@@ -387,13 +387,25 @@ def audit_published(ledger: str, store_url: str, run_id: str | None = None, repl
     return audit_sources(StoreSources(ledger, store_url, run_id), replay, device)
 
 
-def audit_sources(src: Sources, replay: int = 0, device: str = "cpu") -> AuditReport:
-    """Audit the run `src` reads; the report says what held and the first thing that did not."""
+def audit_task(task: Task, run_dir: str | Path, replay: int = 0, device: str = "cpu") -> AuditReport:
+    """Audit a run that `train_task(task, cfg, run_dir)` made, with the same `task` (its model
+    factory, loss, batches and eval batches: user code, which `veriloco audit` cannot rebuild).
+    Everything `audit_run` checks of a built-in task's run is checked, except the corpus: the
+    ledger and records, each worker's signed commitment, its base (round 0: `task.make_model()`'s
+    params), its batch root (from `task.batch`), the screen and the aggregate redone, every
+    checkpoint recomputed, the drawn replays (up to `replay` re-run). Another task than the run's
+    fails at round 0's base or batch roots. One stage only (a user's Task is not split)."""
+    return audit_sources(DirSources(run_dir), replay, device, task)
+
+
+def audit_sources(src: Sources, replay: int = 0, device: str = "cpu", user_task: Task | None = None) -> AuditReport:
+    """Audit the run `src` reads; the report says what held and the first thing that did not.
+    `user_task`: the Task of a `train_task` run (audit_task)."""
     t0 = time.perf_counter()
     report = AuditReport(ok=False, source=src.description)
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
-        _audit(src, report, replay, device)
+        _audit(src, report, replay, device, user_task)
         report.ok = True
     except AuditFailure as e:
         report.first_failure = str(e)
@@ -438,13 +450,13 @@ class _AuditTask:
     loss gains run on `device` at the run's precision. A run trained on GPUs reproduces its exact
     replays and its loss-gain reports only on the same kind of GPU; on the CPU they need not."""
 
-    def __init__(self, task: CorpusTask, device: str, precision: str) -> None:
+    def __init__(self, task: CorpusTask | Task, device: str, precision: str) -> None:
         self.task, self.device = task, torch.device(device)
-        self.computed = on_device(task.as_task(), self.device, precision)
+        self.computed = on_device(self.as_task(), self.device, precision)
         self._model: torch.nn.Module | None = None
 
     def as_task(self) -> Task:
-        return self.task.as_task()
+        return self.task if isinstance(self.task, Task) else self.task.as_task()
 
     def gain_model(self, G0: torch.nn.Module) -> torch.nn.Module:
         """A model for the loss gains, on the device (G0 itself on the CPU: they load their params)."""
@@ -455,10 +467,11 @@ class _AuditTask:
         return self._model
 
 
-def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str = "cpu") -> None:
+def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str = "cpu",
+           user_task: Task | None = None) -> None:
     counts = report.checked
     loaded = src.load()
-    manifest, records = loaded.manifest, loaded.records
+    manifest = loaded.manifest
     # the workers' thread count: replays are bit-exact only with the same reduction order
     torch.set_num_threads(int(manifest.get("config", {}).get("train", {}).get("threads", 1) or 1))
 
@@ -466,15 +479,24 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
     if json_hash(core) != manifest.get("run_id"):
         _fail("manifest: its hash is not the run id (the manifest was changed)")
-    if "task" in manifest and "corpus_manifest" not in manifest:  # train_task's: the model and batches are user code
+    trained_task = "task" in manifest and "corpus_manifest" not in manifest  # train_task's: user code
+    if trained_task and user_task is None:
         _fail(f"manifest: the run trained a user's Task ({str(manifest['task'])[:80]}), whose model and batches are "
-              "that user's code: the audit rebuilds only the built-in tasks (the model [model] describes, batches "
-              "from the committed corpus)")
+              "that user's code: audit it with veriloco.audit_task(task, RUN) and that Task")
+    if user_task is not None and not trained_task:
+        _fail("manifest: the run trained a built-in task (its corpus is in the store): audit it without a Task")
     try:
         cfg = config_from_dict(manifest["config"])
     except ValueError as e:
         _fail(f"manifest: config does not parse: {e}")
     stages = cfg.topology.stages
+    if user_task is not None:
+        if stages != 1:
+            _fail(f"manifest: the run has {stages} stages; audit_task audits a user's Task on one")
+        task = _AuditTask(user_task, device, cfg.train.precision)
+        take_device(task.device, cfg.verify.replay_match == "exact")
+        _audit_rounds(src, report, loaded, cfg, task, task.as_task().make_model(), replays_left)
+        return
     trained_with = manifest.get("transformers_version")
     if cfg.model.arch != "gpt" and trained_with != transformers_version():
         _fail(f"manifest: the run's {cfg.model.arch} model ran on transformers {trained_with}, this machine has "
@@ -515,6 +537,14 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     corpus_task._corpus, corpus_task._initial = corpus, initial
     task = _AuditTask(corpus_task, device if stages == 1 else "cpu", cfg.train.precision)  # stages: the emulated pipeline, on the CPU
     take_device(task.device, cfg.verify.replay_match == "exact")
+    _audit_rounds(src, report, loaded, cfg, task, G0, replays_left)
+
+
+def _audit_rounds(src: Sources, report: AuditReport, loaded: Any, cfg: Config, task: _AuditTask,
+                  G0: torch.nn.Module, replays_left: int) -> None:
+    """Steps 3-5 of the audit: the ledger and records, every round redone, the signed manifest."""
+    counts, manifest, records, store = report.checked, loaded.manifest, loaded.records, src.store
+    stages = cfg.topology.stages
 
     # 3. ledger and records
     ledger = src.open_ledger(manifest)
@@ -950,8 +980,8 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
                 _fail(f"{where}worker {j} is recorded as false_report but audited no one this round")
     t = task.computed
     if stages == 1:  # the model built at the segment's start (no G_0 read)
-        replayer = plain_replayer(t.make_model, t.loss, cfg.train, total, lambda start: model_from(cfg.model, start, task.device),
-                                  replicas=cfg.topology.replicas)
+        build = None if isinstance(task.task, Task) else lambda start: model_from(cfg.model, start, task.device)
+        replayer = plain_replayer(t.make_model, t.loss, cfg.train, total, build, replicas=cfg.topology.replicas)
     else:
         replayer = _emulated_replayer(cfg, total)
     back = r - 1 - cfg.outer.delay
@@ -1022,5 +1052,5 @@ def write_audit(run_dir: str | Path, report: AuditReport) -> None:
     (Path(run_dir) / "audit.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
 
 
-__all__ = ["AuditFailure", "AuditInputError", "AuditReport", "audit_published", "audit_run", "audit_sources",
+__all__ = ["AuditFailure", "AuditInputError", "AuditReport", "audit_published", "audit_run", "audit_sources", "audit_task",
            "open_run_ledger", "write_audit", "RunDirError"]
