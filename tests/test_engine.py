@@ -20,6 +20,7 @@ from veriloco.ledger import SqliteLedger
 from veriloco.ledger.entry import parse_entry
 from veriloco.model import build_model, lm_loss
 from veriloco.outer import OuterOptimizer
+from veriloco.records import RunDirError
 from veriloco.run import resume, train, train_task
 from veriloco.store import LocalStore
 from veriloco.task import CorpusTask, Task
@@ -468,3 +469,30 @@ def test_a_fresh_run_into_a_held_directory_makes_nothing_there(tmp_path, monkeyp
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_users_task_run_stopped_midway_resumes_to_the_uninterrupted_one(tmp_path, monkeypatch, capsys):
+    """A `train_task` run could not be continued: `veriloco train --resume` needs the corpus the
+    built-in tasks keep in the store, and a user's model and batches are code. `resume_task(task,
+    RUN)` continues it with the same Task, and ends where the uninterrupted run does."""
+    from veriloco import load_config, resume_task
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # the workers import the Task's functions from there too
+    import custom_model as cm
+
+    task = Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches)
+    cfg = load_config(overrides=["--topology.workers=2", "--train.rounds=4", "--train.inner_steps=5",
+                                 "--train.warmup_steps=5", "--train.lr=0.01", "--train.eval_batches=2"])
+    part = tmp_path / "part"
+    stopped = train_task(task, cfg, str(part), quiet=True, stop_after=2)
+    assert not stopped["complete"] and len(rounds_of(part)) == 2
+    code, err, _ = cli(monkeypatch, capsys, "train", "--resume", str(part), "--quiet")
+    assert code == 2 and err == [f"veriloco: error: {part} trained a user's Task (make_model): continue it with "
+                                 "veriloco.resume_task(task, RUN) and that Task"]
+    resumed = resume_task(task, str(part), quiet=True)
+    whole = train_task(task, cfg, str(tmp_path / "whole"), quiet=True)
+    assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]
+    assert [r["params_hash"] for r in rounds_of(part)] == [r["params_hash"] for r in rounds_of(tmp_path / "whole")]
+    train(tiny("--train.rounds=2"), str(tmp_path / "builtin"), quiet=True, stop_after=1)
+    with pytest.raises(RunDirError, match="trained a built-in task: continue it without a Task"):
+        resume_task(task, str(tmp_path / "builtin"))

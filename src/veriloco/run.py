@@ -267,10 +267,12 @@ def warn_disk(cfg: Config, run: RunDir, done: int) -> None:
         print(warning, file=sys.stderr, flush=True)
 
 
-def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
-    """Train a user's Task (own model and data) through the same round engine."""
+def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_after: int | None = None) -> dict:
+    """Train a user's Task (own model and data) through the same round engine; returns the
+    summary. A run stopped (`stop_after` rounds) or killed goes on with `resume_task`."""
     from .round import check_splittable
 
+    check_stop_after(stop_after)
     check_splittable(task, cfg.topology.stages)
     check_device(cfg)
     warm()
@@ -283,28 +285,47 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict:
                     "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
         manifest["run_id"] = json_hash(manifest)
         run.write_manifest(manifest)
-        return launch(cfg, task, run, 0, quiet)
+        return launch(cfg, task, run, 0, quiet, stop_after)
     finally:
         run.release()
 
 
-def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, placement=None) -> tuple[RunDir, dict]:
-    """Continue a run from its last complete round (a torn last line is dropped)."""
+def resume_task(task: Task, run_dir: str, quiet: bool = False, stop_after: int | None = None) -> dict:
+    """Continue a `train_task` run from its last complete round, with the same `task` (user code,
+    which the run directory does not hold); returns the summary. On the CPU the resumed run ends
+    where the uninterrupted one does, as `veriloco train --resume` does for the built-in tasks."""
+    from .round import check_splittable
+
+    check_splittable(task, config_from_dict(RunDir(run_dir).read_manifest()["config"]).topology.stages)
+    return resume(run_dir, quiet, stop_after, None, task)[1]
+
+
+def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, placement=None,
+           task: Task | None = None) -> tuple[RunDir, dict]:
+    """Continue a run from its last complete round (a torn last line is dropped). `task`: the
+    user's Task of a `train_task` run (`resume_task`); the built-in tasks rebuild theirs."""
     check_stop_after(stop_after)
     run = RunDir(run_dir)
     manifest = run.read_manifest()
+    users = "task" in manifest and "corpus_manifest" not in manifest  # train_task's: its model and data are user code
+    if users and task is None:
+        raise RunDirError(f"{run.root} trained a user's Task ({str(manifest['task'])[:80]}): continue it with "
+                          "veriloco.resume_task(task, RUN) and that Task")
+    if task is not None and not users:
+        raise RunDirError(f"{run.root} trained a built-in task: continue it without a Task (veriloco train --resume)")
     cfg = config_from_dict(manifest["config"])
     check_placement(cfg, placement)
     check_device(cfg)
     check_chain(cfg)
     run.claim()  # a second resume of this run (or the run itself, still going) is refused, not raced
     try:
-        return _resume(run, manifest, cfg, quiet, stop_after, placement)
+        return _resume(run, manifest, cfg, quiet, stop_after, placement, task)
     finally:
         run.release()
 
 
-def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: int | None, placement) -> tuple[RunDir, dict]:
+def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: int | None, placement,
+            task: Task | None) -> tuple[RunDir, dict]:
     warm()
     records = run.rounds()
     done = len(records)
@@ -332,8 +353,9 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
                 raise RunDirError(f"round {rec['round']}'s checkpoint {digest[:16]} is missing from {run.store_dir} "
                                   f"(a resume reads the newest {1 + cfg.outer.delay} rounds' checkpoints)")
     warn_disk(cfg, run, done)
-    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
-    return run, launch(cfg, task.as_task(), run, done, quiet, stop_after, None, placement)
+    if task is None:
+        task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
+    return run, launch(cfg, task, run, done, quiet, stop_after, None, placement)
 
 
 def check_ledger(run: RunDir, records: list[dict]) -> None:
