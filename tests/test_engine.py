@@ -496,3 +496,14 @@ def test_a_users_task_run_stopped_midway_resumes_to_the_uninterrupted_one(tmp_pa
     train(tiny("--train.rounds=2"), str(tmp_path / "builtin"), quiet=True, stop_after=1)
     with pytest.raises(RunDirError, match="trained a built-in task: continue it without a Task"):
         resume_task(task, str(tmp_path / "builtin"))
+    # its params export as the module's state dict alone (a GPT's model.json, which described no
+    # model of the run, was written beside them), and there is no language model to sample from
+    code, _, out = cli(monkeypatch, capsys, "export", str(part), "--out", str(tmp_path / "exp"))
+    assert code in (0, None) and "check the run first: veriloco.audit_task(task, RUN)" in out
+    assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["model.safetensors"]
+    model = cm.make_model()
+    model.load_state_dict(st_load((tmp_path / "exp" / "model.safetensors").read_bytes()))
+    assert tensors_hash(dict(model.named_parameters())) == resumed["final_params_hash"]
+    code, err, _ = cli(monkeypatch, capsys, "sample", str(part))
+    assert code == 2 and err == ["veriloco: error: the run trained a user's Task (make_model), not a language model "
+                                 "of veriloco's: there is nothing here to sample from (its params: veriloco export)"]

@@ -68,7 +68,7 @@ from .link import Link
 from .model import build_meta, build_model, model_from
 from .outer import OuterOptimizer
 from .pipeline import EmulatedPipeline
-from .records import RunDir, RunDirError, pruned
+from .records import RunDir, RunDirError, pruned, users_task
 from .round import (
     StepSchedule,
     aggregate_deltas,
@@ -479,11 +479,11 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
     if json_hash(core) != manifest.get("run_id"):
         _fail("manifest: its hash is not the run id (the manifest was changed)")
-    trained_task = "task" in manifest and "corpus_manifest" not in manifest  # train_task's: user code
-    if trained_task and user_task is None:
-        _fail(f"manifest: the run trained a user's Task ({str(manifest['task'])[:80]}), whose model and batches are "
+    trained_task = users_task(manifest)  # train_task's: its model and batches are user code
+    if trained_task is not None and user_task is None:
+        _fail(f"manifest: the run trained a user's Task ({trained_task}), whose model and batches are "
               "that user's code: audit it with veriloco.audit_task(task, RUN) and that Task")
-    if user_task is not None and not trained_task:
+    if user_task is not None and trained_task is None:
         _fail("manifest: the run trained a built-in task (its corpus is in the store): audit it without a Task")
     try:
         cfg = config_from_dict(manifest["config"])

@@ -349,14 +349,18 @@ def export(
     """Write the run's global params as a model directory (transformers archs: from_pretrained).
 
     For a transformers arch, config.json and model.safetensors, which AutoModelForCausalLM.from_pretrained
-    loads; for the GPT, model.safetensors and model.json; with [data] tokenizer, its tokenizer.json too."""
+    loads; for the GPT, model.safetensors and model.json; with [data] tokenizer, its tokenizer.json too;
+    for a user's Task (train_task), model.safetensors alone, for its module's load_state_dict."""
     from .export import export_run
 
     try:
         path, r = export_run(run, out, round)
     except user_errors() as e:
         fail(str(e).splitlines()[0])
-    typer.echo(f"wrote {path}: the global params after round {r} (check the run first: veriloco audit {run})")
+    from .records import RunDir, users_task
+
+    check = "veriloco.audit_task(task, RUN)" if users_task(RunDir(run).read_manifest()) else f"veriloco audit {run}"
+    typer.echo(f"wrote {path}: the global params after round {r} (check the run first: {check})")
 
 
 @app.command("sample")

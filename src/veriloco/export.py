@@ -10,7 +10,9 @@ rebuilt from G_0 and the rounds' accepted packets (`rebuild`, one stage only). W
 - the built-in GPT: `model.safetensors` and `model.json` (the run's `[model]` section), which
   `veriloco.model.GPT(ModelConfig(**json))` loads with `load_state_dict`;
 - with `[data] tokenizer`, its `tokenizer.json` too (from the run's store), which
-  `transformers.AutoTokenizer.from_pretrained(DIR)` loads.
+  `transformers.AutoTokenizer.from_pretrained(DIR)` loads;
+- a user's Task (`train_task`): `model.safetensors` alone, under its module's parameter names,
+  which that module loads with `load_state_dict(safetensors.torch.load_file(...))`.
 
 The records are the run's own: `veriloco audit RUN` checks them (signatures, verdicts, every outer
 step) before you trust what they name. DIR is written whole or not at all.
@@ -29,7 +31,7 @@ import torch
 
 from .config import Config, ConfigError, config_from_dict
 from .hashing import TensorsHasher
-from .records import RunDir, make_dirs, pruned, remove_dirs
+from .records import RunDir, make_dirs, pruned, remove_dirs, users_task
 from .store import LocalStore, StoreError
 from .tensorfile import FileTensors, TensorFile, write_tensors
 
@@ -169,6 +171,10 @@ def open_round(run_dir: str | Path, round: int | None = None) -> Opened:
         raise ExportError(f"round {r}: its record does not name a checkpoint and params hash for every stage")
     keep = cfg.run.keep_checkpoints
     if pruned(keep, len(records), r) and not all(store.has(p["checkpoint"]) for p in parts):
+        if users_task(manifest) is not None:
+            raise ExportError(f"round {r}'s checkpoint was pruned: run.keep_checkpoints = {keep} keeps rounds "
+                              f"{len(records) - keep}..{len(records) - 1} (a user's Task's run keeps no G_0 to "
+                              "rebuild the others from)")
         if cfg.topology.stages > 1:
             raise ExportError(f"round {r}'s checkpoint was pruned: run.keep_checkpoints = {keep} keeps rounds "
                               f"{len(records) - keep}..{len(records) - 1} (a pipelined run's pruned rounds are not rebuilt)")
@@ -197,7 +203,8 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
     made = make_dirs(out.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed to out once whole
     try:
-        if cfg.model.arch != "gpt":
+        users = users_task(opened.manifest) is not None  # the model is the user's module: no config of ours describes it
+        if cfg.model.arch != "gpt" and not users:
             from .hf import save_hf
 
             try:
@@ -206,13 +213,15 @@ def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -
                 raise ExportError(str(e)) from None
         else:
             layout = params.layout()
-            if cfg.model.tie:  # GPT(...).load_state_dict wants the tied head's name too (safetensors keeps no aliases)
+            tie = cfg.model.tie and not users
+            if tie:  # GPT(...).load_state_dict wants the tied head's name too (safetensors keeps no aliases)
                 layout["lm_head.weight"] = layout["tok_emb.weight"]
             with (tmp / "model.safetensors").open("wb") as f:  # a tensor at a time
-                write_tensors(f, layout, lambda k: params["tok_emb.weight" if k == "lm_head.weight" and cfg.model.tie else k],
+                write_tensors(f, layout, lambda k: params["tok_emb.weight" if k == "lm_head.weight" and tie else k],
                               metadata={"format": "pt"})
-            (tmp / "model.json").write_text(json.dumps(cfg.to_dict()["model"], indent=2, sort_keys=True) + "\n",
-                                            encoding="utf-8")
+            if not users:
+                (tmp / "model.json").write_text(json.dumps(cfg.to_dict()["model"], indent=2, sort_keys=True) + "\n",
+                                                encoding="utf-8")
         tokenizer = opened.tokenizer_json()
         if tokenizer is not None:  # [data] tokenizer: what turned the text into the tokens trained on
             (tmp / "tokenizer.json").write_bytes(tokenizer)

@@ -68,6 +68,16 @@ def remove_dirs(made: Sequence[Path]) -> None:
             pass
 
 
+def users_task(manifest: dict[str, Any]) -> str | None:
+    """The name of the user's Task a `train_task` run trained (its model factory's), or None for
+    the built-in tasks, whose model `[model]` describes and whose batches come from the corpus in
+    the store. A user's Task is code the run directory does not hold: what rebuilds the model or
+    the batches (audit, resume, sample) needs it from the user (audit_task, resume_task)."""
+    if "task" in manifest and "corpus_manifest" not in manifest:
+        return str(manifest["task"])[:80]
+    return None
+
+
 class RunDir:
     """Paths and readers/writers of one run directory."""
 

@@ -34,6 +34,7 @@ from .records import (
     make_dirs,
     prune_checkpoints,
     remove_dirs,
+    users_task,
 )
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, StagedBlob, run_ref
@@ -307,11 +308,11 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     check_stop_after(stop_after)
     run = RunDir(run_dir)
     manifest = run.read_manifest()
-    users = "task" in manifest and "corpus_manifest" not in manifest  # train_task's: its model and data are user code
-    if users and task is None:
-        raise RunDirError(f"{run.root} trained a user's Task ({str(manifest['task'])[:80]}): continue it with "
+    users = users_task(manifest)  # train_task's: its model and data are user code
+    if users is not None and task is None:
+        raise RunDirError(f"{run.root} trained a user's Task ({users}): continue it with "
                           "veriloco.resume_task(task, RUN) and that Task")
-    if task is not None and not users:
+    if task is not None and users is None:
         raise RunDirError(f"{run.root} trained a built-in task: continue it without a Task (veriloco train --resume)")
     cfg = config_from_dict(manifest["config"])
     check_placement(cfg, placement)

@@ -18,11 +18,16 @@ import torch
 from .data import DataError, load_tokenizer
 from .export import ExportError, Opened, open_round
 from .model import model_from
+from .records import users_task
 from .store import StoreError
 
 
 def _codec(opened: Opened):
     """(encode, decode) of the run's corpus: bytes, or its stored tokenizer."""
+    users = users_task(opened.manifest)
+    if users is not None:
+        raise ExportError(f"the run trained a user's Task ({users}), not a language model of veriloco's: there is "
+                          "nothing here to sample from (its params: veriloco export)")
     tokenizer = opened.tokenizer_json()
     if tokenizer is None:
         try:
