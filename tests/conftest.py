@@ -80,3 +80,14 @@ def rounds_of(run_dir: Path) -> list[dict]:
 @pytest.fixture
 def tiny_cfg():
     return tiny
+
+
+def holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that claims `run_dir` (as a launcher training into it does) and holds it
+    until killed."""
+    code = ("import sys; from veriloco.records import RunDir; RunDir(sys.argv[1]).claim(); "
+            "print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, rounds_of, tiny
+from conftest import ROOT, TINY, cli, holder, rounds_of, tiny
 from safetensors.torch import load as st_load
 
 from veriloco.config import ConfigError, OuterConfig
@@ -403,17 +403,6 @@ def test_the_same_config_twice_without_out_trains_twice(tmp_path, monkeypatch, c
            f"--resume {stopped.root}`)" in capsys.readouterr().err
 
 
-def _holder(run_dir: Path) -> subprocess.Popen:
-    """Another process that claims `run_dir` (as a launcher running into it does) and holds it
-    until killed."""
-    code = ("import sys; from veriloco.records import RunDir; RunDir(sys.argv[1]).claim(); "
-            "print('held', flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
-    assert p.stdout.readline().strip() == "held"
-    return p
-
-
 def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -428,18 +417,18 @@ def test_a_run_directory_another_launcher_holds_is_refused_and_left_as_it_was(tm
     train(tiny("--train.rounds=3"), str(run), quiet=True, stop_after=1)
     assert not (run / ".lock").exists()
     before = _files(run)
-    holder = _holder(run)
+    held = holder(run)
     try:
         code, err, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
         assert code == 2 and len(err) == 1 and err[0] == (
-            f"veriloco: error: {run} is in use by another veriloco process (pid {holder.pid}): wait for it to end, "
+            f"veriloco: error: {run} is in use by another veriloco process (pid {held.pid}): wait for it to end, "
             "or stop it, before running into it again")
         code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(run), "--quiet")
         assert code == 2 and "is in use by another veriloco process" in err[0]
-        assert _files(run) == before | {".lock": f"{holder.pid}\n".encode()}
+        assert _files(run) == before | {".lock": f"{held.pid}\n".encode()}
     finally:
-        holder.kill()
-        holder.wait()
+        held.kill()
+        held.wait()
     _, summary = resume(str(run), quiet=True)  # the dead holder's lock file is no lock
     assert summary["rounds"] == 3 and not (run / ".lock").exists()
 
@@ -449,7 +438,7 @@ def test_a_fresh_run_into_a_held_directory_makes_nothing_there(tmp_path, monkeyp
     cannot tell): refused, and D, which the other made, is not removed on the way out. Without
     --out, a run passes over runs/<id> held by a run of the same config just started, to -2."""
     out = tmp_path / "d"
-    holder = _holder(out)
+    held = holder(out)
     try:
         code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(out), "--quiet")
         assert code == 2 and "is in use by another veriloco process" in err[0]
@@ -458,7 +447,7 @@ def test_a_fresh_run_into_a_held_directory_makes_nothing_there(tmp_path, monkeyp
         cfg = tiny("--train.rounds=1", "--train.inner_steps=1", "--train.eval_batches=1")
         first, _ = train(cfg, quiet=True)
         shutil.rmtree(first.root)  # as if the same config were starting into runs/<id> now
-        other = _holder(tmp_path / first.root)
+        other = holder(tmp_path / first.root)
         try:
             second, summary = train(cfg, quiet=True)
             assert second.root == Path("runs") / f"{first.root.name}-2" and summary["complete"]
@@ -467,8 +456,8 @@ def test_a_fresh_run_into_a_held_directory_makes_nothing_there(tmp_path, monkeyp
             other.kill()
             other.wait()
     finally:
-        holder.kill()
-        holder.wait()
+        held.kill()
+        held.wait()
 
 
 def test_a_users_task_run_stopped_midway_resumes_to_the_uninterrupted_one(tmp_path, monkeypatch, capsys):

@@ -155,11 +155,12 @@ class AuditReport:
     ledger_root: str | None = None
     seconds: float = 0.0
     source: str = ""
+    in_progress: int | None = None  # the pid of the launcher still training the run: its rounds so far were audited
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "rounds": self.rounds, "checked": self.checked,
                 "first_failure": self.first_failure, "ledger_root": self.ledger_root,
-                "seconds": round(self.seconds, 3), "source": self.source}
+                "seconds": round(self.seconds, 3), "source": self.source, "in_progress": self.in_progress}
 
 
 def _fail(msg: str) -> None:
@@ -177,6 +178,7 @@ class Loaded:
     records: list[dict]
     signed: bytes | None
     complete: bool
+    live: int | None = None  # the pid of a launcher training the run as it is read (RunDir.holder)
 
 
 class Sources(ABC):
@@ -211,6 +213,7 @@ class DirSources(Sources):
         self.store = LocalStore(self.run.store_dir)
 
     def load(self) -> Loaded:
+        live = self.run.holder()  # before the records: a run that ends meanwhile is audited as in progress
         summary = self.run.summary_path
         try:
             complete = summary.is_file() and bool(json.loads(summary.read_text()).get("complete"))
@@ -218,7 +221,7 @@ class DirSources(Sources):
             _fail("records: summary.json is not a JSON object")
         signed = self.run.root / SIGNED_FILE
         return Loaded(self.manifest, self.run.rounds(), signed.read_bytes() if signed.is_file() else None,
-                      complete)
+                      complete and live is None, live)
 
     def open_ledger(self, manifest: dict) -> Ledger:
         ledger_cfg = manifest["config"].get("ledger", {})
@@ -553,11 +556,17 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Any, cfg: Config, t
         if problems:  # "entry <i>: <why>"; entry i is round i
             m = re.match(r"entry (\d+): (.*)", problems[0], re.S)
             _fail(f"round {m[1]}: ledger entry: {m[2]}" if m else f"ledger: {problems[0]}")
-        raw = [ledger.entry_bytes(i) for i in range(ledger.size())]
+        size = ledger.size()
+        if loaded.live is not None and size > len(records):
+            # a run in progress: a round's ledger entry is appended before its record, and the
+            # ledger is read after the records; the rounds recorded by then are audited
+            size = len(records)
+        raw = [ledger.entry_bytes(i) for i in range(size)]
         entries, entry_hashes = [parse_entry(b) for b in raw], [sha256_hex(b) for b in raw]
-        report.ledger_root = ledger.root()
+        report.ledger_root = ledger.root(size)
     finally:
         ledger.close()
+    report.in_progress = loaded.live
     if not records and not entries:
         _fail("records: the run has no completed round to audit")
     if len(records) != len(entries):
@@ -614,7 +623,9 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Any, cfg: Config, t
                 store.verify(digest)
                 counts["checkpoints_stored"] += 1
             except StoreError as e:
-                if not (pruned(cfg.run.keep_checkpoints, len(records), r) and not store.has(digest)):
+                # a run in progress prunes on: a checkpoint [run] keep_checkpoints lets go may be gone by now
+                ahead = loaded.live is not None and cfg.run.keep_checkpoints
+                if not ((ahead or pruned(cfg.run.keep_checkpoints, len(records), r)) and not store.has(digest)):
                     _fail(f"{where}checkpoint: {e}")
                 counts["checkpoints_pruned"] += 1
             counts["checkpoints"] += 1

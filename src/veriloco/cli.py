@@ -294,6 +294,8 @@ def audit(
             + f", {c.get('replays', 0)} replays, "
             f"{c.get('corpus_chunks', 0)} "
             f"corpus chunks, in {report.seconds:.1f}s"
+            + (f" (a run in progress, pid {report.in_progress}: its rounds recorded so far)"
+               if report.in_progress is not None else "")
         )
         return
     typer.echo(f"audit FAILED: {report.first_failure}", err=True)

@@ -134,6 +134,25 @@ class RunDir:
         _CLAIMS[key] = fd
         return made
 
+    def holder(self) -> int | None:
+        """The pid of a live process that holds this run directory (`claim`: a launcher training
+        into it now), else None. Read from RUN/.lock without locking it, so asking never gets in a
+        launcher's way; a lock file a killed launcher left names a pid that is gone."""
+        try:
+            text = self.lock_path.read_text(encoding="ascii", errors="replace").strip()
+        except OSError:
+            return None
+        if not text.isdigit():
+            return None
+        pid = int(text)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # alive, another user's
+            return pid
+        return pid
+
     def release(self) -> None:
         """Give up `claim` (nothing when not held): RUN/.lock goes, so a run leaves no trace of it."""
         fd = _CLAIMS.pop(self.root.resolve(), None)
