@@ -496,3 +496,59 @@ def test_a_users_task_run_stopped_midway_resumes_to_the_uninterrupted_one(tmp_pa
     code, err, _ = cli(monkeypatch, capsys, "sample", str(part))
     assert code == 2 and err == ["veriloco: error: the run trained a user's Task (make_model), not a language model "
                                  "of veriloco's: there is nothing here to sample from (its params: veriloco export)"]
+
+
+def test_a_run_is_resumed_and_audited_under_the_torch_it_trained_under(tmp_path, monkeypatch, capsys):
+    """A run's exact replays compare bits, which another torch's kernels need not reproduce: a
+    resume (or `veriloco join`) under another torch is refused for such a run, warned of
+    otherwise, and an audit's failure names both versions. The manifest names its torch since the
+    thirty-fifth session (before, nothing told a run trained under torch A from one under B)."""
+    from veriloco.audit import audit_run
+
+    exact = tmp_path / "exact"
+    train(tiny("--train.rounds=2", "--verify.replay_probability=0.5", "--train.inner_state=reset",
+               "--train.round_warmup_steps=2", "--verify.trace_every=5"), str(exact), quiet=True, stop_after=1)
+    plain = tmp_path / "plain"
+    train(tiny("--train.rounds=2"), str(plain), quiet=True, stop_after=1)
+    assert json.loads((plain / "manifest.json").read_text())["torch_version"] == torch.__version__
+    real = torch.__version__
+    monkeypatch.setattr(torch, "__version__", "9.9.9")  # this launcher's: the workers run the real one
+    code, err, _ = cli(monkeypatch, capsys, "train", "--resume", str(exact), "--quiet")
+    assert code == 2 and err == [f"veriloco: error: the run trained under torch {real}, this machine has torch 9.9.9: "
+                                 f"its replays compare bits, which another torch need not reproduce; resume it under "
+                                 f"torch {real}"]
+    _, summary = resume(str(plain), quiet=True)
+    assert summary["complete"]
+    assert (f"veriloco: warning: the run trained under torch {real}, this machine has torch 9.9.9; the run has no "
+            "exact replays to compare, so it goes on") in capsys.readouterr().err
+    (plain / "rounds.jsonl").write_text((plain / "rounds.jsonl").read_text().replace('"accept"', '"reject"', 1))
+    report = audit_run(plain)
+    assert not report.ok and report.first_failure.endswith(
+        f"(the run trained under torch {real}, this audit runs torch 9.9.9: exact replays and recomputed losses may "
+        "need the same version)")
+
+
+def _manifest_check(rank: int, world: int, port: int, ids: list[str]) -> None:
+    import torch.distributed as dist
+
+    from veriloco.round import check_same_run
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        check_same_run({"run_id": ids[rank], "torch_version": "x"}, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_workers_that_read_different_run_manifests_stop_at_once():
+    """Under torchrun every machine prepares its own run directory: one with another config,
+    corpus, veriloco or torch makes another run id, and the others refused its commitments round
+    after round. The workers now compare run ids when they start."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    from veriloco.procs import start_workers
+    from veriloco.run import free_port
+
+    start_workers(_manifest_check, (2, free_port(), ["a" * 64, "a" * 64]), 2)  # the same run: nothing said
+    with pytest.raises(ProcessRaisedException, match="the workers' run manifests differ"):
+        start_workers(_manifest_check, (2, free_port(), ["a" * 64, "b" * 64]), 2)

@@ -156,6 +156,7 @@ class AuditReport:
     seconds: float = 0.0
     source: str = ""
     in_progress: int | None = None  # the pid of the launcher still training the run: its rounds so far were audited
+    trained_torch: str | None = None  # the torch version the run's manifest names (None before it named one)
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "rounds": self.rounds, "checked": self.checked,
@@ -418,6 +419,10 @@ def audit_sources(src: Sources, replay: int = 0, device: str = "cpu", user_task:
         torch.set_num_threads(threads)
         if torch.are_deterministic_algorithms_enabled() != deterministic:  # the call imports torch's compiler (~1.5 s)
             torch.use_deterministic_algorithms(deterministic)
+    trained = report.trained_torch
+    if report.first_failure is not None and trained is not None and trained != torch.__version__:
+        report.first_failure += (f" (the run trained under torch {trained}, this audit runs torch {torch.__version__}: "
+                                 "exact replays and recomputed losses may need the same version)")
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -475,6 +480,8 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     counts = report.checked
     loaded = src.load()
     manifest = loaded.manifest
+    if isinstance(manifest.get("torch_version"), str):
+        report.trained_torch = manifest["torch_version"][:40]
     # the workers' thread count: replays are bit-exact only with the same reduction order
     torch.set_num_threads(int(manifest.get("config", {}).get("train", {}).get("threads", 1) or 1))
 

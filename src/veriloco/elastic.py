@@ -43,6 +43,7 @@ import fcntl
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -1048,9 +1049,13 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
     if not workers or any(not 0 <= j < W for j in workers) or len(set(workers)) != len(workers):
         raise ConfigError(f"--workers must name distinct workers of 0..{W - 1}, got {workers}")
     from .procs import warm
-    from .run import check_device
+    from .run import check_device, check_torch
 
     check_device(cfg)
+    other = check_torch(manifest, cfg, "join it")  # the launcher's machine prepared the manifest
+    if other is not None:
+        print(f"veriloco: warning: {other}; the run has no exact replays to compare, so these workers join",
+              file=sys.stderr)
     warm()
     path, deadline = run.root / COORDINATOR_FILE, time.monotonic() + cfg.run.timeout_s
     while not path.exists():

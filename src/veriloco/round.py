@@ -396,6 +396,8 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     encoder = DeltaEncoder(cfg, shapes, link, topo.workers)
     eval_set = task.eval_batches()[worker :: topo.workers]  # the same share on every stage of a worker
     manifest = run.read_manifest()
+    if stage_group is not None:
+        check_same_run(manifest, stage_group)
     admitted = {int(k): v for k, v in manifest["worker_keys"].items()}
     # a worker's stages share its key: they are one participant, trusted to each other
     identity = Identity(manifest["run_id"], worker_key(cfg, worker), admitted, EquivocationDetector(admitted))
@@ -421,6 +423,22 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     if resume_round > 0:
         restore(w, resume_round)
     return w
+
+
+def check_same_run(manifest: dict, group: dist.ProcessGroup) -> None:
+    """RuntimeError, on every member of `group` (the same stage of every worker), unless all read
+    the same run manifest. Under torchrun each machine prepares its own run directory from its
+    own config, code and torch (the manifest's `torch_version`); a machine that differs made
+    another run id, and every commitment of its workers would be refused by the others' as
+    another run's, round after round, instead of the run stopping at once."""
+    mine = torch.tensor(_hash_words(manifest["run_id"]), dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    odd = [i for i, t in enumerate(every) if not torch.equal(t, every[0])]
+    if odd:
+        raise RuntimeError(f"the workers' run manifests differ (member {odd[0]} of the stage's group has another "
+                           "run id than member 0): every machine must prepare the run from the same config, "
+                           f"corpus, veriloco and torch version (this one: torch {manifest.get('torch_version')})")
 
 
 def checkpoint_writer(store: LocalStore, stage_group: dist.ProcessGroup, worker: int) -> bool:

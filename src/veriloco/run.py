@@ -17,6 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from . import __version__
@@ -87,6 +88,7 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
                 "model_init_hash": init_hash,
                 "initial_params": g0.close(),
                 "code_version": __version__,
+                "torch_version": torch.__version__,  # exact replays compare bits: one torch for the run (check_torch)
                 "worker_keys": admitted_keys(cfg),
             }
             if cfg.model.arch != "gpt":  # its forward is transformers' code: replays reproduce under the same version
@@ -282,8 +284,8 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_afte
     try:
         if run.has_records():  # its rounds would be appended to another run's (and its manifest replaced)
             raise RunDirError(f"{run.root} already holds a run; train into another directory")
-        manifest = {"config": cfg.to_dict(), "code_version": __version__, "worker_keys": admitted_keys(cfg),
-                    "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
+        manifest = {"config": cfg.to_dict(), "code_version": __version__, "torch_version": torch.__version__,
+                    "worker_keys": admitted_keys(cfg), "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
         manifest["run_id"] = json_hash(manifest)
         run.write_manifest(manifest)
         return launch(cfg, task, run, 0, quiet, stop_after)
@@ -318,6 +320,9 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     check_placement(cfg, placement)
     check_device(cfg)
     check_chain(cfg)
+    other = check_torch(manifest, cfg, "resume it")
+    if other is not None:
+        print(f"veriloco: warning: {other}; the run has no exact replays to compare, so it goes on", file=sys.stderr)
     run.claim()  # a second resume of this run (or the run itself, still going) is refused, not raced
     try:
         return _resume(run, manifest, cfg, quiet, stop_after, placement, task)
@@ -357,6 +362,22 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
     if task is None:
         task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
     return run, launch(cfg, task, run, done, quiet, stop_after, None, placement)
+
+
+def check_torch(manifest: dict, cfg: Config, what: str) -> str | None:
+    """None when this process runs the torch the run's manifest names (or it names none: runs
+    before the thirty-fifth session), else a line saying which each is. RunDirError when the run
+    replays exactly (`[verify] replay_match = "exact"` with replays drawn): a replay compares the
+    bits of a worker's trace, which another torch's kernels need not reproduce, so a worker under
+    another torch would fail honest replays (and be banned) or have its own fail."""
+    trained = manifest.get("torch_version")
+    if trained is None or trained == torch.__version__:
+        return None
+    line = f"the run trained under torch {trained}, this machine has torch {torch.__version__}"
+    if cfg.verify.replay_probability > 0 and cfg.verify.replay_match == "exact":
+        raise RunDirError(f"{line}: its replays compare bits, which another torch need not reproduce; {what} "
+                          f"under torch {trained}")
+    return line
 
 
 def check_ledger(run: RunDir, records: list[dict]) -> None:
