@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -552,3 +553,23 @@ def test_workers_that_read_different_run_manifests_stop_at_once():
     start_workers(_manifest_check, (2, free_port(), ["a" * 64, "a" * 64]), 2)  # the same run: nothing said
     with pytest.raises(ProcessRaisedException, match="the workers' run manifests differ"):
         start_workers(_manifest_check, (2, free_port(), ["a" * 64, "b" * 64]), 2)
+
+
+def test_a_file_system_without_locks_does_not_stop_a_launcher(tmp_path, monkeypatch):
+    """flock on an NFS mount without its lock manager fails with ENOLCK: that is no other launcher,
+    and the run goes on as it did before there was a lock (the shared-directory elastic recipe)."""
+    import errno
+    import fcntl
+
+    from veriloco import records
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(records.fcntl, "flock", no_locks)
+    assert fcntl.flock is no_locks
+    run = records.RunDir(tmp_path / "r")
+    run.claim()
+    assert run.holder() == os.getpid()
+    run.release()
+    assert not run.lock_path.exists()

@@ -116,12 +116,14 @@ class RunDir:
                 raise RunDirError(f"cannot lock the run directory {self.root}: {e.strerror or e}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
                 os.close(fd)
                 pid = f" (pid {holder})" if holder.isdigit() else ""
                 raise RunInUse(f"{self.root} is in use by another veriloco process{pid}: wait for it to end, "
                                "or stop it, before running into it again") from None
+            except OSError:  # a file system without locks (an NFS mount without its lock manager: ENOLCK):
+                break  # the run goes on unguarded, as before there was a lock; the file still names its pid
             try:  # the file locked must still be the one at the path: a releasing holder unlinks it
                 same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
             except FileNotFoundError:
