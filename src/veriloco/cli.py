@@ -135,6 +135,8 @@ def _train(config: str | None, overrides: list[str], out: str | None, resume: st
     if host is not None or local is not None:
         from .elastic import Placement
 
+        if host and host.startswith("[") and host.endswith("]"):  # an IPv6 address as URLs write it
+            host = host[1:-1]
         placement = Placement(host or "127.0.0.1", local)
     try:
         if resume:

@@ -82,6 +82,11 @@ def worker_of(rid: str) -> int:
     return int(rid[7:])
 
 
+def netloc(host: str) -> str:
+    """`host` as the part of an address before `:port`: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 class Coordinator:
     """The launcher's Lighthouse (quorum server) and TCPStore (per-round rendezvous)."""
 
@@ -91,7 +96,7 @@ class Coordinator:
 
         self.host = host
         self.lighthouse = LighthouseServer(
-            bind=f"{host}:0", min_replicas=min_workers, join_timeout_ms=max(int(round_deadline_s * 1000), 1),
+            bind=f"{netloc(host)}:0", min_replicas=min_workers, join_timeout_ms=max(int(round_deadline_s * 1000), 1),
             quorum_tick_ms=20, heartbeat_timeout_ms=max(int(heartbeat_timeout_s * 1000), 100),
         )
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -99,7 +104,7 @@ class Coordinator:
     @property
     def lighthouse_addr(self) -> str:
         # the Lighthouse names itself by hostname, which may not resolve where the workers are
-        return f"http://{self.host}:{self.lighthouse.address().rsplit(':', 1)[1]}"
+        return f"http://{netloc(self.host)}:{self.lighthouse.address().rsplit(':', 1)[1]}"
 
     @property
     def store_port(self) -> int:

@@ -443,10 +443,11 @@ def check_placement(cfg: Config, placement) -> None:
     if placement.local is not None and any(not 0 <= j < W for j in placement.local):
         raise ConfigError(f"--workers must name workers of 0..{W - 1}, got {list(placement.local)}")
     try:  # the coordinator listens there: an address of this machine (it failed only once the run was made)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        family = socket.AF_INET6 if ":" in placement.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.bind((placement.host, 0))
-    except (OSError, UnicodeError) as e:  # (an IPv6 address hung the run: its host:port strings are IPv4's)
-        raise ConfigError(f"--host {placement.host}: not an IPv4 address of this machine, or a name of one, to "
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"--host {placement.host}: not an address of this machine, or a name of one, to "
                           f"listen on ({getattr(e, 'strerror', None) or e})") from None
 
 
