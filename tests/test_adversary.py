@@ -163,6 +163,18 @@ def test_an_attacker_of_one_s_own_takes_any_parameters_unless_it_declares_them()
         Declared(1, 0, rate="0")
     with pytest.raises(ValueError, match="declared: unknown parameter 'rat'; it takes rate"):
         Declared(1, 0, rat="2")
+    # a subclass of a built-in inherits its PARAMS, and the refusal says how to take more
+    from veriloco.verify.adversary import Lazy
+
+    class Lazier(Lazy):
+        pass
+
+    assert Lazier(1, 0, skip="0.5").params == {"skip": "0.5"}
+    with pytest.raises(ValueError) as e:
+        Lazier(1, 0, mode="tail")
+    assert str(e.value) == ("lazy: unknown parameter 'mode'; it takes scale, skip (Lazier inherits Lazy's PARAMS: a "
+                            "subclass that takes more declares its own, e.g. PARAMS = {**Lazy.PARAMS, 'mode': real()}, "
+                            "or None for any)")
 
 
 def test_skim_passes_the_screens_and_only_a_replay_catches_it(tmp_path):
