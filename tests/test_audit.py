@@ -488,3 +488,17 @@ def test_a_run_in_progress_is_audited_up_to_its_last_record(tmp_path):
     with SqliteLedger(run / "ledger.sqlite") as ledger:
         assert live.ledger_root == ledger.root(2) != ledger.root()
     assert live.checked["checkpoints_pruned"] == 2  # rounds 0 and 1's, pruned since (keep_checkpoints = 2)
+
+
+def test_a_lock_file_that_names_no_live_process_is_no_run_in_progress(tmp_path):
+    """RUN/.lock names the pid of the launcher training into RUN; a copy of a run directory may
+    bring one along, or garbage: only a live pid makes the audit treat the run as in progress."""
+    from veriloco.records import RunDir
+
+    run = tmp_path / "run"
+    train(tiny("--train.rounds=2"), str(run), quiet=True)
+    for text in ("99999999999999999999999", "-1", "0", "abc", "٣", "", "2147483647"):
+        (run / ".lock").write_text(text)
+        assert RunDir(run).holder() is None, text
+        report = audit_run(run)
+        assert report.ok and report.in_progress is None, text

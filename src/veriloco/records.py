@@ -144,7 +144,7 @@ class RunDir:
             text = self.lock_path.read_text(encoding="ascii", errors="replace").strip()
         except OSError:
             return None
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit() and 0 < int(text) < 1 << 31):  # a pid, not what a copy's garbage says
             return None
         pid = int(text)
         try:
