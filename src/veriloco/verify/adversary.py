@@ -107,7 +107,7 @@ class Adversary:
         for key, value in params.items() if known is not None else ():
             if key not in known:
                 owner = next(c for c in type(self).__mro__ if "PARAMS" in vars(c))
-                hint = "" if owner is type(self) else (
+                hint = "" if owner is type(self) or type(self).__module__ == __name__ else (
                     f" ({type(self).__name__} inherits {owner.__name__}'s PARAMS: a subclass that takes more declares "
                     f"its own, e.g. PARAMS = {{**{owner.__name__}.PARAMS, {key!r}: real()}}, or None for any)")
                 raise ValueError(f"{self.kind}: unknown parameter {key!r}; it takes "
