@@ -84,6 +84,37 @@ def test_crash_between_ledger_append_and_record_resumes_cleanly(tmp_path):
     assert report.ok, report.first_failure
 
 
+ARGS = ["--train.rounds=150", "--train.inner_steps=3", "--train.eval_every=50"]
+
+
+def _signalled_run(run: Path, send, **popen) -> tuple[int, list[str]]:
+    """`veriloco train` of ARGS into `run` in its own session; once 2 rounds are recorded,
+    `send(pid)`; its exit code and stderr's non-blank lines."""
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-m", "veriloco.cli", "train", str(Path(__file__).parents[1] / "configs" / "tiny.toml"),
+                          *ARGS, "--quiet", "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, **popen)
+    deadline = time.monotonic() + 120
+    while not ((run / "rounds.jsonl").exists() and len(rounds_of(run)) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    send(p.pid)
+    _, err = p.communicate(timeout=60)
+    return p.returncode, [ln for ln in err.splitlines() if ln.strip()]
+
+
+def _nothing_runs_on_and_it_resumes_to_the_whole_run(run: Path, tmp_path: Path, before_s: float, watch_s: float) -> None:
+    """After `before_s`, no round is recorded during `watch_s`; the resume ends at the whole run's params."""
+    time.sleep(before_s)
+    done = len(rounds_of(run))
+    assert 2 <= done < 150
+    time.sleep(watch_s)
+    assert len(rounds_of(run)) == done  # no worker runs on
+    _, resumed = resume(str(run), quiet=True)
+    _, whole = train(tiny(*ARGS), str(tmp_path / "whole"), quiet=True)
+    assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]
+
+
 def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninterrupted_one(tmp_path):
     """SIGINT to the terminal's whole process group, as Ctrl-C sends it, once a round is recorded:
     the launcher ends its workers and exits 130 with one line naming the resume. Before, each worker
@@ -91,29 +122,13 @@ def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninte
     the run afterwards, and the resume reaches the uninterrupted run's params."""
     import os
     import signal
-    import subprocess
 
-    args = ["--train.rounds=150", "--train.inner_steps=3", "--train.eval_every=50"]
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "veriloco.cli", "train", str(Path(__file__).parents[1] / "configs" / "tiny.toml"),
-                          *args, "--quiet", "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 120
-    while not ((run / "rounds.jsonl").exists() and len(rounds_of(run)) >= 2) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
-    assert [ln for ln in err.splitlines() if ln.strip()] == [
-        f"veriloco: interrupted; continue with `veriloco train --resume {run}`"], err
-    done = len(rounds_of(run))
-    assert 2 <= done < 150
-    time.sleep(1.0)
-    assert len(rounds_of(run)) == done  # no worker runs on
-    _, resumed = resume(str(run), quiet=True)
-    _, whole = train(tiny(*args), str(tmp_path / "whole"), quiet=True)
-    assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]
-
+    code, err = _signalled_run(run, lambda pid: os.killpg(pid, signal.SIGINT),
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert code == 130, err
+    assert err == [f"veriloco: interrupted; continue with `veriloco train --resume {run}`"], err
+    _nothing_runs_on_and_it_resumes_to_the_whole_run(run, tmp_path, 0.0, 1.0)
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
@@ -126,29 +141,13 @@ def test_a_launcher_killed_alone_takes_its_workers_with_it(tmp_path, sig):
     the run afterwards, and the resume reaches the uninterrupted run's params."""
     import os
     import signal
-    import subprocess
 
-    args = ["--train.rounds=150", "--train.inner_steps=3", "--train.eval_every=50"]
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "veriloco.cli", "train", str(Path(__file__).parents[1] / "configs" / "tiny.toml"),
-                          *args, "--quiet", "--out", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not ((run / "rounds.jsonl").exists() and len(rounds_of(run)) >= 2) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(p.pid, getattr(signal, sig))
-    _, err = p.communicate(timeout=60)
+    code, err = _signalled_run(run, lambda pid: os.kill(pid, getattr(signal, sig)))
     if sig == "SIGTERM":
-        assert p.returncode == 143, err
-        assert [ln for ln in err.splitlines() if ln.strip()] == [
-            f"veriloco: terminated (SIGTERM); continue with `veriloco train --resume {run}`"], err
+        assert code == 143, err
+        assert err == [f"veriloco: terminated (SIGTERM); continue with `veriloco train --resume {run}`"], err
     else:
-        assert p.returncode == -signal.SIGKILL
-    time.sleep(1.0)  # the workers' watch threads see the launcher's end within a scheduling tick
-    done = len(rounds_of(run))
-    assert 2 <= done < 150
-    time.sleep(1.5)
-    assert len(rounds_of(run)) == done  # no worker runs on
-    _, resumed = resume(str(run), quiet=True)
-    _, whole = train(tiny(*args), str(tmp_path / "whole"), quiet=True)
-    assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]
+        assert code == -signal.SIGKILL
+    # the workers' watch threads see the launcher's end within a scheduling tick
+    _nothing_runs_on_and_it_resumes_to_the_whole_run(run, tmp_path, 1.0, 1.5)
