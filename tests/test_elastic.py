@@ -360,14 +360,22 @@ def test_workers_started_by_join_on_another_machine_take_part_as_local_ones(tmp_
     launcher = subprocess.Popen([*cli, "train", str(ROOT / "configs" / "tiny.toml"), "--topology.workers=3",
                                  "--train.rounds=2", *ELASTIC, "--workers", "0,1", "--out", str(run_dir), "--quiet"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = run_dir / "workers" / "1.lock"
     try:
-        while not (run_dir / "manifest.json").exists() and launcher.poll() is None:
+        while not (lock.exists() and lock.read_text().strip()) and launcher.poll() is None:
             time.sleep(0.1)
+        # worker 1 runs already (the launcher's, waiting for worker 2 in round 0): a join of it is
+        # refused before it starts anything; it ran a second worker 1 beside the first
+        again = subprocess.run([*cli, "join", str(run_dir), "--workers", "1", "--quiet"], capture_output=True,
+                               text=True, timeout=300)
         joined = subprocess.run([*cli, "join", str(run_dir), "--workers", "2", "--quiet"], capture_output=True,
                                 text=True, timeout=300)
         out, err = launcher.communicate(timeout=300)
     finally:
         launcher.kill()
+    assert again.returncode == 2 and again.stderr.splitlines() == [
+        f"veriloco: error: worker 1 of {run_dir} is running already (pid {lock.read_text().strip()}): a worker id runs "
+        "once (on this machine or one sharing the run directory)"], again.stderr
     assert joined.returncode == 0 and "workers 2 done" in joined.stdout, joined.stderr
     assert launcher.returncode == 0, err
     recs = rounds_of(run_dir)

@@ -1052,6 +1052,8 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
     from .run import check_device, check_torch
 
     check_device(cfg)
+    for j in workers:  # running already (a second join of them, or the launcher's own): refused before anything starts
+        os.close(hold_worker(run.root, j))
     other = check_torch(manifest, cfg, "join it")  # the launcher's machine prepared the manifest
     if other is not None:
         print(f"veriloco: warning: {other}; the run has no exact replays to compare, so these workers join",
@@ -1110,11 +1112,37 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
     return codes
 
 
+def hold_worker(run_dir: str | Path, worker: int) -> int:
+    """Take elastic worker `worker`'s lock, RUN/workers/J.lock (an flock, held while the returned
+    fd is open: by the worker's process, for its life), so that one worker id runs once however
+    many launchers and joiners were started: a second `veriloco join RUN --workers J` ran a second
+    worker J beside the first, signing with its key. RunInUse when another process holds it. On a
+    file system without locks (ENOLCK) nothing is guarded, as before."""
+    from .records import RunInUse
+
+    path = Path(run_dir) / "workers" / f"{worker}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise RunInUse(f"worker {worker} of {run_dir} is running already" + (f" (pid {holder})" if holder.isdigit() else "")
+                       + ": a worker id runs once (on this machine or one sharing the run directory)") from None
+    except OSError:
+        return fd
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,
                  args: dict) -> None:
     from .procs import die_with_parent
 
     die_with_parent()  # a launcher (or joiner) killed outright takes its workers with it
+    hold_worker(run_dir, args["worker"])  # held until this process ends
     _stacks_on_signal(run_dir, args["worker"])
     replicas = None
     try:
