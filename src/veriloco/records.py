@@ -4,10 +4,12 @@
 RUN/
   manifest.json   config, model-init hash, corpus root, code version; its hash is the run id
   store/          content-addressed blobs: corpus chunks, packets, checkpoints
-  workers/W/      each worker's private state (inner optimizer), for resume
+  workers/W/      each worker's private state (inner optimizer), for resume (elastic: workers/W.lock
+                  is held by the process running worker W, elastic.hold_worker)
   rounds.jsonl    one JSON line per completed round: the verifiable record
   metrics.jsonl   one JSON line per round: numbers for plots
   summary.json    written at the end of the run
+  .lock           while a launcher trains into RUN: its pid, flock'ed (RunDir.claim); removed at its end
 ```
 A line of rounds.jsonl is written only after everything it names is in the store, so the last
 complete line is always a consistent point to resume from; a torn last line (a crash mid-write)
