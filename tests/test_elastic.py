@@ -936,3 +936,63 @@ def test_an_ipv6_coordinator_runs_the_elastic_run(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["complete"]
     assert audit_run(tmp_path / "r").ok
+
+
+_TASK_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[3])
+import custom_model as cm
+from veriloco import Task, join_task, load_config, train_task
+
+task = Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches)
+if __name__ == "__main__":
+    if sys.argv[1] == "launch":
+        cfg = load_config(overrides=sys.argv[4:])
+        print("launched", train_task(task, cfg, sys.argv[2], quiet=True, workers=[0])["complete"])
+    else:
+        print("joined", join_task(task, sys.argv[2], [1], quiet=True))
+"""
+
+
+def test_a_users_task_trains_across_machines_with_join_task(tmp_path):
+    """A user's own model could train on one machine only: `veriloco join` rebuilds the built-in
+    task, and `train_task` took no placement (torchrun runs the built-in task too). Now
+    `train_task(..., workers=[0])` launches an elastic run and `join_task(task, RUN, [1])` starts
+    the other worker, as on a second machine sharing the run directory; `audit_task` checks it.
+    `veriloco join` of it names `join_task` in one line."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from veriloco import Task
+    from veriloco.audit import audit_task
+    from veriloco.cli import app
+
+    run_dir = tmp_path / "run"
+    examples = str(ROOT / "examples")
+    overrides = ["--topology.workers=2", "--train.rounds=3", "--train.inner_steps=5", "--train.warmup_steps=5",
+                 "--train.lr=0.01", "--train.eval_batches=2", *ELASTIC]
+    launcher = subprocess.Popen([sys.executable, "-c", _TASK_SCRIPT, "launch", str(run_dir), examples, *overrides],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (run_dir / "coordinator.json").exists() and launcher.poll() is None:
+            time.sleep(0.1)
+        res = CliRunner().invoke(app, ["join", str(run_dir), "--workers", "1"])
+        assert res.exit_code == 2 and res.stderr.splitlines() == [
+            f"veriloco: error: {run_dir} trains a user's Task (make_model): join it with veriloco.join_task(task, RUN, "
+            "workers) and that Task"], res.output
+        joined = subprocess.run([sys.executable, "-c", _TASK_SCRIPT, "join", str(run_dir), examples],
+                                capture_output=True, text=True, timeout=300)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert joined.returncode == 0 and "joined {1: 0}" in joined.stdout, joined.stderr[-2000:]
+    assert launcher.returncode == 0 and "launched True" in out, err[-2000:]
+    assert [r["verdicts"] for r in rounds_of(run_dir)] == [["accept"] * 2] * 3
+    sys.path.insert(0, examples)
+    try:
+        import custom_model as cm
+    finally:
+        sys.path.remove(examples)
+    report = audit_task(Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches), run_dir)
+    assert report.ok, report.first_failure

@@ -1027,21 +1027,28 @@ def _restart_at(budget: dict[int, int], j: int, cfg: Config) -> float | None:
     return time.perf_counter() + cfg.run.heartbeat_timeout_s
 
 
-def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[int, int]:
+def join_elastic(run_dir: str, workers: list[int], quiet: bool = False, task: Task | None = None) -> dict[int, int]:
     """`veriloco join RUN --workers ...`: start these workers of an elastic run whose launcher
     (`veriloco train ... --workers`) runs on another machine that shares the run directory, from
     RUN/coordinator.json (waited for up to run.timeout_s). Supervises them as the launcher would:
     one that dies is started again up to `[run] max_restarts` times while the run is not complete.
-    Only the built-in GPT task (the workers rebuild it from the manifest and the store). Returns
-    each worker's last exit code."""
+    The built-in tasks are rebuilt from the manifest and the store; a user's Task's run
+    (`train_task(..., host=, workers=)`) takes that `task` (`join_task`). Returns each worker's
+    last exit code."""
 
     from .config import ConfigError, config_from_dict
     from .procs import context
-    from .records import RunDirError
+    from .records import RunDirError, users_task
     from .task import CorpusTask, initial_digest
 
     run = RunDir(run_dir)
     manifest = run.read_manifest()
+    users = users_task(manifest)
+    if users is not None and task is None:
+        raise RunDirError(f"{run.root} trains a user's Task ({users}): join it with veriloco.join_task(task, RUN, "
+                          "workers) and that Task")
+    if task is not None and users is None:
+        raise RunDirError(f"{run.root} trains a built-in task: join it without a Task (veriloco join)")
     cfg = config_from_dict(manifest["config"])
     W = cfg.topology.workers
     if cfg.run.membership != "elastic":
@@ -1078,7 +1085,8 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False) -> dict[
     except OSError as e:
         raise RunDirError(f"the coordinator named in {path} ({store_host}:{store_port}) does not answer ({e}): "
                           "its launcher is gone (the file is stale), or that address is not reachable from here") from None
-    task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
+    if task is None:
+        task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
     ctx, procs, codes = context(), {}, {}
     budget = dict.fromkeys(workers, cfg.run.max_restarts)
     end = cfg.train.rounds if stop_after is None else min(int(stop_after), cfg.train.rounds)

@@ -270,12 +270,24 @@ def warn_disk(cfg: Config, run: RunDir, done: int) -> None:
         print(warning, file=sys.stderr, flush=True)
 
 
-def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_after: int | None = None) -> dict:
+def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_after: int | None = None,
+               host: str | None = None, workers: list[int] | None = None) -> dict:
     """Train a user's Task (own model and data) through the same round engine; returns the
-    summary. A run stopped (`stop_after` rounds) or killed goes on with `resume_task`."""
+    summary. A run stopped (`stop_after` rounds) or killed goes on with `resume_task`. Elastic
+    runs across machines (`[run] membership = "elastic"`): `host`, the address this machine's
+    coordinator listens on, and `workers`, the ones started here, as `veriloco train --host
+    --workers`; the others join from machines that share `out`, with `join_task`."""
     from .round import check_splittable
 
+    placement = None
+    if host is not None or workers is not None:
+        from .elastic import Placement
+
+        if host and host.startswith("[") and host.endswith("]"):  # an IPv6 address as URLs write it
+            host = host[1:-1]
+        placement = Placement(host or "127.0.0.1", None if workers is None else tuple(workers))
     check_stop_after(stop_after)
+    check_placement(cfg, placement)
     check_splittable(task, cfg.topology.stages)
     check_device(cfg)
     warm()
@@ -288,9 +300,20 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_afte
                     "worker_keys": admitted_keys(cfg), "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
         manifest["run_id"] = json_hash(manifest)
         run.write_manifest(manifest)
-        return launch(cfg, task, run, 0, quiet, stop_after)
+        return launch(cfg, task, run, 0, quiet, stop_after, None, placement)
     finally:
         run.release()
+
+
+def join_task(task: Task, run_dir: str, workers: list[int], quiet: bool = False) -> dict[int, int]:
+    """Start these workers of an elastic `train_task` run whose launcher runs on another machine
+    sharing `run_dir` (`veriloco join`, for a user's Task: the workers run `task`, which the run
+    directory does not hold). Returns each worker's last exit code."""
+    from .elastic import join_elastic
+    from .procs import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # its supervisor loop kills the workers on the way out
+        return join_elastic(run_dir, list(workers), quiet, task)
 
 
 def resume_task(task: Task, run_dir: str, quiet: bool = False, stop_after: int | None = None) -> dict:
