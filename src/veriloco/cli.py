@@ -128,16 +128,11 @@ def _train(config: str | None, overrides: list[str], out: str | None, resume: st
         cfg = None if resume else load_config(config, overrides)
     except ConfigError as e:  # load_config's only error; user_errors() would import torch (~1.5 s) to match it
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    from .run import placement_of
     from .run import resume as resume_run
     from .run import train as train_run
 
-    placement = None
-    if host is not None or local is not None:
-        from .elastic import Placement
-
-        if host and host.startswith("[") and host.endswith("]"):  # an IPv6 address as URLs write it
-            host = host[1:-1]
-        placement = Placement(host or "127.0.0.1", local)
+    placement = placement_of(host, local)
     try:
         if resume:
             run_dir, summary = resume_run(resume, quiet, stop_after, placement)

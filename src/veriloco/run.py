@@ -279,13 +279,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_afte
     --workers`; the others join from machines that share `out`, with `join_task`."""
     from .round import check_splittable
 
-    placement = None
-    if host is not None or workers is not None:
-        from .elastic import Placement
-
-        if host and host.startswith("[") and host.endswith("]"):  # an IPv6 address as URLs write it
-            host = host[1:-1]
-        placement = Placement(host or "127.0.0.1", None if workers is None else tuple(workers))
+    placement = placement_of(host, workers)
     check_stop_after(stop_after)
     check_placement(cfg, placement)
     check_splittable(task, cfg.topology.stages)
@@ -316,14 +310,28 @@ def join_task(task: Task, run_dir: str, workers: list[int], quiet: bool = False)
         return join_elastic(run_dir, list(workers), quiet, task)
 
 
-def resume_task(task: Task, run_dir: str, quiet: bool = False, stop_after: int | None = None) -> dict:
+def resume_task(task: Task, run_dir: str, quiet: bool = False, stop_after: int | None = None,
+                host: str | None = None, workers: list[int] | None = None) -> dict:
     """Continue a `train_task` run from its last complete round, with the same `task` (user code,
     which the run directory does not hold); returns the summary. On the CPU the resumed run ends
-    where the uninterrupted one does, as `veriloco train --resume` does for the built-in tasks."""
+    where the uninterrupted one does, as `veriloco train --resume` does for the built-in tasks.
+    `host`, `workers`: an elastic run's placement, as for `train_task`."""
     from .round import check_splittable
 
     check_splittable(task, config_from_dict(RunDir(run_dir).read_manifest()["config"]).topology.stages)
-    return resume(run_dir, quiet, stop_after, None, task)[1]
+    return resume(run_dir, quiet, stop_after, placement_of(host, workers), task)[1]
+
+
+def placement_of(host: str | None, workers: list[int] | None):
+    """An elastic run's placement (elastic.Placement) from `host` (the coordinator's address; an
+    IPv6 one may come in brackets) and the workers started here; None when neither is given."""
+    if host is None and workers is None:
+        return None
+    from .elastic import Placement
+
+    if host and host.startswith("[") and host.endswith("]"):  # an IPv6 address as URLs write it
+        host = host[1:-1]
+    return Placement(host or "127.0.0.1", None if workers is None else tuple(workers))
 
 
 def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, placement=None,
