@@ -543,8 +543,8 @@ def _manifest_check(rank: int, world: int, port: int, ids: list[str]) -> None:
 
 def test_workers_that_read_different_run_manifests_stop_at_once():
     """Under torchrun every machine prepares its own run directory: one with another config,
-    corpus, veriloco or torch makes another run id, and the others refused its commitments round
-    after round. The workers now compare run ids when they start."""
+    corpus, veriloco or torch makes another run id, and the run went on to the end of round 0 at
+    least. The workers now compare run ids when they start."""
     from torch.multiprocessing import ProcessRaisedException
 
     from veriloco.procs import start_workers

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TINY, rounds_of, tiny
+from conftest import ROOT, TINY, rounds_of, tiny
 
 from veriloco.run import free_port, train
 
@@ -37,11 +37,62 @@ def test_two_torchrun_nodes_train_what_veriloco_train_does(tmp_path):
 
 def test_a_torchrun_node_with_another_config_stops_the_run_at_once(tmp_path):
     """Each node prepares its own run directory; one with another config (or corpus, veriloco or
-    torch) has another run id. Its workers' commitments were refused as another run's, every
-    round; the workers now compare run ids when they start, and both nodes stop with the reason."""
+    torch) has another run id. The run stopped after round 0's steps with "workers disagree on the
+    global params", naming neither the cause nor the machine; the workers now compare run ids when
+    they start, and both nodes stop with the reason."""
     nodes = _two_nodes(tmp_path, [[], ["--train.lr=0.002"]])
     assert [p.returncode for p in nodes] == [1, 1]
     for p in nodes:
         assert "RuntimeError: the workers' run manifests differ (member 1 of the stage's group has another run id " \
                "than member 0)" in p.stderr
     assert not (tmp_path / "node0" / "rounds.jsonl").exists() or not rounds_of(tmp_path / "node0")
+
+
+_TASK_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import custom_model as cm
+from veriloco import Task, load_config, torchrun_task
+
+if __name__ == "__main__":
+    cfg = load_config(overrides=sys.argv[3:])
+    summary = torchrun_task(Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches), cfg, sys.argv[1], quiet=True)
+    if summary is not None:
+        print("final", summary["final_params_hash"])
+"""
+
+
+def test_a_users_task_under_torchrun_trains_what_train_task_does(tmp_path, monkeypatch):
+    """`torchrun_task(task, cfg, out)` from the script torchrun starts: a user's own model under
+    torchrun (it ran the built-in task only), recording what `train_task` records."""
+    from veriloco import Task, load_config, train_task
+    from veriloco.audit import audit_task
+
+    examples = str(ROOT / "examples")
+    overrides = ["--train.rounds=3", "--train.inner_steps=5", "--train.warmup_steps=5", "--train.lr=0.01",
+                 "--train.eval_batches=2"]
+    script = tmp_path / "script.py"
+    script.write_text(_TASK_SCRIPT)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", str(script),
+                        str(tmp_path / "tr"), examples, *overrides], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    monkeypatch.syspath_prepend(examples)
+    import custom_model as cm
+
+    task = Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches)
+    whole = train_task(task, load_config(overrides=[*overrides, "--topology.workers=2"]), str(tmp_path / "one"), quiet=True)
+    assert f"final {whole['final_params_hash']}" in p.stdout
+    assert [r["params_hash"] for r in rounds_of(tmp_path / "tr")] == [r["params_hash"] for r in rounds_of(tmp_path / "one")]
+    report = audit_task(task, tmp_path / "tr")
+    assert report.ok, report.first_failure
+
+
+def test_torchrun_without_out_says_so_in_one_line(tmp_path):
+    """`python -m veriloco.run CONFIG` under torchrun without --out: a machine's other processes
+    failed on `. is not a run directory` (the first had made runs/<run id>, a path only it knew)."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "veriloco.run",
+                        str(TINY)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode != 0
+    needle = "veriloco: error: under torchrun, give --out DIR: the run directory every process of this machine shares"
+    assert needle in p.stderr
+    assert not (tmp_path / "runs").exists()

@@ -429,8 +429,8 @@ def check_same_run(manifest: dict, group: dist.ProcessGroup) -> None:
     """RuntimeError, on every member of `group` (the same stage of every worker), unless all read
     the same run manifest. Under torchrun each machine prepares its own run directory from its
     own config, code and torch (the manifest's `torch_version`); a machine that differs made
-    another run id, and every commitment of its workers would be refused by the others' as
-    another run's, round after round, instead of the run stopping at once."""
+    another run id. Such a run stopped after round 0's steps at best, on "workers disagree on the
+    global params", which names neither the cause nor the machine."""
     mine = torch.tensor(_hash_words(manifest["run_id"]), dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)

@@ -288,14 +288,59 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_afte
     run = RunDir(out)
     run.claim()
     try:
-        if run.has_records():  # its rounds would be appended to another run's (and its manifest replaced)
-            raise RunDirError(f"{run.root} already holds a run; train into another directory")
-        manifest = {"config": cfg.to_dict(), "code_version": __version__, "torch_version": torch.__version__,
-                    "worker_keys": admitted_keys(cfg), "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
-        manifest["run_id"] = json_hash(manifest)
-        run.write_manifest(manifest)
+        write_task_manifest(run, task, cfg)
         return launch(cfg, task, run, 0, quiet, stop_after, None, placement)
     finally:
+        run.release()
+
+
+def write_task_manifest(run: RunDir, task: Task, cfg: Config) -> None:
+    """A user's Task's run manifest (its config, code and torch versions, admitted keys and the
+    task's name; no corpus: the batches are the task's), into a directory that holds no run."""
+    if run.has_records():  # its rounds would be appended to another run's (and its manifest replaced)
+        raise RunDirError(f"{run.root} already holds a run; train into another directory")
+    manifest = {"config": cfg.to_dict(), "code_version": __version__, "torch_version": torch.__version__,
+                "worker_keys": admitted_keys(cfg), "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
+    manifest["run_id"] = json_hash(manifest)
+    run.write_manifest(manifest)
+
+
+def torchrun_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dict | None:
+    """Train a user's Task under torchrun, static membership: call it from the script torchrun
+    starts in every process (`torchrun --nnodes=N --nproc-per-node=P ... script.py`), each machine
+    with a run directory `out` of its own, as `python -m veriloco.run` does for the built-in task.
+    The workers are torchrun's processes divided by `stages x replicas`. Returns the summary in
+    the recorder's process (rank 0), None in the others."""
+    from .round import check_splittable
+
+    if cfg.run.membership == "elastic":
+        raise ConfigError("run.membership = 'elastic' starts its workers with train_task(..., host=, workers=) and "
+                          "join_task on other machines, not torchrun")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_worker = cfg.topology.stages * cfg.topology.replicas
+    if world % per_worker:
+        raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages x topology.replicas "
+                          f"({per_worker})")
+    cfg = config_from_dict({**cfg.to_dict(), "topology": {**cfg.to_dict()["topology"], "workers": world // per_worker}})
+    check_splittable(task, cfg.topology.stages)
+    check_device(cfg)
+    run = RunDir(out)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process of each machine writes its run directory
+        run.claim()
+        try:
+            write_task_manifest(run, task, cfg)
+        except BaseException:
+            run.release()
+            raise
+    init_distributed(cfg, rank, world, "env://")
+    dist.barrier()
+    try:
+        summary = train_worker(cfg, rank, world, task, str(run.root), 0, quiet)
+        if summary is not None:
+            _finish(run, cfg, summary)
+        return summary
+    finally:
+        dist.destroy_process_group()
         run.release()
 
 
@@ -517,6 +562,9 @@ def torchrun_main(argv: list[str]) -> None:
     if cfg.run.membership == "elastic":  # its quorums and restarts need veriloco's own launcher
         raise ConfigError("run.membership = 'elastic' starts its workers with `veriloco train` (and `veriloco join` "
                           "on other machines), not torchrun")
+    if out is None:  # (a machine's other processes read their run directory's path from here: the default's
+        # runs/<run id> is known to the first only once it has prepared the run)
+        raise ConfigError("under torchrun, give --out DIR: the run directory every process of this machine shares")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     per_worker = cfg.topology.stages * cfg.topology.replicas
     if world % per_worker:
@@ -527,7 +575,7 @@ def torchrun_main(argv: list[str]) -> None:
     init_distributed(cfg, rank, world, "env://")
     dist.barrier()
     if task is None:
-        run = RunDir(out or "")
+        run = RunDir(out)
         manifest = run.read_manifest()
         task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
     try:
@@ -543,4 +591,8 @@ def torchrun_main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    torchrun_main(sys.argv[1:])
+    try:
+        torchrun_main(sys.argv[1:])
+    except (ConfigError, RunDirError) as e:  # bad input: one line and exit 2, as the CLI says it
+        print(f"veriloco: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        sys.exit(2)
