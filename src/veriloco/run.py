@@ -16,6 +16,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from .records import (
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, StagedBlob, run_ref
 from .task import CorpusTask, Task, initial_digest
+
+if TYPE_CHECKING:
+    from .elastic import Placement
 from .weights import read_init, write_initial
 
 
@@ -367,7 +371,7 @@ def resume_task(task: Task, run_dir: str, quiet: bool = False, stop_after: int |
     return resume(run_dir, quiet, stop_after, placement_of(host, workers), task)[1]
 
 
-def placement_of(host: str | None, workers: list[int] | None):
+def placement_of(host: str | None, workers: list[int] | None) -> Placement | None:
     """An elastic run's placement (elastic.Placement) from `host` (the coordinator's address; an
     IPv6 one may come in brackets) and the workers started here; None when neither is given."""
     if host is None and workers is None:
