@@ -550,7 +550,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     _audit_rounds(src, report, loaded, cfg, task, G0, replays_left)
 
 
-def _audit_rounds(src: Sources, report: AuditReport, loaded: Any, cfg: Config, task: _AuditTask,
+def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config, task: _AuditTask,
                   G0: torch.nn.Module, replays_left: int) -> None:
     """Steps 3-5 of the audit: the ledger and records, every round redone, the signed manifest."""
     counts, manifest, records, store = report.checked, loaded.manifest, loaded.records, src.store

@@ -136,8 +136,7 @@ def train_ddp(cfg: Config, out: str | None = None, quiet: bool = False, link=Non
     if link is None:
         from .link import Link
 
-        link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
-        link = None if link.unlimited else link
+        link = Link.paced(cfg.link.bandwidth, cfg.link.latency)
     check_device(cfg)
     warm()
     run, task = prepare_run(cfg, out)

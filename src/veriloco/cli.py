@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -110,11 +111,7 @@ def train(
 
         run_dir = getattr(e, "run_dir", None)
         resumable = run_dir is not None and RunDir(run_dir).has_records()
-        terminated = getattr(e, "terminated", False)
-        typer.echo(("veriloco: terminated (SIGTERM)" if terminated else "veriloco: interrupted")
-                   + (f"; continue with `veriloco train --resume {run_dir}`" if resumable else ""), err=True)
-        _INTERRUPT_SAID.append(True)
-        raise typer.Exit(143 if terminated else 130) from None
+        _interrupted(e, f"; continue with `veriloco train --resume {run_dir}`" if resumable else "")
     except BaseException:
         if started:
             stop()
@@ -220,19 +217,13 @@ def join(
 
     Its launcher, `veriloco train ... --host ADDR --workers ...`, runs on another machine."""
     from .elastic import join_elastic
-    from .procs import sigterm_as_interrupt
 
     try:
-        with sigterm_as_interrupt():  # its supervisor loop kills the workers on the way out
-            codes = join_elastic(run, _worker_list(workers), quiet)
+        codes = join_elastic(run, _worker_list(workers), quiet)
     except user_errors() as e:
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt as e:
-        terminated = getattr(e, "terminated", False)
-        typer.echo(f"veriloco: {'terminated (SIGTERM)' if terminated else 'interrupted'}; workers "
-                   f"{', '.join(map(str, _worker_list(workers)))} of {run} stopped", err=True)
-        _INTERRUPT_SAID.append(True)
-        raise typer.Exit(143 if terminated else 130) from None
+        _interrupted(e, f"; workers {', '.join(map(str, _worker_list(workers)))} of {run} stopped")
     failed = {j: c for j, c in codes.items() if c != 0}
     if failed:
         fail(f"workers ended in failure: {', '.join(f'{j} (exit {c})' for j, c in sorted(failed.items()))}; "
@@ -441,6 +432,15 @@ def config_reference() -> None:
 
 
 _INTERRUPT_SAID: list[bool] = []  # train and join say how a Ctrl-C ended them (their own line): main() adds none
+
+
+def _interrupted(e: KeyboardInterrupt, rest: str) -> NoReturn:
+    """Ctrl-C (exit 130) or SIGTERM (procs.Terminated, exit 143) ended a command that ran workers:
+    one line, `rest` saying what became of them."""
+    terminated = getattr(e, "terminated", False)
+    typer.echo(("veriloco: terminated (SIGTERM)" if terminated else "veriloco: interrupted") + rest, err=True)
+    _INTERRUPT_SAID.append(True)
+    raise typer.Exit(143 if terminated else 130) from None
 
 
 def main() -> None:

@@ -837,8 +837,8 @@ def config_warnings(cfg: Config) -> list[str]:
     fifth."""
     o, t, v, out = cfg.outer, cfg.train, cfg.verify, []
     ignored = [f"[{f.name}]" for f in fields(Config) if f.name in ("outer", "compress", "verify", "ledger")
-               and getattr(cfg, f.name) != f.default_factory()]
-    if t.mode == "ddp" and ignored:
+               and getattr(cfg, f.name) != f.default_factory()] if t.mode == "ddp" else []
+    if ignored:
         out.append(f"train.mode = 'ddp' ignores {', '.join(ignored)}: the DDP baseline all-reduces every step's fp32 "
                    "gradients, with no outer optimizer, packets, verification or ledger ([link] paces its all-reduces)")
     if t.mode == "diloco" and cfg.topology.workers == 2 and (cfg.adversary or v.aggregator != "mean"):

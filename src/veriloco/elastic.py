@@ -63,6 +63,7 @@ from .link import Link
 from .membership import Membership, MembershipError, PgComm, QuorumView
 from .outer import OuterOptimizer
 from .packet import PacketError, decode_bundle, decode_packet
+from .procs import sigterm_as_interrupt
 from .records import RoundsFollower, RunDir, prune_checkpoints, pruned
 from .round import (
     Participants,
@@ -695,6 +696,7 @@ class Placement:
 COORDINATOR_FILE = "coordinator.json"  # in the run directory while its launcher runs
 
 
+@sigterm_as_interrupt()  # its supervisor loop kills the workers on the way out
 def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: bool = False,
                    stop_after: int | None = None, placement: Placement | None = None) -> dict:
     """Start the coordinator (torchft Lighthouse + TCPStore), one process per worker, and
@@ -1027,6 +1029,7 @@ def _restart_at(budget: dict[int, int], j: int, cfg: Config) -> float | None:
     return time.perf_counter() + cfg.run.heartbeat_timeout_s
 
 
+@sigterm_as_interrupt()  # its supervisor loop kills the workers on the way out
 def join_elastic(run_dir: str, workers: list[int], quiet: bool = False, task: Task | None = None) -> dict[int, int]:
     """`veriloco join RUN --workers ...`: start these workers of an elastic run whose launcher
     (`veriloco train ... --workers`) runs on another machine that shares the run directory, from
@@ -1126,23 +1129,15 @@ def hold_worker(run_dir: str | Path, worker: int) -> int:
     many launchers and joiners were started: a second `veriloco join RUN --workers J` ran a second
     worker J beside the first, signing with its key. RunInUse when another process holds it. On a
     file system without locks (ENOLCK) nothing is guarded, as before."""
-    from .records import RunInUse
+    from .records import Held, RunInUse, lock_with_pid
 
     path = Path(run_dir) / "workers" / f"{worker}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        os.close(fd)
-        raise RunInUse(f"worker {worker} of {run_dir} is running already" + (f" (pid {holder})" if holder.isdigit() else "")
-                       + ": a worker id runs once (on this machine or one sharing the run directory)") from None
-    except OSError:
-        return fd
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+        return lock_with_pid(path)
+    except Held as e:
+        raise RunInUse(f"worker {worker} of {run_dir} is running already{e.pid()}: a worker id runs once (on this "
+                       "machine or one sharing the run directory)") from None
 
 
 def _worker_main(cfg: Config, task: Task, run_dir: str, lighthouse: str, store_host: str, store_port: int,

@@ -104,6 +104,12 @@ class Link:
         """Link.from_strings('1gbit', '50ms')."""
         return cls(parse_bandwidth(bandwidth), parse_duration(latency))
 
+    @classmethod
+    def paced(cls, bandwidth: str, latency: str = "0") -> Link | None:
+        """`from_strings`, or None for a link that adds nothing (what pacing code is handed)."""
+        link = cls.from_strings(bandwidth, latency)
+        return None if link.unlimited else link
+
     @property
     def unlimited(self) -> bool:
         """True when the link adds nothing (infinite bandwidth, zero latency): pace() never sleeps."""

@@ -44,6 +44,37 @@ class RunInUse(RunDirError):
 _CLAIMS: dict[Path, int] = {}  # run directory (resolved) -> the open, flock'ed RUN/.lock this process holds
 
 
+class Held(Exception):
+    """`lock_with_pid`'s file is locked by another process: `holder` is what it wrote there."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+    def pid(self) -> str:
+        """' (pid N)' for the message, or '' when the file names no pid."""
+        return f" (pid {self.holder})" if self.holder.isdigit() else ""
+
+
+def lock_with_pid(path: Path) -> int:
+    """Open `path` (made if missing), take its exclusive flock without waiting and write this
+    process's pid into it; the fd, which holds the lock while open. `Held` when another process
+    holds it. On a file system without locks (an NFS mount without its lock manager: ENOLCK) the
+    fd comes back unlocked: nothing is guarded there, as before there were locks."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise Held(holder) from None
+    except OSError:
+        pass
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def make_dirs(path: str | os.PathLike[str]) -> list[Path]:
     """`mkdir -p path`; returns the directories it made, deepest first (what to remove if what
     follows fails). A file where a directory must go, or a directory the OS refuses to make, is a
@@ -113,19 +144,12 @@ class RunDir:
         while True:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = lock_with_pid(self.lock_path)
+            except Held as e:
+                raise RunInUse(f"{self.root} is in use by another veriloco process{e.pid()}: wait for it to end, "
+                               "or stop it, before running into it again") from None
             except OSError as e:
                 raise RunDirError(f"cannot lock the run directory {self.root}: {e.strerror or e}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                os.close(fd)
-                pid = f" (pid {holder})" if holder.isdigit() else ""
-                raise RunInUse(f"{self.root} is in use by another veriloco process{pid}: wait for it to end, "
-                               "or stop it, before running into it again") from None
-            except OSError:  # a file system without locks (an NFS mount without its lock manager: ENOLCK):
-                break  # the run goes on unguarded, as before there was a lock; the file still names its pid
             try:  # the file locked must still be the one at the path: a releasing holder unlinks it
                 same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
             except FileNotFoundError:
@@ -133,8 +157,6 @@ class RunDir:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _CLAIMS[key] = fd
         return made
 
@@ -154,7 +176,7 @@ class RunDir:
         except ProcessLookupError:
             return None
         except PermissionError:  # alive, another user's
-            return pid
+            pass
         return pid
 
     def release(self) -> None:

@@ -389,8 +389,7 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     if replica_group is not None:
         inner.replicas = Replicas(replica_group, 0, topo.replicas, shard=shards_optimizer(cfg), bucket_bytes=bucket_bytes(cfg))
     outer = OuterOptimizer(dict(model.named_parameters()), cfg.outer)  # this stage's slice of G
-    link = Link.from_strings(cfg.link.bandwidth, cfg.link.latency)
-    link = None if link.unlimited else link
+    link = Link.paced(cfg.link.bandwidth, cfg.link.latency)
     exchange = None if elastic else Exchange(exchange_group, cfg.run.max_packet_bytes, link=link)
     shapes = {k: tuple(v.shape) for k, v in outer.params.items()}
     encoder = DeltaEncoder(cfg, shapes, link, topo.workers)

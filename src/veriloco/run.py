@@ -27,7 +27,7 @@ from .data import prepare_corpus
 from .hashing import canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_meta, build_model
-from .procs import Terminated, die_with_parent, sigterm_as_interrupt, start_workers, warm
+from .procs import Terminated, die_with_parent, start_workers, warm
 from .records import (
     RunDir,
     RunDirError,
@@ -41,10 +41,10 @@ from .records import (
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, StagedBlob, run_ref
 from .task import CorpusTask, Task, initial_digest
+from .weights import read_init, write_initial
 
 if TYPE_CHECKING:
     from .elastic import Placement
-from .weights import read_init, write_initial
 
 
 def admitted_keys(cfg: Config) -> dict[str, str]:
@@ -217,21 +217,16 @@ def launch(
     """Run workers (each `stages` processes) as local processes; returns the summary.
     `placement` (elastic only, elastic.Placement): the coordinator's address and which workers
     start here (the others join from other machines)."""
-    if cfg.run.membership == "elastic":
-        from .elastic import launch_elastic
+    try:  # Ctrl-C or SIGTERM (procs.Terminated): the workers are ended, and the run named to resume
+        if cfg.run.membership == "elastic":
+            from .elastic import launch_elastic
 
-        try:
-            with sigterm_as_interrupt():  # its supervisor loop kills the workers on the way out
-                return launch_elastic(cfg, task, run, faults or [], quiet, stop_after, placement)
-        except KeyboardInterrupt as e:
-            raise Interrupted(run.root, isinstance(e, Terminated)) from None
-    if faults:
-        raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
-    check_placement(cfg, placement)
-    world = cfg.topology.workers * cfg.topology.stages * cfg.topology.replicas
-    port = free_port()
-    try:
-        start_workers(_spawned, (world, cfg, task, str(run.root), start_round, port, quiet, stop_after), world)
+            return launch_elastic(cfg, task, run, faults or [], quiet, stop_after, placement)
+        if faults:
+            raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
+        check_placement(cfg, placement)
+        world = cfg.topology.workers * cfg.topology.stages * cfg.topology.replicas
+        start_workers(_spawned, (world, cfg, task, str(run.root), start_round, free_port(), quiet, stop_after), world)
     except KeyboardInterrupt as e:
         raise Interrupted(run.root, isinstance(e, Terminated)) from None
     return json.loads(run.summary_path.read_text())
@@ -353,10 +348,8 @@ def join_task(task: Task, run_dir: str, workers: list[int], quiet: bool = False)
     sharing `run_dir` (`veriloco join`, for a user's Task: the workers run `task`, which the run
     directory does not hold). Returns each worker's last exit code."""
     from .elastic import join_elastic
-    from .procs import sigterm_as_interrupt
 
-    with sigterm_as_interrupt():  # its supervisor loop kills the workers on the way out
-        return join_elastic(run_dir, list(workers), quiet, task)
+    return join_elastic(run_dir, list(workers), quiet, task)
 
 
 def resume_task(task: Task, run_dir: str, quiet: bool = False, stop_after: int | None = None,
@@ -365,9 +358,6 @@ def resume_task(task: Task, run_dir: str, quiet: bool = False, stop_after: int |
     which the run directory does not hold); returns the summary. On the CPU the resumed run ends
     where the uninterrupted one does, as `veriloco train --resume` does for the built-in tasks.
     `host`, `workers`: an elastic run's placement, as for `train_task`."""
-    from .round import check_splittable
-
-    check_splittable(task, config_from_dict(RunDir(run_dir).read_manifest()["config"]).topology.stages)
     return resume(run_dir, quiet, stop_after, placement_of(host, workers), task)[1]
 
 
@@ -397,6 +387,10 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     if task is not None and users is None:
         raise RunDirError(f"{run.root} trained a built-in task: continue it without a Task (veriloco train --resume)")
     cfg = config_from_dict(manifest["config"])
+    if task is not None:
+        from .round import check_splittable
+
+        check_splittable(task, cfg.topology.stages)
     check_placement(cfg, placement)
     check_device(cfg)
     check_chain(cfg)
