@@ -80,3 +80,64 @@ def test_ctrl_c_in_a_command_says_so_in_one_line(run_dir):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and [ln for ln in err.splitlines() if ln.strip()] == ["veriloco: interrupted"], err
+
+
+def test_the_byte_stream_adds_up_to_the_whole_decode_whatever_the_bytes():
+    """Every byte sequence, valid UTF-8 or not (a byte-level model writes any byte), streams to
+    what the one decode of all of them gives: a character split across bytes is held back, not
+    shown as U+FFFD and then again."""
+    from veriloco.sample import _ByteStream
+
+    rng = np.random.default_rng(0)
+    cases = [list("héllo wörld ✓ 🙂".encode()), [0xF0, 0x9F, 0x99], [0xFF, 0x41, 0xC3], [0xE2, 0x82, 0x41, 0xAC]]
+    cases += [rng.integers(0, 256, 200).tolist() for _ in range(50)]
+    cases += [list("".join(rng.choice(list("aé✓🙂"), 60)).encode()) for _ in range(5)]
+    for ids in cases:
+        stream, pieces = _ByteStream(), []
+        for i in range(len(ids)):
+            pieces.append(stream.push(ids[:i + 1]))
+        pieces.append(stream.end(ids))
+        assert "".join(pieces) == bytes(ids).decode("utf-8", errors="replace"), ids
+    stream = _ByteStream()
+    assert [stream.push(list("✓".encode())[:i]) for i in (1, 2, 3)] == ["", "", "✓"]  # shown once complete
+
+
+def test_the_token_stream_adds_up_to_the_tokenizers_decode(tmp_path):
+    """A byte-level BPE: each prefix's text extends the last one's, except where a token holds
+    part of a character; streamed, the pieces are the decode of all the ids, and no piece ends in
+    a half character."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from veriloco.sample import _TokenStream
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = "naïve café ✓ done\nthe end 🙂 of it\n" * 40
+    tok.train_from_iterator([text], trainer)
+    rng = np.random.default_rng(1)
+    for ids in [tok.encode(text[:300]).ids, *(rng.integers(0, tok.get_vocab_size(), 120).tolist() for _ in range(20))]:
+        stream, pieces = _TokenStream(tok.decode), []
+        for i in range(len(ids)):
+            pieces.append(stream.push(ids[:i + 1]))
+        pieces.append(stream.end(ids))
+        assert "".join(pieces) == tok.decode(ids), ids
+        assert not any(p.endswith("\ufffd") for p in pieces[:-1])
+
+
+def test_the_cli_prints_as_it_writes(run_dir):
+    """`veriloco sample` shows its text while it is still writing: the prompt and the first
+    characters are on stdout long before the last token (before, nothing until the end)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "veriloco.cli", "sample", str(run_dir), "--prompt", "def ",
+                          "--tokens", "10000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = p.stdout.read(20)  # blocks until 20 bytes have been written
+        assert p.poll() is None and first.startswith(b"def "), first
+    finally:
+        p.kill()
+        p.communicate(timeout=60)

@@ -363,16 +363,33 @@ def sample_text(
     seed: int = typer.Option(0, "--seed", help="the sampler's seed: the same seed prints the same text"),
     round: int = typer.Option(None, "--round", help="the global params after this round (default: the last)"),
 ) -> None:
-    """Print text the run's model writes after --prompt.
+    """Print text the run's model writes after --prompt, as it is written.
 
     The params after a round, checked against its record; the run's own tokenizer, or bytes."""
     from .sample import sample
 
+    started: list[bool] = []
+
+    def show(piece: str) -> None:  # the prompt once the model is loaded (bad input prints nothing on stdout)
+        if not started:
+            started.append(True)
+            sys.stdout.write(prompt)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     try:
-        text, _ = sample(run, prompt, tokens, temperature, top_k, seed, round)
+        sample(run, prompt, tokens, temperature, top_k, seed, round, on_text=show)
     except user_errors() as e:
         fail(str(e).splitlines()[0])
-    typer.echo(prompt + text)
+    except KeyboardInterrupt:
+        if started:  # what was printed stays; the interrupt's line goes under it
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+    if not started:
+        sys.stdout.write(prompt)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 @app.command()

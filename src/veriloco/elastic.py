@@ -156,7 +156,7 @@ def train_worker_elastic(
         if behind is None and cfg.outer.delay == 0:
             behind = settle(ctx, _Flight(sent, sent.handle.bundle))
         elif behind is None and pending is not None:  # finish the previous round (overlap_steps: the last)
-            behind = settle(ctx, pending, sent.result.seconds if sent is not None else 0.0)
+            behind = settle(ctx, pending, time.perf_counter() - sent.started if sent is not None else 0.0)
             pending = None
         if behind is not None:  # the others committed without this worker's packet: drop its work, heal
             target = behind.round + 1 + cfg.outer.delay if len(behind.active) >= ctx.min_active else behind.round

@@ -1683,7 +1683,6 @@ def train_worker(
     for r in range(start_round, end + cfg.outer.delay):
         if r < end:
             sent = run_inner_and_send(w, r, land if cfg.outer.overlap_steps else None, poll if defer else None)
-            inner_s = sent.result.seconds
         if cfg.outer.delay == 0:
             finish(sent, 0.0)
         elif cfg.outer.overlap_steps and r < end:  # round r-1 landed inside round r (land)
@@ -1694,7 +1693,8 @@ def train_worker(
                 w.outer, w.resumed_outer = w.resumed_outer, None
         else:  # delay 1: finish round r-1 (its exchange ran under round r's inner steps)
             done, pending = pending, (sent if r < end else None)
-            finish(done, inner_s if r < end else 0.0)
+            # round r so far (its inner steps and its send) is round r's, not r-1's: r-1's round_s is its own work
+            finish(done, time.perf_counter() - sent.started if r < end else 0.0)
     settle()
     if w.replicas is not None:
         w.replicas.end()
