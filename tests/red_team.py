@@ -166,6 +166,21 @@ class ReplicaCrashes(Adversary):
         return inputs, targets
 
 
+class SlowSend(Adversary):
+    """Honest, but its send work of round `round` (default 2) takes `seconds` more (default 1): a
+    sleep where it hands its packet over, after the round's inner steps (test_engine's round_s
+    test: under delay 1 that is the round's own time, not the round before it's)."""
+
+    kind = "slow_send"
+
+    def packet(self, r, packet, view):
+        if r == int(self.params.get("round", "2")):
+            import time
+
+            time.sleep(float(self.params.get("seconds", "1")))
+        return packet
+
+
 class SlowRounds(Adversary):
     """Honest, but slow in every other round: sleeps `seconds` (default 1) in its first inner step
     of each round r with r % 2 == `parity` (default 0). Two of them with parities 0 and 1 make a

@@ -130,6 +130,21 @@ def test_a_round_s_figures_are_gathered_under_the_next_round_so_a_changing_strag
     assert report.ok, report.first_failure
 
 
+def test_under_delay_1_a_rounds_send_is_in_its_own_round_s_not_the_one_before(tmp_path):
+    """Delay 1: round r-1 is finished after round r's inner steps and its send (encode, sign,
+    store, start the exchange), and its round_s left out only round r's inner steps, so round r's
+    send was counted in round r-1 as well as in round r (the per-round utilisation in
+    metrics.jsonl and the report read low by it). A send 1 s slower in round 2 now shows in round
+    2's round_s alone."""
+    run_dir = tmp_path / "r"
+    train(tiny("--train.rounds=4", "--outer.delay=1", "--adversary.1=red_team:SlowSend:round=2,seconds=1"),
+          str(run_dir), quiet=True)
+    recs = rounds_of(run_dir)
+    assert all(r["verdicts"] == ["accept", "accept"] for r in recs)
+    own = [r["round_s"] - max(r["inner_s"]) for r in recs]  # each round's time beyond its inner steps
+    assert own[2] >= 1.0 and own[1] < 0.8, [r["round_s"] for r in recs]
+
+
 def test_golden_one_step_equals_synchronous_averaging(tmp_path):
     """H=1, outer SGD lr 1, no momentum: G_1 = mean over workers of (G_0 after one inner step)."""
     cfg = tiny("--train.rounds=1", "--train.inner_steps=1", "--outer.lr=1.0", "--outer.momentum=0.0")
