@@ -143,6 +143,37 @@ def test_keygen_writes_no_key_into_a_directory_that_has_some(tmp_path, monkeypat
     assert {p.name: p.read_bytes() for p in keys.iterdir()} == before
 
 
+def test_keygen_makes_one_workers_key_or_a_set_and_says_which_it_takes(tmp_path, monkeypatch, capsys):
+    """`--worker W`: a party's own key alone (a set of keys made in one place is no good among
+    parties that do not trust each other); `--workers N` and `--worker W` are one or the other."""
+    keys = tmp_path / "keys"
+    for args, message in ((["--workers", "2", "--worker", "1"], "keygen takes one of --workers N"),
+                          ([], "keygen takes one of --workers N"),
+                          (["--worker", "-1"], "--worker must be >= 0, got -1")):
+        code, lines, _ = cli(monkeypatch, capsys, "keygen", "--out", str(keys), *args)
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, lines)
+    assert not keys.exists()
+    assert cli(monkeypatch, capsys, "keygen", "--out", str(keys), "--worker", "3")[0] == 0
+    assert sorted(p.name for p in keys.iterdir()) == ["worker-3.key", "worker-3.pub"]
+    code, lines, _ = cli(monkeypatch, capsys, "keygen", "--out", str(keys), "--worker", "3")
+    assert code == 2 and "worker-3.key already exists" in lines[0], lines
+    assert cli(monkeypatch, capsys, "keygen", "--out", str(keys), "--worker", "1")[0] == 0  # another party's, beside it
+    assert len(list(keys.iterdir())) == 4
+
+
+def test_a_resume_without_a_workers_private_key_exits_2_before_it_claims_the_run(tmp_path, monkeypatch, capsys):
+    keys = tmp_path / "keys"
+    assert cli(monkeypatch, capsys, "keygen", "--out", str(keys), "--workers", "2")[0] == 0
+    run = tmp_path / "r"
+    assert cli(monkeypatch, capsys, "train", str(TINY), f"--verify.key_dir={keys}", "--out", str(run),
+               "--stop-after", "1", "--quiet")[0] == 0
+    (keys / "worker-1.key").rename(tmp_path / "elsewhere.key")
+    before = (run / "rounds.jsonl").read_bytes()
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run))
+    assert code == 2 and len(lines) == 1 and f"worker 1 runs here and verify.key_dir {keys} has no worker-1.key" in lines[0]
+    assert (run / "rounds.jsonl").read_bytes() == before and not (run / ".lock").exists()
+
+
 def test_the_module_entry_exits_2_in_one_line(tmp_path):
     """`python -m veriloco.cli` in its own interpreter: the exit code and the one line (the cases
     above run `main()` in this process)."""
@@ -193,7 +224,8 @@ def test_a_key_dir_without_a_key_for_every_worker_exits_2(tmp_path):
     assert CliRunner().invoke(app, ["keygen", "--out", str(tmp_path / "keys"), "--workers", "2"]).exit_code == 0
     res = CliRunner().invoke(app, ["train", str(TINY), "--out", str(tmp_path / "r"), "--topology.workers=3",
                                    f"--verify.key_dir={tmp_path / 'keys'}"])
-    assert res.exit_code == 2 and "worker-2.key does not exist" in res.stderr, res.output  # (was exit 1)
+    assert res.exit_code == 2 and f"verify.key_dir {tmp_path / 'keys'} has neither worker-2.pub nor worker-2.key" \
+        in res.stderr, res.output  # (was exit 1; then "worker-2.key does not exist", which named no .pub)
     assert len(res.stderr.splitlines()) == 1 and not (tmp_path / "r").exists()
 
 

@@ -9,17 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, TINY, rounds_of, tiny
+from conftest import ROOT, TINY, cli, rounds_of, tiny
 
 from veriloco.run import free_port, train
 
 
-def _two_nodes(tmp_path: Path, extra: list[list[str]]) -> list[subprocess.CompletedProcess]:
+def _two_nodes(tmp_path: Path, extra: list[list[str]], cwd: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=t",
                                "-m", "veriloco.run", str(TINY), "--out", str(tmp_path / f"node{n}"), *extra[n]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd[n] if cwd else None)
+             for n in range(2)]
     out = []
     for p in procs:
         o, e = p.communicate(timeout=300)
@@ -33,6 +34,42 @@ def test_two_torchrun_nodes_train_what_veriloco_train_does(tmp_path):
     _, whole = train(tiny(), str(tmp_path / "one"), quiet=True)
     assert [r["params_hash"] for r in rounds_of(tmp_path / "node0")] == [r["params_hash"] for r in rounds_of(tmp_path / "one")]
     assert json.loads((tmp_path / "node0" / "summary.json").read_text())["final_params_hash"] == whole["final_params_hash"]
+
+
+def test_parties_that_hold_only_their_own_private_key_train_together(tmp_path, monkeypatch, capsys):
+    """Among parties each makes its own key (`veriloco keygen --worker W`) and hands out the .pub:
+    a machine's key_dir holds every worker's .pub and only its own workers' .key (the same
+    relative path on each machine). Two torchrun nodes train with that, and the run audits with
+    the two parties' keys admitted. A machine without the private key of a worker it would run
+    is refused in one line, exit 2, before it writes anything (it failed in the worker, exit 1,
+    after the run directory was made)."""
+    from veriloco.audit import audit_run
+    from veriloco.verify.identity import load_private_key, public_key_hex
+
+    made = []
+    for n in range(2):
+        code, _, out = cli(monkeypatch, capsys, "keygen", "--out", str(tmp_path / f"made{n}"), "--worker", str(n))
+        assert code == 0 and "hand out" in out and sorted(p.name for p in (tmp_path / f"made{n}").iterdir()) == \
+            [f"worker-{n}.key", f"worker-{n}.pub"]
+        made.append(tmp_path / f"made{n}")
+    homes = [tmp_path / "A", tmp_path / "B"]
+    for n, home in enumerate(homes):
+        (home / "keys").mkdir(parents=True)
+        for m in range(2):
+            (home / "keys" / f"worker-{m}.pub").write_bytes((made[m] / f"worker-{m}.pub").read_bytes())
+        (home / "keys" / f"worker-{n}.key").write_bytes((made[n] / f"worker-{n}.key").read_bytes())
+    nodes = _two_nodes(tmp_path, [["--verify.key_dir=keys"]] * 2, homes)
+    assert [p.returncode for p in nodes] == [0, 0], nodes[0].stderr[-2000:] + nodes[1].stderr[-2000:]
+    manifest = json.loads((tmp_path / "node0" / "manifest.json").read_text())
+    assert manifest["worker_keys"] == {str(n): public_key_hex(load_private_key(made[n] / f"worker-{n}.key")) for n in range(2)}
+    report = audit_run(tmp_path / "node0")
+    assert report.ok, report.first_failure
+    # party A's machine starting both workers itself: it holds worker 1's .pub, not its .key
+    monkeypatch.chdir(homes[0])
+    code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), "--verify.key_dir=keys", "--out", str(tmp_path / "both"))
+    assert code == 2 and len(lines) == 1, lines
+    assert "worker 1 runs here and verify.key_dir keys has no worker-1.key" in lines[0]
+    assert not (tmp_path / "both").exists()
 
 
 def test_a_torchrun_node_with_another_config_stops_the_run_at_once(tmp_path):

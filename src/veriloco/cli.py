@@ -12,7 +12,7 @@
     veriloco export RUN --out DIR  # the global params as a model directory (transformers archs: from_pretrained)
     veriloco sample RUN --prompt TEXT   # what the run's model writes after TEXT
     veriloco tokenize SOURCE --tokenizer T --out X.bin [--eos TOKEN]   # a text source as a token .bin, a document at a time
-    veriloco keygen --out DIR --workers N   # Ed25519 keys for [verify] key_dir
+    veriloco keygen --out DIR --workers N   # Ed25519 keys for [verify] key_dir (--worker W: one party's own)
     veriloco config                # print the config reference (every section and key)
 
 Bad input (config typo, wrong type, missing file, corrupt run directory) prints one line
@@ -416,30 +416,41 @@ def tokenize(
 @app.command()
 def keygen(
     out: str = typer.Option(..., "--out", help="directory for worker-<w>.key / .pub"),
-    workers: int = typer.Option(..., "--workers", help="how many workers"),
+    workers: int = typer.Option(None, "--workers", help="how many workers: keys for workers 0..N-1"),
+    worker: int = typer.Option(None, "--worker", help="one worker's key only (a party that holds its own)"),
 ) -> None:
-    """Ed25519 keys for each worker: worker-<w>.key (private, 0600) and worker-<w>.pub."""
+    """Ed25519 keys: worker-<w>.key (private, 0600) and worker-<w>.pub, for each of --workers N,
+    or for --worker W alone (each party makes its own and hands out only the .pub)."""
     from .records import RunDirError, make_dirs
     from .verify.identity import IdentityError, generate_key, public_key_hex, save_private_key
 
-    if workers < 1:
+    if (workers is None) == (worker is None):
+        fail("keygen takes one of --workers N (keys for workers 0..N-1) and --worker W (worker W's key alone)")
+    if workers is not None and workers < 1:
         fail(f"--workers must be >= 1, got {workers}")
+    if worker is not None and worker < 0:
+        fail(f"--worker must be >= 0, got {worker}")
+    ids = list(range(workers)) if workers is not None else [worker]
     d = Path(out)
-    taken = [p for w in range(workers) for p in (d / f"worker-{w}.key", d / f"worker-{w}.pub") if p.exists()]
+    taken = [p for w in ids for p in (d / f"worker-{w}.key", d / f"worker-{w}.pub") if p.exists()]
     if taken:  # before any key is written: a key lost is an identity lost, and half a set is no set
         fail(f"{taken[0]} already exists; keygen writes new keys into a directory without them")
     try:
         make_dirs(d)
     except RunDirError as e:
         fail(str(e))
-    for w in range(workers):
+    for w in ids:
         private, _ = generate_key()
         try:
             save_private_key(d / f"worker-{w}.key", private)
         except IdentityError as e:
             fail(str(e))
         (d / f"worker-{w}.pub").write_text(public_key_hex(private) + "\n")
-    typer.echo(f"wrote {workers} key pairs to {d} (set [verify] key_dir = \"{d}\")")
+    if worker is None:
+        typer.echo(f"wrote {workers} key pairs to {d} (set [verify] key_dir = \"{d}\")")
+    else:
+        typer.echo(f"wrote worker {worker}'s key pair to {d}: hand out {d / f'worker-{worker}.pub'} only; "
+                   f"the run's key_dir on each machine holds every worker's .pub and that machine's workers' .key")
 
 
 @app.command("config")

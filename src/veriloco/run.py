@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ from .records import (
 from .round import init_distributed, state_history, train_worker
 from .store import LocalStore, StagedBlob, run_ref
 from .task import CorpusTask, Task, initial_digest
+from .verify.identity import IdentityError
 from .weights import read_init, write_initial
 
 if TYPE_CHECKING:
@@ -48,7 +50,9 @@ if TYPE_CHECKING:
 
 
 def admitted_keys(cfg: Config) -> dict[str, str]:
-    """{worker: public key hex} for the manifest: from [verify] key_dir or derived from the seed."""
+    """{worker: public key hex} for the manifest: from [verify] key_dir (each worker's .pub, else the
+    public half of its .key) or derived from the seed. Among parties each machine's key_dir holds
+    every worker's .pub and only its own workers' .key (`veriloco keygen --worker W`)."""
     from .round import worker_key
     from .verify.identity import load_public_key, public_key_hex
 
@@ -57,9 +61,33 @@ def admitted_keys(cfg: Config) -> dict[str, str]:
         pub = Path(cfg.verify.key_dir) / f"worker-{w}.pub" if cfg.verify.key_dir else None
         if pub is not None and pub.exists():
             out[str(w)] = public_key_hex(load_public_key(pub.read_bytes(), source=f"public key file {pub}"))
+        elif pub is not None and not pub.with_suffix(".key").exists():
+            raise IdentityError(f"verify.key_dir {cfg.verify.key_dir} has neither worker-{w}.pub nor worker-{w}.key: "
+                                "every worker's public key must be there (its private key only where it runs)")
         else:
             out[str(w)] = public_key_hex(worker_key(cfg, w))
     return out
+
+
+def check_own_keys(cfg: Config, workers: Iterable[int] | None, admitted: dict[str, str] | None = None) -> None:
+    """The workers started here (None: all) each have their private key in [verify] key_dir, and
+    it is the key the run admits (`admitted`: the manifest's; else each .pub, as `admitted_keys`).
+    Checked before anything is written: a worker found it out at its start, after the run
+    directory was made, and the run failed with exit 1."""
+    if not cfg.verify.key_dir:
+        return
+    from .round import worker_key
+    from .verify.identity import public_key_hex
+
+    where = "the run manifest's key for worker {w}" if admitted is not None else "its worker-{w}.pub"
+    admitted = admitted_keys(cfg) if admitted is None else admitted
+    for w in range(cfg.topology.workers) if workers is None else workers:
+        if not (Path(cfg.verify.key_dir) / f"worker-{w}.key").exists():
+            raise IdentityError(f"worker {w} runs here and verify.key_dir {cfg.verify.key_dir} has no worker-{w}.key "
+                                "(a machine holds the private keys of the workers it runs)")
+        if public_key_hex(worker_key(cfg, w)) != admitted.get(str(w)):
+            raise IdentityError(f"worker-{w}.key in verify.key_dir {cfg.verify.key_dir} is not the key the run admits "
+                                f"({where.format(w=w)})")
 
 
 def free_port() -> int:
@@ -248,6 +276,7 @@ def train(
         if cfg.run.membership != "elastic":
             raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
         parse_faults(faults, cfg.topology.workers)
+    check_own_keys(cfg, placement.local if placement is not None else None)
     warm()  # the workers' server imports while the corpus and G_0 are prepared here
     run, task = prepare_run(cfg, out)
     try:
@@ -283,6 +312,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_afte
     check_placement(cfg, placement)
     check_splittable(task, cfg.topology.stages)
     check_device(cfg)
+    check_own_keys(cfg, placement.local if placement is not None else None)
     warm()
     run = RunDir(out)
     run.claim()
@@ -394,6 +424,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     check_placement(cfg, placement)
     check_device(cfg)
     check_chain(cfg)
+    check_own_keys(cfg, placement.local if placement is not None else None, manifest["worker_keys"])
     other = check_torch(manifest, cfg, "resume it")
     if other is not None:
         print(f"veriloco: warning: {other}; the run has no exact replays to compare, so it goes on", file=sys.stderr)
@@ -569,6 +600,8 @@ def torchrun_main(argv: list[str]) -> None:
         raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages x topology.replicas "
                           f"({per_worker})")
     cfg.topology.workers = world // per_worker
+    first = rank - int(os.environ.get("LOCAL_RANK", "0"))  # this machine's ranks: its workers' keys must be here
+    check_own_keys(cfg, sorted({r // per_worker for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}))
     run, task = prepare_run(cfg, out) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (None, None)
     init_distributed(cfg, rank, world, "env://")
     dist.barrier()
@@ -591,6 +624,6 @@ def torchrun_main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         torchrun_main(sys.argv[1:])
-    except (ConfigError, RunDirError) as e:  # bad input: one line and exit 2, as the CLI says it
+    except (ConfigError, RunDirError, IdentityError) as e:  # bad input: one line and exit 2, as the CLI says it
         print(f"veriloco: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         sys.exit(2)
