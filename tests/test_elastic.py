@@ -352,13 +352,15 @@ def test_max_restarts_starts_a_dead_worker_again_as_often_as_it_allows(tmp_path)
 
 def test_workers_started_by_join_on_another_machine_take_part_as_local_ones(tmp_path):
     """The launcher starts workers 0 and 1 (`--workers 0,1`); `veriloco join` starts worker 2 from
-    RUN/coordinator.json, as on a second machine sharing the run directory (here: the same one)."""
+    RUN/coordinator.json, as on a second machine sharing the run directory (here: the same one).
+    Each machine prints the progress line of every round, in order (the worker that committed a
+    round printed it, so each machine showed only the rounds its own workers committed first)."""
     import time
 
     run_dir = tmp_path / "run"
     cli = [sys.executable, "-m", "veriloco.cli"]
     launcher = subprocess.Popen([*cli, "train", str(ROOT / "configs" / "tiny.toml"), "--topology.workers=3",
-                                 "--train.rounds=2", *ELASTIC, "--workers", "0,1", "--out", str(run_dir), "--quiet"],
+                                 "--train.rounds=4", *ELASTIC, "--workers", "0,1", "--out", str(run_dir)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lock = run_dir / "workers" / "1.lock"
     try:
@@ -368,7 +370,7 @@ def test_workers_started_by_join_on_another_machine_take_part_as_local_ones(tmp_
         # refused before it starts anything; it ran a second worker 1 beside the first
         again = subprocess.run([*cli, "join", str(run_dir), "--workers", "1", "--quiet"], capture_output=True,
                                text=True, timeout=300)
-        joined = subprocess.run([*cli, "join", str(run_dir), "--workers", "2", "--quiet"], capture_output=True,
+        joined = subprocess.run([*cli, "join", str(run_dir), "--workers", "2"], capture_output=True,
                                 text=True, timeout=300)
         out, err = launcher.communicate(timeout=300)
     finally:
@@ -378,8 +380,11 @@ def test_workers_started_by_join_on_another_machine_take_part_as_local_ones(tmp_
         "once (on this machine or one sharing the run directory)"], again.stderr
     assert joined.returncode == 0 and "workers 2 done" in joined.stdout, joined.stderr
     assert launcher.returncode == 0, err
+    for printed in (out, joined.stdout):
+        assert [ln.split("|")[0].split()[1] for ln in printed.splitlines() if ln.startswith("round ")] == \
+            ["1/4", "2/4", "3/4", "4/4"], printed
     recs = rounds_of(run_dir)
-    assert [r["verdicts"] for r in recs] == [["accept"] * 3] * 2  # worker 2 in every round, from round 0
+    assert [r["verdicts"] for r in recs] == [["accept"] * 3] * 4  # worker 2 in every round, from round 0
     assert not (run_dir / "coordinator.json").exists()  # the launcher removes it when it ends
     report = audit_run(run_dir)
     assert report.ok, report.first_failure

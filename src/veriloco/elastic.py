@@ -407,7 +407,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
              f"({str(e).splitlines()[0][:160]}); retrying with a new quorum")
         return False
     rec["eval_loss_start"] = ctx.eval_start  # the launcher's, over the whole eval set
-    commit(w, rec, ctx.quiet)
+    commit(w, rec)
     w.applied = r
     ctx.members.keep(r, comm)
     return True
@@ -462,7 +462,7 @@ def _records(run: RunDir) -> list[dict]:
     return _FOLLOWERS[run.root].rounds()
 
 
-def commit(w: Worker, rec: dict, quiet: bool) -> None:
+def commit(w: Worker, rec: dict) -> None:
     """Record round rec["round"] once: the first member to get here appends the ledger entry and
     the record; a later one checks the record it finds names the same params."""
     r = rec["round"]
@@ -488,8 +488,28 @@ def commit(w: Worker, rec: dict, quiet: bool) -> None:
             "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
             "utilisation": round(sum(inner) / len(inner) / rec["round_s"], 4), "members": rec.get("members"),
         })
-        if not quiet:
-            print(progress_line(rec, w.cfg.train.rounds, elapsed, tokens / elapsed), flush=True)
+        # (the progress line is the launcher's and each joiner's, `Progress`, for every round)
+
+
+class Progress:
+    """The progress line of every round as it is recorded, printed by the process that supervises
+    a machine's workers (the launcher, and `veriloco join` on each other machine), from the rounds
+    it follows. Until the thirty-sixth session the worker that committed a round printed it, so
+    each machine showed the rounds its own workers happened to commit first: 4, 7, 9, 13, ... on a
+    joining machine. A resumed run's earlier rounds are not shown again."""
+
+    def __init__(self, cfg: Config, records: list[dict], quiet: bool) -> None:
+        self.rounds, self.quiet, self.shown = cfg.train.rounds, quiet, len(records)
+        self.elapsed = sum(p["round_s"] for p in records)
+        self.tokens = sum(p["tokens"] for p in records)
+
+    def show(self, records: list[dict]) -> None:
+        for rec in records[self.shown:]:
+            self.shown += 1
+            self.elapsed += rec["round_s"]
+            self.tokens += rec["tokens"]
+            if not self.quiet:
+                print(progress_line(rec, self.rounds, self.elapsed, self.tokens / self.elapsed), flush=True)
 
 
 def heal(w: Worker, to_round: int) -> int:
@@ -766,8 +786,10 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
         complete_at, progress_at = None, time.perf_counter()
         stall_s = max(3 * cfg.run.timeout_s, 60.0)
         rounds = RoundsFollower(run)  # polled every 50 ms: only what was appended is parsed
+        progress = Progress(cfg, rounds.rounds(), quiet)
         while True:
             records = rounds.rounds()
+            progress.show(records)
             done = len(records)
             if done > seen:
                 progress_at = time.perf_counter()
@@ -1102,15 +1124,18 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False, task: Ta
     for j in workers:
         start(j)
     pending: dict[int, float] = {}
+    rounds = RoundsFollower(run)
+    progress = Progress(cfg, rounds.rounds(), quiet)
     try:
         while procs or pending:
+            progress.show(rounds.rounds())
             for j, p in list(procs.items()):
                 code = p.poll()
                 if code is None:
                     continue
                 del procs[j]
                 codes[j] = code
-                if code != 0 and len(run.rounds()) < end and (at := _restart_at(budget, j, cfg)) is not None:
+                if code != 0 and len(rounds.rounds()) < end and (at := _restart_at(budget, j, cfg)) is not None:
                     pending[j] = at
                     _say(quiet, f"worker {j} exited with {code}; starting it again ({budget[j]} restarts left)")
             for j, t in list(pending.items()):
@@ -1118,6 +1143,7 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False, task: Ta
                     del pending[j]
                     start(j)
             time.sleep(0.05)
+        progress.show(rounds.rounds())  # what its workers (or the others) recorded last
     finally:
         for p in procs.values():
             p.kill()
