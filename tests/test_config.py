@@ -283,6 +283,18 @@ def test_the_adversary_key_names_every_builtin_attacker():
     assert all(kind in line for kind in BUILTIN), sorted(k for k in BUILTIN if k not in line)
 
 
+def test_distance_replays_with_a_trace_of_several_hashes_warn_that_nothing_compares_it():
+    from veriloco.config import config_warnings
+
+    distance = ("--train.inner_state=reset", "--train.round_warmup_steps=2", "--train.inner_steps=20",
+                "--verify.replay_probability=0.1", "--verify.replay_match=distance")
+    (line,) = config_warnings(tiny(*distance))
+    assert "hashes its whole inner state (params + AdamW moments, 3x the model) 3 times a round" in line
+    assert "--verify.trace_every=0 hashes it twice" in line
+    assert config_warnings(tiny(*distance, "--verify.trace_every=0")) == []
+    assert config_warnings(tiny(*distance[:4])) == []  # exact replays compare every hash
+
+
 def test_state_replays_under_a_codec_warn_about_their_traffic():
     from veriloco.config import config_warnings
 

@@ -149,3 +149,28 @@ def test_the_verification_it_plans_follows_the_sampling_and_the_screens():
     text = format_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5")))
     assert "2.00 replays a round across the 4 workers" in text and "50.0% on top of the inner steps" in text
     assert "no model-sized traffic" in text
+
+
+def test_the_trace_line_counts_the_state_hashes_and_says_when_nothing_compares_them(monkeypatch):
+    """Each stage process hashes its whole inner state (params + AdamW moments) at a round's start
+    and every trace_every steps, between steps, on one core: on a GPU that is the host's sha256
+    rate against the GPU's steps. The plan prints the hashes, the bytes and their time at this
+    machine's rate (here fixed at 1 GB/s), and says when no replay compares them."""
+    import veriloco.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "hash_rate", lambda: 1e9)
+    base = ("--topology.workers=4", "--train.inner_steps=20", "--verify.trace_every=5", "--train.inner_state=reset")
+    plan = make_plan(tiny(*base), step_s=0.01)
+    state = plan.stages[0].state_bytes
+    text = format_plan(plan)
+    assert "trace: 5 state hashes a round per stage process (params + AdamW moments, " in text
+    assert f"sha256 here at 1.00 GB/s: {5 * state / 1e9:.3f} s a round, {5 * state / 1e9 / 0.2:.1%} of the inner steps" in text
+    assert "nothing compares them in this config (replay_probability = 0: no replays): --verify.trace_every=0" in text
+    distance = format_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5", "--verify.replay_match=distance")))
+    assert "nothing compares them in this config (distance replays compare deltas)" in distance
+    exact = format_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5")))
+    assert "trace: 5 state hashes" in exact and "nothing compares them" not in exact
+    once = format_plan(make_plan(tiny(*base[:3], "--verify.trace_every=0")))
+    assert "trace: 2 state hashes" in once and "nothing compares them" not in once
+    monkeypatch.undo()  # this machine's own rate
+    assert 1e7 < plan_mod.hash_rate(1 << 20) < 1e11

@@ -17,8 +17,10 @@ utilisation to expect with delay 0, and the adaptive codec's byte budget.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,6 +251,44 @@ def verify_plan(plan: Plan) -> VerifyPlan:
     return VerifyPlan(W * p, steps, fetched, max(st.state_bytes for st in plan.stages), kept, gain)
 
 
+def hash_rate(nbytes: int = 32 << 20) -> float:
+    """This machine's sha256 rate on one core, bytes per second (the best of three hashes of
+    `nbytes`): what every trace hash runs at (hashing.tensors_hash, one stream)."""
+    data, best = bytes(nbytes), math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        hashlib.sha256(data).digest()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def traces_compared(cfg: Config) -> bool:
+    """Whether anything compares a worker's trace hashes with a replay's: exact replays, drawn
+    (replay_probability > 0; a failed loss-gain test is replayed only then). Distance replays
+    compare deltas, and with no replays the trace is committed and never checked."""
+    return cfg.verify.replay_match == "exact" and cfg.verify.replay_probability > 0 and cfg.topology.workers > 1
+
+
+def _trace_lines(plan: Plan) -> list[str]:
+    """The trace's hashing: each stage process hashes its whole inner state (params + AdamW
+    moments) at the round's start and every trace_every steps, between steps, on one CPU core."""
+    cfg, H = plan.cfg, plan.cfg.train.inner_steps
+    hashes = 1 + H // (cfg.verify.trace_every or H)
+    state = max(st.state_bytes for st in plan.stages)
+    rate = hash_rate()
+    seconds = hashes * state / rate
+    share = f", {seconds / (H * plan.step_s):.1%} of the inner steps" if plan.step_s else ""
+    device = " (from GPU memory: a copy to the host first, not counted)" if cfg.run.device == "cuda" else ""
+    out = [f"trace: {hashes} state hashes a round per stage process (params + AdamW moments, {_mb(state)} each: "
+           f"{_mb(hashes * state)} hashed between inner steps on one CPU core{device}; sha256 here at "
+           f"{rate / 1e9:.2f} GB/s: {seconds:.3f} s a round{share})"]
+    if not traces_compared(cfg) and hashes > 2:
+        why = ("distance replays compare deltas" if cfg.verify.replay_match == "distance"
+               else "replay_probability = 0: no replays")
+        out.append(f"  nothing compares them in this config ({why}): --verify.trace_every=0 hashes twice a round")
+    return out
+
+
 def _mb(n: float) -> str:
     return f"{n / MB:,.2f} MB" if n >= 0.1 * MB else f"{n / 1e3:,.1f} KB"
 
@@ -304,7 +344,7 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
         out.append(f"  DDP in the same {H} inner steps: {_mb(plan.ddp_per_round)} sent per worker "
                    f"({plan.ddp_per_round / max(plan.sent_per_round, 1):,.0f}x the payload above)")
     out.append(_store_line(plan))
-    out += _verify_lines(plan) + ([measured] if measured else [])
+    out += _verify_lines(plan) + ([measured] if measured else []) + _trace_lines(plan)
     slowest = max(plan.exchange_s(st.payload_bytes) for st in plan.stages)
     out.append(f"exchange on the link ({plan.link}): {slowest:.3f} s a round per stage process"
                + (f"; {plan.exchange_s(payload):.3f} s if a worker's stages share one link" if S > 1 else ""))
