@@ -114,7 +114,8 @@ def train_worker_elastic(
     end = cfg.train.rounds if stop_after is None else min(stop_after, cfg.train.rounds)
     injector = Injector(faults, worker)
     members = Membership(worker, lighthouse_addr, store_port, cfg.run.timeout_s, cfg.run.heartbeat_timeout_s,
-                         host=store_host, round_deadline_s=cfg.run.round_deadline, workers=cfg.topology.workers)
+                         host=store_host, round_deadline_s=cfg.run.round_deadline, workers=cfg.topology.workers,
+                         clock=injector.clock())
     w = setup_worker(cfg, worker, cfg.topology.workers, task, run_dir, 0, elastic=True,
                      process_rank=worker * cfg.topology.replicas)
     w.exchange = HoldingExchange()
@@ -395,7 +396,8 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
         sent.handle = handle
         outside = [j for j in range(w.workers) if j not in view.active]
         alive = ctx.members.alive_times([j for j in outside if j not in view.rounds])  # one round trip for all
-        absent = {j: _absence(alive, view, j, ctx.members.heartbeat_timeout_s) for j in outside}
+        now = ctx.members.now()
+        absent = {j: _absence(alive, view, j, ctx.members.heartbeat_timeout_s, now) for j in outside}
         rec = finish_round(w, sent, overlapped_s, Participants(view.active, comm, comm, absent))
     except (ExchangeError, MembershipError, RuntimeError) as e:
         if "disagree on the global params" in str(e):
@@ -442,13 +444,13 @@ def _paced(cfg: Config, link: Link | None) -> Link | None:
     return None if cfg.link.shaping == "kernel" else link
 
 
-def _absence(alive: dict[int, float], view: QuorumView, j: int, heartbeat_timeout_s: float) -> str:
+def _absence(alive: dict[int, float], view: QuorumView, j: int, heartbeat_timeout_s: float, now: float) -> str:
     """LATE for a worker that is alive (heartbeating: `alive`, Membership.alive_times) but not in the
-    round, else ABSENT."""
+    round, else ABSENT; `now`: Membership.now(), the clock the stamps are in."""
     if j in view.rounds:  # in the quorum but behind: it is healing, it has no packet for this round
         return ABSENT
     # a live worker beats every 0.2 s; the quorum left a dead one out only after heartbeat_timeout_s
-    return LATE if time.time() - alive[j] < max(heartbeat_timeout_s / 2, 0.6) else ABSENT
+    return LATE if now - alive[j] < max(heartbeat_timeout_s / 2, 0.6) else ABSENT
 
 
 _FOLLOWERS: dict[Path, RoundsFollower] = {}
@@ -752,7 +754,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     joins = {f.worker: f.round for f in faults if f.kind == "join"}
     restarts = {f.worker: f.seconds for f in faults if f.kind == "restart"}
     budget = dict.fromkeys(range(W), cfg.run.max_restarts)  # [run] max_restarts: restarts left per worker
-    left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "stop", "late")] for j in range(W)}
+    left = {j: [f for f in faults if f.worker == j and f.kind in ("die", "stop", "late", "skew")] for j in range(W)}
     first = [j for j in range(W) if j not in joins]
     procs: dict = {}
     seen = 0  # rounds recorded as of the last look at rounds.jsonl (read once per loop)

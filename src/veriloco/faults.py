@@ -17,6 +17,9 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
     partition:W@R+T   once round R is recorded, worker W's network link is cut for T seconds: the
                    run moves to network namespaces (one per worker, veth pairs to a bridge, the
                    coordinator in its own; netns.py; needs root) and the launcher downs W's veth
+    skew:W+T, skew:W-T   worker W's wall clock runs T seconds ahead (+) or behind (-) the others'
+                   (machines whose clocks NTP does not keep together): what it stamps its heartbeats
+                   and quorum requests with, and what it reads the others' stamps against
     sever:A-B@R+T  once round R is recorded, workers A and B cannot reach each other for T seconds,
                    while both still reach the coordinator and every other worker (a partial
                    partition: network namespaces as above; the launcher points each one's
@@ -34,6 +37,8 @@ import os
 import re
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _SPEC = re.compile(
@@ -43,7 +48,8 @@ _SPEC = re.compile(
     r"|(?P<restart>restart):(?P<rw>\d+)\+(?P<rt>\d+(?:\.\d+)?)"
     r"|(?P<join>join):(?P<jw>\d+)@(?P<jr>\d+)"
     r"|(?P<partition>partition):(?P<pw>\d+)@(?P<pr>\d+)\+(?P<pt>\d+(?:\.\d+)?)"
-    r"|(?P<sever>sever):(?P<xa>\d+)-(?P<xb>\d+)@(?P<xr>\d+)\+(?P<xt>\d+(?:\.\d+)?))$"
+    r"|(?P<sever>sever):(?P<xa>\d+)-(?P<xb>\d+)@(?P<xr>\d+)\+(?P<xt>\d+(?:\.\d+)?)"
+    r"|(?P<skew>skew):(?P<kw>\d+)(?P<kt>[+-]\d+(?:\.\d+)?))$"
 )
 
 
@@ -53,11 +59,11 @@ class FaultError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "die" | "stop" | "late" | "restart" | "join" | "partition" | "sever"
+    kind: str  # "die" | "stop" | "late" | "restart" | "join" | "partition" | "sever" | "skew"
     worker: int
     round: int = 0
     step: int | None = None  # die: the inner step; None = during the exchange
-    seconds: float = 0.0  # late: how late; stop: how long frozen; restart: how long after the death; partition, sever: how long cut
+    seconds: float = 0.0  # late: how late; stop: how long frozen; restart: how long after the death; partition, sever: how long cut; skew: how far ahead (< 0: behind)
     peer: int | None = None  # sever: the other worker
 
 
@@ -66,7 +72,7 @@ def parse_fault(text: str, workers: int) -> Fault:
     m = _SPEC.match(text.strip())
     if m is None:
         raise FaultError(f"fault {text!r} is not one of die:W@R[.S], stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, "
-                         "join:W@R, partition:W@R+SECONDS, sever:A-B@R+SECONDS")
+                         "join:W@R, partition:W@R+SECONDS, sever:A-B@R+SECONDS, skew:W+SECONDS, skew:W-SECONDS")
     g = m.groupdict()
     if g["die"]:
         f = Fault("die", int(g["dw"]), int(g["dr"]), int(g["ds"]) if g["ds"] is not None else None)
@@ -80,8 +86,10 @@ def parse_fault(text: str, workers: int) -> Fault:
         f = Fault("join", int(g["jw"]), int(g["jr"]))
     elif g["partition"]:
         f = Fault("partition", int(g["pw"]), int(g["pr"]), seconds=float(g["pt"]))
-    else:
+    elif g["sever"]:
         f = Fault("sever", int(g["xa"]), int(g["xr"]), seconds=float(g["xt"]), peer=int(g["xb"]))
+    else:
+        f = Fault("skew", int(g["kw"]), seconds=float(g["kt"]))
     for j in (f.worker, f.peer):
         if j is not None and not 0 <= j < workers:
             raise FaultError(f"fault {text!r} names worker {j}, but the run has workers 0..{workers - 1}")
@@ -119,6 +127,11 @@ class Injector:
 
     def late_s(self, round: int) -> float:
         return sum(f.seconds for f in self.faults if f.kind == "late" and f.round == round)
+
+    def clock(self) -> Callable[[], float]:
+        """This worker's wall clock: time.time, or that many seconds off it (a `skew` fault)."""
+        skew = sum(f.seconds for f in self.faults if f.kind == "skew")
+        return (lambda: time.time() + skew) if skew else time.time
 
 
 def first_death(faults: list[Fault]) -> Fault | None:

@@ -66,6 +66,9 @@ import torch.distributed as dist
 os.environ.setdefault("RUST_LOG", "warn")
 
 WATCH_S = 0.2  # how often a collective of a quorum's group checks its members (PgComm.wait)
+CLOCK_KEY = "clock"  # the coordinator's wall clock, as it last wrote it (Coordinator._publish_clock)
+CLOCK_EVERY_S = 0.02  # how often it writes it: the most a worker's reading of it can be stale
+CLOCK_SAMPLES = 8  # reads of it a worker takes for its offset (Membership.read_clock)
 
 
 class MembershipError(RuntimeError):
@@ -100,6 +103,16 @@ class Coordinator:
             quorum_tick_ms=20, heartbeat_timeout_ms=max(int(heartbeat_timeout_s * 1000), 100),
         )
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # the run's clock: every worker stamps its keys in it (Membership.now), whatever its machine's says
+        self._stop = threading.Event()
+        self._clock = threading.Thread(target=self._publish_clock, daemon=True)
+        self._clock.start()
+
+    def _publish_clock(self) -> None:
+        store = dist.TCPStore(self.host, self.store.port, is_master=False, timeout=timedelta(seconds=10))
+        while not self._stop.is_set():
+            store.set(CLOCK_KEY, repr(time.time()))
+            self._stop.wait(CLOCK_EVERY_S)
 
     @property
     def lighthouse_addr(self) -> str:
@@ -111,6 +124,7 @@ class Coordinator:
         return self.store.port
 
     def shutdown(self) -> None:
+        self._stop.set()
         self.lighthouse.shutdown()
 
 
@@ -135,8 +149,10 @@ class Membership:
 
     def __init__(self, worker: int, lighthouse_addr: str, store_port: int, timeout_s: float,
                  heartbeat_timeout_s: float = 2.0, host: str = "127.0.0.1", round_deadline_s: float = 0.0,
-                 workers: int = 0) -> None:
+                 workers: int = 0, clock: Callable[[], float] = time.time) -> None:
         from torchft.coordination import LighthouseClient
+
+        self._clock = clock
 
         self.worker, self.timeout_s, self.heartbeat_timeout_s = worker, timeout_s, heartbeat_timeout_s
         self.workers = workers  # the admitted workers, 0..workers-1: whose liveness a quorum answers to
@@ -149,9 +165,10 @@ class Membership:
         self._addr = lighthouse_addr
         self.client = LighthouseClient(addr=lighthouse_addr, connect_timeout=timedelta(seconds=timeout_s))
         self.store = dist.TCPStore(host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.offset = offset_to(self.store, clock)  # now() = this machine's wall clock + offset: the coordinator's
         # before this worker can be in any quorum, so its keys always exist (_silent and _stands read
         # them in one round trip, and a multi_get of a missing key would block)
-        self.store.set(f"alive/{worker}", repr(time.time()))
+        self.store.set(f"alive/{worker}", repr(self.now()))
         for kind in ("asked", "heading", "late"):  # "-" (none yet), unless a process before this one wrote it
             self.store.compare_set(f"{kind}/{worker}", "", "-")
         self._existing: set[str] = set()  # keys _texts found: one round trip to read them again
@@ -164,6 +181,14 @@ class Membership:
         self._listen()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
         self._beat.start()
+
+    def now(self) -> float:
+        """The coordinator's wall clock, as this worker reckons it: what every worker stamps its keys
+        with (heartbeats, quorum requests, late marks) and reads the others' against. Each machine's
+        own wall clock would do only where NTP keeps them within a fraction of heartbeat_timeout_s:
+        a worker whose clock was 5 s behind looked silent to the others whenever a collective
+        waited, and a run over a slow link never committed a round (tests/test_elastic.py)."""
+        return self._clock() + self.offset
 
     def _listen(self) -> None:
         """Answer the others' reachability probes (`unreachable`): a TCP listener that accepts and
@@ -272,7 +297,7 @@ class Membership:
                 continue
             try:
                 client.heartbeat(self.rid, timedelta(seconds=2))
-                store.set(f"alive/{self.worker}", repr(time.time()))
+                store.set(f"alive/{self.worker}", repr(self.now()))
             except Exception:  # the coordinator unreachable (partition): keep trying, quorum() decides
                 pass
             self._stop.wait(0.2)
@@ -289,7 +314,7 @@ class Membership:
             try:  # at once, not at the heartbeat thread's next beat: a quorum may form right away,
                 # and its members would find this worker's heartbeat stale (Membership._silent)
                 self.client.heartbeat(self.rid, timedelta(seconds=2))
-                self.store.set(f"alive/{self.worker}", repr(time.time()))
+                self.store.set(f"alive/{self.worker}", repr(self.now()))
             except Exception:
                 pass
 
@@ -297,7 +322,7 @@ class Membership:
         """Say which round this worker will ask for next (after a heal): the quorums of that round
         wait for it (up to the deadline) even while its heartbeats are paused; those of earlier
         rounds do not (paused, it is not live to them or to the Lighthouse)."""
-        self.store.set(f"heading/{self.worker}", f"{round} {time.time()!r}")
+        self.store.set(f"heading/{self.worker}", f"{round} {self.now()!r}")
 
     def announce(self, workers: list[int], wait: bool) -> None:
         """Start of a run: say "I am here"; with `wait`, wait (up to the timeout) until every
@@ -315,7 +340,7 @@ class Membership:
         quorum that left out a live worker before the deadline is discarded and asked again);
         raises MembershipError after the timeout."""
         self.resume()
-        self.store.set(f"asked/{self.worker}", f"{round} {time.time()!r}")  # when this worker began to ask
+        self.store.set(f"asked/{self.worker}", f"{round} {self.now()!r}")  # when this worker began to ask
         give_up = time.monotonic() + self.quorum_timeout_s
         while True:
             view = self._join(round, give_up - time.monotonic())
@@ -343,7 +368,7 @@ class Membership:
         decides for all."""
         if not self.workers:
             return True
-        now = time.time()
+        now = self.now()
         outside = [j for j in range(self.workers) if j not in view.rounds]
         kinds = ("asked", "heading", "late", "alive")  # a worker's stamps, read for all of them in one round trip
         texts = iter(self._texts([f"{kind}/{j}" for j in outside for kind in kinds]))
@@ -506,7 +531,7 @@ class Membership:
         """Why the group of `view` cannot go on, or None: a member's heartbeat is stale (killed,
         frozen, or cut off from the coordinator), or a member gave the group up (PgComm.wait)."""
         others = [j for j in view.active if j != self.worker]
-        now = time.time()
+        now = self.now()
         store = store or self.store
         for j, text in zip(others, self._texts([f"alive/{j}" for j in others], store), strict=True):
             if _parse_stamp(text)[1] < now - self.heartbeat_timeout_s:
@@ -529,6 +554,25 @@ class Membership:
             self.store.set(f"alive/{self.worker}", "0")
         except Exception:  # the coordinator already gone
             pass
+
+
+def offset_to(store: dist.TCPStore, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES) -> float:
+    """The coordinator's clock minus `clock`, from `samples` reads of the one it publishes
+    (CLOCK_KEY, rewritten every CLOCK_EVERY_S). A read between t0 and t1 (this clock) of a value v
+    says the coordinator's clock was in [v, v + CLOCK_EVERY_S] at some instant in [t0, t1]: the
+    offset is in [v - t1, v + CLOCK_EVERY_S - t0]. The estimate is the middle of where the reads'
+    intervals meet (or of the last read's, if noise keeps them apart): within CLOCK_EVERY_S / 2 plus
+    half a round trip of the truth."""
+    store.wait([CLOCK_KEY])
+    lo, hi = -math.inf, math.inf
+    for _ in range(samples):
+        t0 = clock()
+        v = float(store.get(CLOCK_KEY).decode())
+        t1 = clock()
+        a, b = v - t1, v + CLOCK_EVERY_S - t0
+        lo, hi = (max(lo, a), min(hi, b)) if max(lo, a) <= min(hi, b) else (a, b)
+        time.sleep(CLOCK_EVERY_S / samples)
+    return (lo + hi) / 2
 
 
 def _parse_stamp(text: str | None) -> tuple[int | None, float]:
