@@ -68,7 +68,8 @@ os.environ.setdefault("RUST_LOG", "warn")
 WATCH_S = 0.2  # how often a collective of a quorum's group checks its members (PgComm.wait)
 CLOCK_KEY = "clock"  # the coordinator's wall clock, as it last wrote it (Coordinator._publish_clock)
 CLOCK_EVERY_S = 0.02  # how often it writes it: the most a worker's reading of it can be stale
-CLOCK_SAMPLES = 8  # reads of it a worker takes for its offset (Membership.read_clock)
+CLOCK_SAMPLES = 8  # reads of it a worker takes for its offset (offset_to)
+CLOCK_REREAD_S = 10.0  # how often a worker reads it again: clocks drift, and NTP may step one mid-run
 
 
 class MembershipError(RuntimeError):
@@ -291,11 +292,14 @@ class Membership:
         client = LighthouseClient(addr=self._addr, connect_timeout=timedelta(seconds=self.timeout_s))
         # its own store connection: "alive at t" for the others to tell a late worker from a dead one
         store = dist.TCPStore(self._host, self._port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        read_at = time.monotonic() + CLOCK_REREAD_S
         while not self._stop.is_set():
             if self._paused.is_set():
                 self._stop.wait(0.2)
                 continue
             try:
+                if time.monotonic() >= read_at:  # the coordinator's clock again (drift, a step)
+                    self.offset, read_at = offset_to(store, self._clock), time.monotonic() + CLOCK_REREAD_S
                 client.heartbeat(self.rid, timedelta(seconds=2))
                 store.set(f"alive/{self.worker}", repr(self.now()))
             except Exception:  # the coordinator unreachable (partition): keep trying, quorum() decides
