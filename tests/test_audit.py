@@ -490,6 +490,42 @@ def test_a_run_in_progress_is_audited_up_to_its_last_record(tmp_path):
     assert live.checked["checkpoints_pruned"] == 2  # rounds 0 and 1's, pruned since (keep_checkpoints = 2)
 
 
+def test_a_run_held_on_another_machine_is_a_run_in_progress_here(tmp_path):
+    """A run directory shared between machines (elastic): RUN/.lock names its launcher's pid and
+    host. A pid of another host means nothing here, and it was looked up among this machine's
+    processes: the run training there was no run in progress to an audit here (and the ledger
+    runs a round ahead of the records: "in the ledger but not in rounds.jsonl", now and then).
+    For another host the file's lock is asked instead; once nothing holds it, it is no run."""
+    import signal
+    import socket
+
+    from conftest import holder
+
+    from veriloco.records import RunDir
+
+    run = tmp_path / "run"
+    train(tiny("--train.rounds=5"), str(run), quiet=True)
+    lines = (run / "rounds.jsonl").read_text().splitlines(keepends=True)
+    (run / "rounds.jsonl").write_text("".join(lines[:2]))  # as read mid-run: the ledger holds 3 more entries
+    held = holder(run)
+    try:
+        (run / ".lock").write_text("2147483000 a-machine-elsewhere\n")  # a pid this machine has not, another host
+        assert RunDir(run).holder() == 2147483000
+        live = audit_run(run)
+        assert live.ok and live.in_progress == 2147483000 and live.rounds == 2, live.first_failure
+    finally:
+        held.send_signal(signal.SIGKILL)  # as a machine that died: its lock file stays, no one holds it
+        held.wait()
+    assert (run / ".lock").exists() and RunDir(run).holder() is None
+    # and a launcher refused by another machine's lock says whose (records.Held)
+    from veriloco.records import Held
+
+    assert Held(f"123 {socket.gethostname()}").pid() == " (pid 123)" == Held("123").pid()
+    assert Held("123 a-machine-elsewhere").pid() == " (pid 123 on a-machine-elsewhere)"
+    dead = audit_run(run)
+    assert not dead.ok and dead.first_failure.startswith("round 2: in the ledger but not in rounds.jsonl")
+
+
 def test_a_lock_file_that_names_no_live_process_is_no_run_in_progress(tmp_path):
     """RUN/.lock names the pid of the launcher training into RUN; a copy of a run directory may
     bring one along, or garbage: only a live pid makes the audit treat the run as in progress."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -441,7 +442,7 @@ def test_a_run_directory_another_launcher_holds_is_refused_and_left_as_it_was(tm
             "or stop it, before running into it again")
         code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(run), "--quiet")
         assert code == 2 and "is in use by another veriloco process" in err[0]
-        assert _files(run) == before | {".lock": f"{held.pid}\n".encode()}
+        assert _files(run) == before | {".lock": f"{held.pid} {socket.gethostname()}\n".encode()}
     finally:
         held.kill()
         held.wait()

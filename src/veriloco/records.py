@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,8 +53,21 @@ class Held(Exception):
         self.holder = holder
 
     def pid(self) -> str:
-        """' (pid N)' for the message, or '' when the file names no pid."""
-        return f" (pid {self.holder})" if self.holder.isdigit() else ""
+        """' (pid N)' for the message (' (pid N on HOST)' for another machine's), or '' when the
+        file names no pid."""
+        pid, host = _pid_host(self.holder)
+        if pid is None:
+            return ""
+        return f" (pid {pid} on {host})" if host is not None and host != socket.gethostname() else f" (pid {pid})"
+
+
+def _pid_host(text: str) -> tuple[int | None, str | None]:
+    """A lock file's "PID HOST" (or a bare PID, as written before the host was): the pid, if it is
+    one, and the host, if named."""
+    pid, _, host = text.strip().partition(" ")
+    if not (pid.isascii() and pid.isdigit() and 0 < int(pid) < 1 << 31):  # a pid, not what a copy's garbage says
+        return None, None
+    return int(pid), host.strip() or None
 
 
 def lock_with_pid(path: Path) -> int:
@@ -71,8 +85,28 @@ def lock_with_pid(path: Path) -> int:
     except OSError:
         pass
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    # the host too: a run directory shared between machines (elastic) is read from machines where
+    # this pid means nothing (RunDir.holder)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
     return fd
+
+
+def _locked_elsewhere(path: Path) -> bool:
+    """Whether a process holds `path`'s flock: a shared lock tried without waiting is refused.
+    Where locks cannot be asked (ENOLCK), or the file went, False, as an unlocked file is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (closing lets go of a lock it got)
+    return False
 
 
 def make_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -162,15 +196,21 @@ class RunDir:
 
     def holder(self) -> int | None:
         """The pid of a live process that holds this run directory (`claim`: a launcher training
-        into it now), else None. Read from RUN/.lock without locking it, so asking never gets in a
-        launcher's way; a lock file a killed launcher left names a pid that is gone."""
+        into it now), else None. On its own machine, read from RUN/.lock without locking it, so
+        asking never gets in a launcher's way; a lock file a killed launcher left names a pid that
+        is gone. A pid of another machine (a shared run directory) cannot be asked after here: the
+        file's lock is tried instead (shared, without waiting, and let go at once), which a live
+        holder's refuses. Before, that pid was looked up among this machine's processes: a run
+        training on machine A was no run in progress to `veriloco audit` on machine B."""
         try:
             text = self.lock_path.read_text(encoding="ascii", errors="replace").strip()
         except OSError:
             return None
-        if not (text.isascii() and text.isdigit() and 0 < int(text) < 1 << 31):  # a pid, not what a copy's garbage says
+        pid, host = _pid_host(text)
+        if pid is None:
             return None
-        pid = int(text)
+        if host is not None and host != socket.gethostname():
+            return pid if _locked_elsewhere(self.lock_path) else None
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
