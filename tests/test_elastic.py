@@ -144,6 +144,31 @@ def test_straggler_is_left_out_as_late_and_a_new_worker_joins(tmp_path):
     assert report.ok, report.first_failure
 
 
+def test_a_file_system_without_locks_is_refused_before_an_elastic_run_starts(tmp_path, monkeypatch, capsys):
+    """An elastic round is recorded by whichever member takes RUN/.commit.lock first; on a file
+    system without locks (an NFS mount without its lock manager: ENOLCK) a worker failed at its
+    first commit with a traceback (exit 1, after the run directory was made). `veriloco train`
+    and `veriloco join` now refuse it in one line, exit 2, with nothing written."""
+    import errno
+    import fcntl
+
+    from conftest import TINY, cli
+
+    from veriloco.elastic import check_commit_lock
+    from veriloco.records import RunDirError
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), *ELASTIC, "--out", str(tmp_path / "r"))
+    assert code == 2 and len(lines) == 1 and "is on a file system without locks (No locks available)" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(RunDirError, match="on NFS, mount it with its lock manager"):  # join's check, on its run directory
+        check_commit_lock(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_workers_stamp_in_the_coordinators_clock_whatever_their_machines_say(monkeypatch):
     """Heartbeats, quorum requests and late marks are times that one worker writes and another
     reads against its own now. In each machine's wall clock, a worker 5 s behind looked silent to

@@ -573,7 +573,8 @@ def test_workers_that_read_different_run_manifests_stop_at_once():
 
 def test_a_file_system_without_locks_does_not_stop_a_launcher(tmp_path, monkeypatch):
     """flock on an NFS mount without its lock manager fails with ENOLCK: that is no other launcher,
-    and the run goes on as it did before there was a lock (the shared-directory elastic recipe)."""
+    and the run goes on as it did before there was a lock (not an elastic run, whose commit needs
+    locks: test_elastic.py)."""
     import errno
     import fcntl
 

@@ -668,6 +668,26 @@ def _locked(path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def check_commit_lock(directory: str | Path) -> None:
+    """`directory` (a run directory, or where one will be made) is on a file system that takes
+    locks: an elastic round is recorded once, by whichever member holds RUN/.commit.lock first
+    (`commit`), so without locks (an NFS mount without its lock manager: ENOLCK) two members could
+    both write it. Refused in one line before anything is written or started: a worker failed at
+    its first commit with a traceback, and the run with exit 1. A file of its own is locked, so a
+    member committing is not waited for."""
+    from .records import RunDirError
+
+    probe = Path(directory) / f".lock-check-{os.getpid()}"
+    try:
+        with open(probe, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        raise RunDirError(f"{directory} is on a file system without locks ({e.strerror or e}): an elastic run records "
+                          "each round under RUN/.commit.lock (on NFS, mount it with its lock manager)") from None
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 def _with_batch(task: Task, batch) -> Task:
     import dataclasses
 
@@ -734,6 +754,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     from .run import _finish
 
     faults = parse_faults(fault_specs, cfg.topology.workers)
+    check_commit_lock(run.root)
     W = cfg.topology.workers
     placement = placement or Placement()
     local = list(range(W)) if placement.local is None else sorted(set(placement.local))
@@ -1087,6 +1108,7 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False, task: Ta
 
     check_device(cfg)
     check_own_keys(cfg, workers, manifest["worker_keys"])
+    check_commit_lock(run.root)
     for j in workers:  # running already (a second join of them, or the launcher's own): refused before anything starts
         os.close(hold_worker(run.root, j))
     other = check_torch(manifest, cfg, "join it")  # the launcher's machine prepared the manifest

@@ -90,6 +90,11 @@ def check_own_keys(cfg: Config, workers: Iterable[int] | None, admitted: dict[st
                                 f"({where.format(w=w)})")
 
 
+def nearest_dir(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where a run directory will be made)."""
+    return next((d for d in (path, *path.parents) if d.is_dir()), Path("."))
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
     with socket.socket() as s:
@@ -277,6 +282,10 @@ def train(
             raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
         parse_faults(faults, cfg.topology.workers)
     check_own_keys(cfg, placement.local if placement is not None else None)
+    if cfg.run.membership == "elastic":  # its rounds are recorded under a lock: the file system must take them
+        from .elastic import check_commit_lock
+
+        check_commit_lock(nearest_dir(Path(out) if out else Path("runs")))
     warm()  # the workers' server imports while the corpus and G_0 are prepared here
     run, task = prepare_run(cfg, out)
     try:
