@@ -206,6 +206,31 @@ def test_workers_stamp_in_the_coordinators_clock_whatever_their_machines_say(mon
         coord.shutdown()
 
 
+def test_the_clock_offset_is_the_median_of_its_reads_so_a_few_bad_values_do_not_move_it():
+    """The TCPStore takes anyone's keys: a value that is not a time, or a time another process wrote
+    there, is outvoted (`offset_to`: the median of 8 reads), and a clock key that never holds a time
+    is a MembershipError, not a number."""
+    import time
+
+    from veriloco.membership import MembershipError, offset_to
+
+    class Store:  # what offset_to asks of a TCPStore, answering with the coordinator's clock 7 s ahead
+        def __init__(self, bad: dict[int, bytes]) -> None:
+            self.bad, self.reads = bad, 0
+
+        def wait(self, keys) -> None:
+            pass
+
+        def get(self, key) -> bytes:
+            self.reads += 1
+            return self.bad.get(self.reads, repr(time.time() + 7.0).encode())
+
+    assert abs(offset_to(Store({})) - 7.0) < 0.05
+    assert abs(offset_to(Store({2: b"garbage", 3: b"1e300", 5: b"nan", 6: repr(time.time() - 50).encode()})) - 7.0) < 0.05
+    with pytest.raises(MembershipError, match="is not a time"):
+        offset_to(Store(dict.fromkeys(range(1, 9), b"garbage")))
+
+
 def test_a_worker_whose_clock_is_5_s_behind_takes_part_in_every_round_over_a_slow_link(tmp_path):
     """`--fault skew:2-5` (worker 2's wall clock 5 s behind the others') on a kernel-shaped 2 Mbit/s
     link, where the exchange's collectives wait long enough for the members' watch to read each

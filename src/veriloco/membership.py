@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -563,20 +564,26 @@ class Membership:
 def offset_to(store: dist.TCPStore, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES) -> float:
     """The coordinator's clock minus `clock`, from `samples` reads of the one it publishes
     (CLOCK_KEY, rewritten every CLOCK_EVERY_S). A read between t0 and t1 (this clock) of a value v
-    says the coordinator's clock was in [v, v + CLOCK_EVERY_S] at some instant in [t0, t1]: the
-    offset is in [v - t1, v + CLOCK_EVERY_S - t0]. The estimate is the middle of where the reads'
-    intervals meet (or of the last read's, if noise keeps them apart): within CLOCK_EVERY_S / 2 plus
-    half a round trip of the truth."""
+    says the coordinator's clock was in [v, v + CLOCK_EVERY_S] at some instant in [t0, t1], so the
+    offset is within CLOCK_EVERY_S / 2 plus half the round trip of v + CLOCK_EVERY_S / 2 - (t0 + t1)
+    / 2. The median of the reads' figures: a value that is not a time, or one another process
+    wrote there (the store takes anyone's keys), moves it only if it is half of them."""
     store.wait([CLOCK_KEY])
-    lo, hi = -math.inf, math.inf
+    figures = []
     for _ in range(samples):
         t0 = clock()
-        v = float(store.get(CLOCK_KEY).decode())
+        text = store.get(CLOCK_KEY).decode(errors="replace")
         t1 = clock()
-        a, b = v - t1, v + CLOCK_EVERY_S - t0
-        lo, hi = (max(lo, a), min(hi, b)) if max(lo, a) <= min(hi, b) else (a, b)
+        try:
+            v = float(text)
+        except ValueError:
+            continue
+        if math.isfinite(v):
+            figures.append(v + CLOCK_EVERY_S / 2 - (t0 + t1) / 2)
         time.sleep(CLOCK_EVERY_S / samples)
-    return (lo + hi) / 2
+    if not figures:
+        raise MembershipError(f"the coordinator's clock ({CLOCK_KEY!r} in its store) is not a time: {text[:40]!r}")
+    return statistics.median(figures)
 
 
 def _parse_stamp(text: str | None) -> tuple[int | None, float]:
