@@ -21,7 +21,11 @@ Without CUDA and without --smoke it exits 2 ("no CUDA device: run with --smoke o
      bare   the same model and loss with torch's AdamW(fused=True) and clipping (foreach), no
             per-step host read-back: what a GPU-tuned loop gets.
    After `--warmup` steps, `--steps` steps are timed between two torch.cuda.synchronize().
-   tokens/s = steps * batch * ctx / seconds.
+   tokens/s = steps * batch * ctx / seconds. The inner variant then times its trace hash
+   (`InnerLoop.trace_hash`: params and AdamW moments copied to the host and hashed with sha256 on
+   one core, the best of 2): `trace_hash_s`, and `trace_hash_steps`, that in steps; a worker pays
+   it every `[verify] trace_every` steps (README "On GPUs": estimated from this CPU's sha256 rate,
+   never measured on a GPU).
    FLOPs per token = 6 * N + 12 * n_layer * d_model * ctx, N = parameters that take part in a
    matmul (all but the token and position embedding tables, whose lookup costs no FLOPs); the
    second term is attention's QK^T and AV (forward + backward, causal mask not discounted: the
@@ -225,8 +229,9 @@ def sdpa_backend(name: str) -> Iterator[None]:
 
 def make_step(
     variant: str, model: nn.Module, device: torch.device, total_steps: int
-) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float], str]:
-    """A function (x, y) -> loss doing one optimizer step, and a description of the optimizer."""
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float], str, Callable[[], str] | None]:
+    """A function (x, y) -> loss doing one optimizer step, a description of the optimizer, and
+    (the InnerLoop only) its trace hash: what a worker computes every `trace_every` steps."""
     amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
     def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -235,7 +240,8 @@ def make_step(
 
     if variant == "inner":
         loop = InnerLoop(model, TrainConfig(lr=3e-4, warmup_steps=1), total_steps, loss_fn)
-        return loop.step, "veriloco InnerLoop: AdamW(foreach=False), clip(foreach=False), loss.item() per step"
+        return (loop.step, "veriloco InnerLoop: AdamW(foreach=False), clip(foreach=False), loss.item() per step",
+                loop.trace_hash)
     if variant != "bare":
         raise ValueError(f"unknown variant {variant!r}")
     cfg = TrainConfig()
@@ -258,7 +264,7 @@ def make_step(
         return loss.detach()
 
     how = "fused" if device.type == "cuda" else "foreach"
-    return step, f"torch AdamW({how}=True), clip(foreach=True), no per-step host read-back"
+    return step, f"torch AdamW({how}=True), clip(foreach=True), no per-step host read-back", None
 
 
 def bench_train(
@@ -286,7 +292,7 @@ def bench_train(
     ]
     step = None
     try:
-        step, row["optimizer"] = make_step(variant, model, device, args.warmup + args.steps)
+        step, row["optimizer"], trace_hash = make_step(variant, model, device, args.warmup + args.steps)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         losses: list[float] = []
@@ -304,6 +310,11 @@ def bench_train(
                 out.append(step(b[:, :-1], b[:, 1:]))
             sync(device)
             t2 = time.perf_counter()
+            hashes = []
+            for _ in range(2 if trace_hash is not None else 0):  # params + AdamW moments, copied to the host, sha256
+                t3 = time.perf_counter()
+                trace_hash()
+                hashes.append(time.perf_counter() - t3)
         losses += [float(v) for v in out]
     except Exception as e:  # OOM, a missing kernel, a compile failure: record it, go on
         row["error"] = first_line(e)
@@ -324,6 +335,8 @@ def bench_train(
         loss_first=round(losses[0], 4),
         loss_last=round(losses[-1], 4),
     )
+    if hashes:  # one trace entry's cost, in steps: a worker pays it every trace_every steps (README: On GPUs)
+        row.update(trace_hash_s=round(min(hashes), 4), trace_hash_steps=round(min(hashes) / (seconds / args.steps), 2))
     if device.type == "cuda":
         row["max_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return row
@@ -595,7 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         result["train"].append(row)
         write(out, result)
         msg = row.get("error") or (f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s, "
-                                   f"MFU {100 * row['mfu']:.1f}%")
+                                   f"MFU {100 * row['mfu']:.1f}%"
+                                   + (f", a trace hash {row['trace_hash_s']:.3f} s = {row['trace_hash_steps']:g} steps"
+                                      if "trace_hash_s" in row else ""))
         print(f"  train {variant:5s} batch {args.batch}: {msg}", flush=True)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     del trained, model

@@ -53,6 +53,9 @@ def test_smoke_writes_every_row(tmp_path: Path) -> None:
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["steps"] == 3
         assert r["loss_first"] == pytest.approx(5.5, abs=0.5)  # ~ln(256) at init
+    # the InnerLoop's trace hash (params + AdamW moments), timed, and in steps: what trace_every costs
+    assert train["inner"]["trace_hash_s"] > 0 and train["inner"]["trace_hash_steps"] > 0
+    assert "trace_hash_s" not in train["bare"]
 
     rows = res["codecs"]
     assert {(r["spec"], r["path"]) for r in rows} == {(s, p) for s in SPECS for p in ("device", "host")}
