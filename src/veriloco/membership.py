@@ -107,13 +107,15 @@ class Coordinator:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         # the run's clock: every worker stamps its keys in it (Membership.now), whatever its machine's says
         self._stop = threading.Event()
-        self._clock = threading.Thread(target=self._publish_clock, daemon=True)
-        self._clock.start()
+        threading.Thread(target=self._publish_clock, daemon=True).start()
 
     def _publish_clock(self) -> None:
         store = dist.TCPStore(self.host, self.store.port, is_master=False, timeout=timedelta(seconds=10))
         while not self._stop.is_set():
-            store.set(CLOCK_KEY, repr(time.time()))
+            try:
+                store.set(CLOCK_KEY, repr(time.time()))
+            except Exception:  # the store going down with the launcher: nobody left to read it
+                return
             self._stop.wait(CLOCK_EVERY_S)
 
     @property
@@ -154,8 +156,7 @@ class Membership:
                  workers: int = 0, clock: Callable[[], float] = time.time) -> None:
         from torchft.coordination import LighthouseClient
 
-        self._clock = clock
-
+        self._clock = clock  # this machine's wall clock (a `skew` fault's, in tests); now() corrects it
         self.worker, self.timeout_s, self.heartbeat_timeout_s = worker, timeout_s, heartbeat_timeout_s
         self.workers = workers  # the admitted workers, 0..workers-1: whose liveness a quorum answers to
         self.deadline_s = round_deadline_s or timeout_s  # as the Coordinator's join timeout
