@@ -179,7 +179,7 @@ def test_workers_stamp_in_the_coordinators_clock_whatever_their_machines_say(mon
     import veriloco.membership as membership
     from veriloco.membership import Coordinator, Membership, QuorumView
 
-    monkeypatch.setattr(membership, "CLOCK_REREAD_S", 2.0)  # (10 s in a run; after the checks at about 1 s)
+    monkeypatch.setattr(membership, "CLOCK_REREAD_S", 3.0)  # (10 s in a run; after the checks at about 1 s)
     coord = Coordinator(min_workers=2, round_deadline_s=0, heartbeat_timeout_s=1.0)
     skews = [0.0, 3.0, -5.0]
     ms = [Membership(w, coord.lighthouse_addr, coord.store_port, 20, heartbeat_timeout_s=1.0, workers=3,
@@ -190,13 +190,13 @@ def test_workers_stamp_in_the_coordinators_clock_whatever_their_machines_say(mon
         view = QuorumView("k", {0: 0, 1: 0, 2: 0}, 0, [0, 1, 2])
         assert [m._silent(view) for m in ms] == [None, None, None]
         ages = [m.now() - t for m in ms for t in m.alive_times([0, 1, 2]).values()]
-        assert all(-0.1 < a < 0.5 for a in ages), ages
+        assert all(-0.1 < a < 1.0 for a in ages), ages  # a beat every 0.2 s; the skews are 3 and 5 s
         for m in ms:  # as before: each its own wall clock
             m.offset = 0.0
         time.sleep(0.4)  # worker 2's next heartbeats, stamped 5 s behind
         assert ms[0]._silent(view) == "worker 2 of the quorum went silent"
         # read again every CLOCK_REREAD_S (clocks drift, NTP may step one): worker 1's offset comes back
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 8
         while abs(ms[1].offset + 3.0) > 0.05 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert abs(ms[1].offset + 3.0) < 0.05, ms[1].offset
