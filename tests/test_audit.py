@@ -490,7 +490,7 @@ def test_a_run_in_progress_is_audited_up_to_its_last_record(tmp_path):
     assert live.checked["checkpoints_pruned"] == 2  # rounds 0 and 1's, pruned since (keep_checkpoints = 2)
 
 
-def test_a_run_held_on_another_machine_is_a_run_in_progress_here(tmp_path):
+def test_a_run_held_on_another_machine_is_a_run_in_progress_here(tmp_path, monkeypatch, capsys):
     """A run directory shared between machines (elastic): RUN/.lock names its launcher's pid and
     host. A pid of another host means nothing here, and it was looked up among this machine's
     processes: the run training there was no run in progress to an audit here (and the ledger
@@ -499,7 +499,7 @@ def test_a_run_held_on_another_machine_is_a_run_in_progress_here(tmp_path):
     import signal
     import socket
 
-    from conftest import holder
+    from conftest import cli, holder
 
     from veriloco.records import RunDir
 
@@ -513,6 +513,8 @@ def test_a_run_held_on_another_machine_is_a_run_in_progress_here(tmp_path):
         assert RunDir(run).holder() == 2147483000
         live = audit_run(run)
         assert live.ok and live.in_progress == 2147483000 and live.rounds == 2, live.first_failure
+        code, _, out = cli(monkeypatch, capsys, "audit", str(run))
+        assert code == 0 and "(a run in progress, pid 2147483000 on a-machine-elsewhere: its rounds recorded so far)" in out
     finally:
         held.send_signal(signal.SIGKILL)  # as a machine that died: its lock file stays, no one holds it
         held.wait()

@@ -272,6 +272,12 @@ def audit(
         fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if run is not None:
         write_audit(run, report)
+    on = ""  # the machine training it, where that is not this one (a shared run directory)
+    if run is not None and report.in_progress is not None:
+        from .records import RunDir
+
+        host = RunDir(run).holder_host()
+        on = f" on {host}" if host else ""
     c = report.checked
     if report.ok:
         typer.echo(
@@ -282,7 +288,7 @@ def audit(
             + f", {c.get('replays', 0)} replays, "
             f"{c.get('corpus_chunks', 0)} "
             f"corpus chunks, in {report.seconds:.1f}s"
-            + (f" (a run in progress, pid {report.in_progress}: its rounds recorded so far)"
+            + (f" (a run in progress, pid {report.in_progress}{on}: its rounds recorded so far)"
                if report.in_progress is not None else "")
         )
         return

@@ -219,6 +219,15 @@ class RunDir:
             pass
         return pid
 
+    def holder_host(self) -> str | None:
+        """The machine named in RUN/.lock when it is not this one (a run directory shared between
+        machines), else None: for messages beside `holder`'s pid."""
+        try:
+            _, host = _pid_host(self.lock_path.read_text(encoding="ascii", errors="replace"))
+        except OSError:
+            return None
+        return host if host is not None and host != socket.gethostname() else None
+
     def release(self) -> None:
         """Give up `claim` (nothing when not held): RUN/.lock goes, so a run leaves no trace of it."""
         fd = _CLAIMS.pop(self.root.resolve(), None)
