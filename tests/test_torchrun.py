@@ -64,6 +64,14 @@ def test_parties_that_hold_only_their_own_private_key_train_together(tmp_path, m
     assert manifest["worker_keys"] == {str(n): public_key_hex(load_private_key(made[n] / f"worker-{n}.key")) for n in range(2)}
     report = audit_run(tmp_path / "node0")
     assert report.ok, report.first_failure
+    # party B's machine without its own .key: both machines' processes stop at once in one line, exit 2, with nothing
+    # written (B's refusal left A waiting in init_process_group for run.timeout_s, 120 s by default)
+    (homes[1] / "keys" / "worker-1.key").unlink()
+    nodes = _two_nodes(tmp_path / "again", [["--verify.key_dir=keys"]] * 2, homes)
+    assert all(p.returncode != 0 and "failed (exitcode: 2)" in p.stderr for p in nodes), nodes[0].stderr[-2000:]  # (torchrun's own: 1)
+    assert "worker 1 runs here and verify.key_dir keys has no worker-1.key" in nodes[1].stderr
+    assert "rank 1 (on its machine) refused to start" in nodes[0].stderr
+    assert not (tmp_path / "again").exists()
     # party A's machine starting both workers itself: it holds worker 1's .pub, not its .key
     monkeypatch.chdir(homes[0])
     code, lines, _ = cli(monkeypatch, capsys, "train", str(TINY), "--verify.key_dir=keys", "--out", str(tmp_path / "both"))

@@ -610,9 +610,21 @@ def torchrun_main(argv: list[str]) -> None:
                           f"({per_worker})")
     cfg.topology.workers = world // per_worker
     first = rank - int(os.environ.get("LOCAL_RANK", "0"))  # this machine's ranks: its workers' keys must be here
-    check_own_keys(cfg, sorted({r // per_worker for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}))
-    run, task = prepare_run(cfg, out) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (None, None)
+    refused = None
+    try:
+        check_own_keys(cfg, sorted({r // per_worker for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}))
+    except IdentityError as e:
+        refused = e
+    # every machine agrees to start before any writes its run directory: a machine refused alone left
+    # the others waiting in init_process_group for run.timeout_s, to fail with a timeout naming nothing
     init_distributed(cfg, rank, world, "env://")
+    lowest = torch.tensor([rank if refused is not None else world], dtype=torch.int64)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    if int(lowest) < world:
+        dist.destroy_process_group()
+        raise refused or RunDirError(f"rank {int(lowest)} (on its machine) refused to start, and said why there: "
+                                     "nothing was written")
+    run, task = prepare_run(cfg, out) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (None, None)
     dist.barrier()
     if task is None:
         run = RunDir(out)
