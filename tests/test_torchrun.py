@@ -107,6 +107,19 @@ if __name__ == "__main__":
 """
 
 
+def test_a_torchrun_node_whose_corpus_is_missing_stops_every_node_with_nothing_written(tmp_path):
+    """Each machine prepares its own run directory; one whose `--data.source` is not there failed
+    with a traceback (exit 1), and the others, their run directories written, failed in their
+    barrier with gloo's "Connection closed by peer", naming nothing (by hand, before). Now every
+    process stops at once: the refused one in one line, exit 2, the others naming its rank; what
+    they had prepared is gone."""
+    nodes = _two_nodes(tmp_path, [[], [f"--data.source={tmp_path / 'nowhere.txt'}"]])
+    assert all(p.returncode != 0 and "failed (exitcode: 2)" in p.stderr for p in nodes), nodes[1].stderr[-2000:]
+    assert "veriloco: error: data.source not found" in nodes[1].stderr, nodes[1].stderr[-2000:]
+    assert "veriloco: error: rank 1 (on its machine) refused to start" in nodes[0].stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_a_users_task_under_torchrun_trains_what_train_task_does(tmp_path, monkeypatch):
     """`torchrun_task(task, cfg, out)` from the script torchrun starts: a user's own model under
     torchrun (it ran the built-in task only), recording what `train_task` records."""

@@ -610,22 +610,39 @@ def torchrun_main(argv: list[str]) -> None:
                           f"({per_worker})")
     cfg.topology.workers = world // per_worker
     first = rank - int(os.environ.get("LOCAL_RANK", "0"))  # this machine's ranks: its workers' keys must be here
-    refused = None
+    # Every machine's processes agree that all can start (their workers' keys; the run directory
+    # prepared, by each machine's local rank 0) before any goes on: a machine refused alone left
+    # the others to fail naming nothing, their run directories written (its keys: a timeout in
+    # init_process_group after run.timeout_s; its corpus: "Connection closed by peer" in a barrier).
+    from .cli import user_errors
+
+    refused, run, task = None, None, None
+    before = nearest_dir(Path(out))  # what a refusal elsewhere leaves: what this machine made for its run goes
+    entries = set(os.listdir(before)) if before == Path(out) else set()  # --out made beforehand: what it held
     try:
         check_own_keys(cfg, sorted({r // per_worker for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}))
-    except IdentityError as e:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            run, task = prepare_run(cfg, out)
+    except user_errors() as e:
         refused = e
-    # every machine agrees to start before any writes its run directory: a machine refused alone left
-    # the others waiting in init_process_group for run.timeout_s, to fail with a timeout naming nothing
     init_distributed(cfg, rank, world, "env://")
     lowest = torch.tensor([rank if refused is not None else world], dtype=torch.int64)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     if int(lowest) < world:
         dist.destroy_process_group()
+        if run is not None:  # prepared here, refused elsewhere: nothing is left of it
+            run.release()
+            if run.root == before:
+                for name in set(os.listdir(run.root)) - entries:
+                    if (run.root / name).is_dir():
+                        shutil.rmtree(run.root / name, ignore_errors=True)
+                    else:
+                        (run.root / name).unlink(missing_ok=True)
+            else:
+                shutil.rmtree(run.root, ignore_errors=True)
+                remove_dirs([d for d in run.root.parents if before in d.parents])
         raise refused or RunDirError(f"rank {int(lowest)} (on its machine) refused to start, and said why there: "
                                      "nothing was written")
-    run, task = prepare_run(cfg, out) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else (None, None)
-    dist.barrier()
     if task is None:
         run = RunDir(out)
         manifest = run.read_manifest()
@@ -645,6 +662,11 @@ def torchrun_main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         torchrun_main(sys.argv[1:])
-    except (ConfigError, RunDirError, IdentityError) as e:  # bad input: one line and exit 2, as the CLI says it
+    except Exception as e:
+        from .cli import user_errors
+
+        if not isinstance(e, user_errors()):
+            raise
+        # bad input: one line and exit 2, as the CLI says it
         print(f"veriloco: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         sys.exit(2)
