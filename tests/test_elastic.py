@@ -146,9 +146,9 @@ def test_straggler_is_left_out_as_late_and_a_new_worker_joins(tmp_path):
 
 def test_a_file_system_without_locks_is_refused_before_an_elastic_run_starts(tmp_path, monkeypatch, capsys):
     """An elastic round is recorded by whichever member takes RUN/.commit.lock first; on a file
-    system without locks (an NFS mount without its lock manager: ENOLCK) a worker failed at its
-    first commit with a traceback (exit 1, after the run directory was made). `veriloco train`
-    and `veriloco join` now refuse it in one line, exit 2, with nothing written."""
+    system without locks (an NFS mount without its lock manager: ENOLCK) that flock raises in a
+    worker at its first commit, after the run directory was made. `veriloco train` and `veriloco
+    join` now refuse it in one line, exit 2, with nothing written."""
     import errno
     import fcntl
 

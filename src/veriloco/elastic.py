@@ -671,10 +671,10 @@ def _locked(path):
 def check_commit_lock(directory: str | Path) -> None:
     """`directory` (a run directory, or where one will be made) is on a file system that takes
     locks: an elastic round is recorded once, by whichever member holds RUN/.commit.lock first
-    (`commit`), so without locks (an NFS mount without its lock manager: ENOLCK) two members could
-    both write it. Refused in one line before anything is written or started: a worker failed at
-    its first commit with a traceback, and the run with exit 1. A file of its own is locked, so a
-    member committing is not waited for."""
+    (`commit`). Without locks (an NFS mount without its lock manager: ENOLCK) that flock raises
+    in the worker, at its first commit, after the run directory was made (read from the code;
+    every file system here takes locks). Refused in one line before anything is written or
+    started. A file of its own is locked, so a member committing is not waited for."""
     from .records import RunDirError
 
     probe = Path(directory) / f".lock-check-{os.getpid()}"
