@@ -172,7 +172,8 @@ def test_a_file_system_without_locks_is_refused_before_an_elastic_run_starts(tmp
 def test_workers_stamp_in_the_coordinators_clock_whatever_their_machines_say(monkeypatch):
     """Heartbeats, quorum requests and late marks are times that one worker writes and another
     reads against its own now. In each machine's wall clock, a worker 5 s behind looked silent to
-    the others (and one 3 s ahead saw nobody silent however long dead). Each worker now reads the
+    the others (and saw a dead one alive for 5 s more), and one 3 s ahead found the others' stamps
+    3 s old, past the 1 s timeout: everyone silent. Each worker now reads the
     clock the coordinator publishes when it starts (`offset_to`) and stamps and reads in it."""
     import time
 
