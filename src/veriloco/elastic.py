@@ -753,8 +753,7 @@ def launch_elastic(cfg: Config, task: Task, run, fault_specs: list[str], quiet: 
     from .faults import parse_faults
     from .run import _finish
 
-    faults = parse_faults(fault_specs, cfg.topology.workers)
-    check_commit_lock(run.root)
+    faults = parse_faults(fault_specs, cfg.topology.workers)  # (its callers checked the commit lock: run.check_launch)
     W = cfg.topology.workers
     placement = placement or Placement()
     local = list(range(W)) if placement.local is None else sorted(set(placement.local))

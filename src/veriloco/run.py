@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,6 +88,18 @@ def check_own_keys(cfg: Config, workers: Iterable[int] | None, admitted: dict[st
         if public_key_hex(worker_key(cfg, w)) != admitted.get(str(w)):
             raise IdentityError(f"worker-{w}.key in verify.key_dir {cfg.verify.key_dir} is not the key the run admits "
                                 f"({where.format(w=w)})")
+
+
+def check_launch(cfg: Config, placement, out: str | Path | None, admitted: dict[str, str] | None = None) -> None:
+    """What this machine needs before a launcher (train, train_task, resume) writes anything: the
+    private keys of the workers it starts (`check_own_keys`; `admitted`: a resumed run's manifest
+    keys), and for an elastic run a file system that takes locks where the run is or will be
+    (`elastic.check_commit_lock`)."""
+    check_own_keys(cfg, placement.local if placement is not None else None, admitted)
+    if cfg.run.membership == "elastic":  # its rounds are recorded under a lock
+        from .elastic import check_commit_lock
+
+        check_commit_lock(nearest_dir(Path(out) if out else Path("runs")))
 
 
 def nearest_dir(path: Path) -> Path:
@@ -281,11 +293,7 @@ def train(
         if cfg.run.membership != "elastic":
             raise ConfigError("fault injection (--fault) needs run.membership = 'elastic'")
         parse_faults(faults, cfg.topology.workers)
-    check_own_keys(cfg, placement.local if placement is not None else None)
-    if cfg.run.membership == "elastic":  # its rounds are recorded under a lock: the file system must take them
-        from .elastic import check_commit_lock
-
-        check_commit_lock(nearest_dir(Path(out) if out else Path("runs")))
+    check_launch(cfg, placement, out)
     warm()  # the workers' server imports while the corpus and G_0 are prepared here
     run, task = prepare_run(cfg, out)
     try:
@@ -321,7 +329,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_afte
     check_placement(cfg, placement)
     check_splittable(task, cfg.topology.stages)
     check_device(cfg)
-    check_own_keys(cfg, placement.local if placement is not None else None)
+    check_launch(cfg, placement, out)
     warm()
     run = RunDir(out)
     run.claim()
@@ -354,24 +362,21 @@ def torchrun_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dic
     if cfg.run.membership == "elastic":
         raise ConfigError("run.membership = 'elastic' starts its workers with train_task(..., host=, workers=) and "
                           "join_task on other machines, not torchrun")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    per_worker = cfg.topology.stages * cfg.topology.replicas
-    if world % per_worker:
-        raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages x topology.replicas "
-                          f"({per_worker})")
-    cfg = config_from_dict({**cfg.to_dict(), "topology": {**cfg.to_dict()["topology"], "workers": world // per_worker}})
+    rank, world, cfg = _torchrun_world(cfg)
     check_splittable(task, cfg.topology.stages)
     check_device(cfg)
-    run = RunDir(out)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one process of each machine writes its run directory
+
+    def prepare() -> RunDir:
+        run = RunDir(out)
         run.claim()
         try:
             write_task_manifest(run, task, cfg)
         except BaseException:
             run.release()
             raise
-    init_distributed(cfg, rank, world, "env://")
-    dist.barrier()
+        return run
+
+    run = _torchrun_start(cfg, rank, world, out, prepare)
     try:
         summary = train_worker(cfg, rank, world, task, str(run.root), 0, quiet)
         if summary is not None:
@@ -380,6 +385,60 @@ def torchrun_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dic
     finally:
         dist.destroy_process_group()
         run.release()
+
+
+def _torchrun_world(cfg: Config) -> tuple[int, int, Config]:
+    """(rank, world size, `cfg` with topology.workers = torchrun's processes / (stages x replicas))."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_worker = cfg.topology.stages * cfg.topology.replicas
+    if world % per_worker:
+        raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages x topology.replicas "
+                          f"({per_worker})")
+    topology = {**cfg.to_dict()["topology"], "workers": world // per_worker}
+    return rank, world, config_from_dict({**cfg.to_dict(), "topology": topology})
+
+
+def _torchrun_start(cfg: Config, rank: int, world: int, out: str, prepare: Callable[[], RunDir]) -> RunDir:
+    """Join torchrun's world once every machine's processes agree that all can start: the private
+    keys of this machine's workers are here, and `prepare()` (by each machine's local rank 0) made
+    its run directory. A machine refused alone left the others to fail naming nothing, their run
+    directories written (its keys: a timeout in init_process_group after run.timeout_s; its
+    corpus: "Connection closed by peer" in a barrier). Now every process stops at once, the refused
+    ones with their own error, the others naming the lowest refused rank, and what this machine
+    prepared is removed. Returns this machine's run directory."""
+    from .cli import user_errors
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    first, per_worker = rank - local_rank, cfg.topology.stages * cfg.topology.replicas
+    here = sorted({r // per_worker for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))})
+    refused, run = None, None
+    before = nearest_dir(Path(out))  # what a refusal elsewhere leaves: what this machine made for its run goes
+    entries = set(os.listdir(before)) if before == Path(out) else set()  # --out made beforehand: what it held
+    try:
+        check_own_keys(cfg, here)
+        if local_rank == 0:
+            run = prepare()
+    except user_errors() as e:
+        refused = e
+    init_distributed(cfg, rank, world, "env://")
+    lowest = torch.tensor([rank if refused is not None else world], dtype=torch.int64)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)  # (every rank is here after its machine's prepare: a barrier)
+    if int(lowest) < world:
+        dist.destroy_process_group()
+        if run is not None:  # prepared here, refused elsewhere: nothing is left of it
+            run.release()
+            if run.root == before:
+                for name in set(os.listdir(run.root)) - entries:
+                    if (run.root / name).is_dir():
+                        shutil.rmtree(run.root / name, ignore_errors=True)
+                    else:
+                        (run.root / name).unlink(missing_ok=True)
+            else:
+                shutil.rmtree(run.root, ignore_errors=True)
+                remove_dirs([d for d in run.root.parents if before in d.parents])
+        raise refused or RunDirError(f"rank {int(lowest)} (on its machine) refused to start, and said why there: "
+                                     "nothing was written")
+    return run or RunDir(out)
 
 
 def join_task(task: Task, run_dir: str, workers: list[int], quiet: bool = False) -> dict[int, int]:
@@ -433,7 +492,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     check_placement(cfg, placement)
     check_device(cfg)
     check_chain(cfg)
-    check_own_keys(cfg, placement.local if placement is not None else None, manifest["worker_keys"])
+    check_launch(cfg, placement, run.root, manifest["worker_keys"])
     other = check_torch(manifest, cfg, "resume it")
     if other is not None:
         print(f"veriloco: warning: {other}; the run has no exact replays to compare, so it goes on", file=sys.stderr)
@@ -603,48 +662,18 @@ def torchrun_main(argv: list[str]) -> None:
     if out is None:  # (a machine's other processes read their run directory's path from here: the default's
         # runs/<run id> is known to the first only once it has prepared the run)
         raise ConfigError("under torchrun, give --out DIR: the run directory every process of this machine shares")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    per_worker = cfg.topology.stages * cfg.topology.replicas
-    if world % per_worker:
-        raise ConfigError(f"torchrun started {world} processes, not a multiple of topology.stages x topology.replicas "
-                          f"({per_worker})")
-    cfg.topology.workers = world // per_worker
-    first = rank - int(os.environ.get("LOCAL_RANK", "0"))  # this machine's ranks: its workers' keys must be here
-    # Every machine's processes agree that all can start (their workers' keys; the run directory
-    # prepared, by each machine's local rank 0) before any goes on: a machine refused alone left
-    # the others to fail naming nothing, their run directories written (its keys: a timeout in
-    # init_process_group after run.timeout_s; its corpus: "Connection closed by peer" in a barrier).
-    from .cli import user_errors
+    rank, world, cfg = _torchrun_world(cfg)
+    prepared: list[CorpusTask] = []
 
-    refused, run, task = None, None, None
-    before = nearest_dir(Path(out))  # what a refusal elsewhere leaves: what this machine made for its run goes
-    entries = set(os.listdir(before)) if before == Path(out) else set()  # --out made beforehand: what it held
-    try:
-        check_own_keys(cfg, sorted({r // per_worker for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}))
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            run, task = prepare_run(cfg, out)
-    except user_errors() as e:
-        refused = e
-    init_distributed(cfg, rank, world, "env://")
-    lowest = torch.tensor([rank if refused is not None else world], dtype=torch.int64)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    if int(lowest) < world:
-        dist.destroy_process_group()
-        if run is not None:  # prepared here, refused elsewhere: nothing is left of it
-            run.release()
-            if run.root == before:
-                for name in set(os.listdir(run.root)) - entries:
-                    if (run.root / name).is_dir():
-                        shutil.rmtree(run.root / name, ignore_errors=True)
-                    else:
-                        (run.root / name).unlink(missing_ok=True)
-            else:
-                shutil.rmtree(run.root, ignore_errors=True)
-                remove_dirs([d for d in run.root.parents if before in d.parents])
-        raise refused or RunDirError(f"rank {int(lowest)} (on its machine) refused to start, and said why there: "
-                                     "nothing was written")
-    if task is None:
-        run = RunDir(out)
+    def prepare() -> RunDir:
+        run, task = prepare_run(cfg, out)
+        prepared.append(task)
+        return run
+
+    run = _torchrun_start(cfg, rank, world, out, prepare)
+    if prepared:
+        task = prepared[0]
+    else:  # another process of this machine prepared it
         manifest = run.read_manifest()
         task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest))
     try:
