@@ -17,7 +17,7 @@ that dies and stays away, so that every later quorum is formed without it.
 Per run: the wall time; the steady round, the median `round_s` over rounds 1.. (round 0 forms the
 first group and opens its connections); the median of the workers' inner-step seconds
 (`inner_s`: the compute a round is for) and of the exchange (`exchange_s`); the share of the round
-that is not inner steps (`protocol_share`); the eval loss and the params hashes, which must be
+that is not inner steps (`protocol_share`); the eval loss and the packets, which must be
 the same on both sides (the protocol changes when bytes move, never what they are).
 Needs root (network namespaces); says so and exits 0 without it. Prints a table and writes
 `{"old": REV or null, "latency", "bandwidth", "rows": [...], "summary": [...]}`.
@@ -58,7 +58,7 @@ def run_once(src: Path, args: argparse.Namespace, out: Path) -> dict:
     return {"wall_s": round(wall, 2), "round_s": round(round_s, 4), "inner_s": round(inner_s, 4),
             "exchange_s": round(statistics.median(statistics.median(r["exchange_s"]) for r in steady), 4),
             "protocol_share": round(1 - inner_s / round_s, 4), "rounds": len(recs),
-            "eval_loss": summary["eval_loss_end"], "params_hashes": [r["params_hash"] for r in recs]}
+            "eval_loss": summary["eval_loss_end"], "packets": [r["packets"] for r in recs]}
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ Per run, from its summary and records: `utilisation` (mean inner-step seconds / 
 comm.py's target is judged on), the wall, tokens/s, `straggler_s` (per round, the slowest worker's
 inner-step seconds minus the mean, summed: the most a worker can wait for the slowest if every
 round ends together), `wait_s` (the exchange waits, summed over rounds, mean over workers), the
-eval loss and every round's params hash, which must be the same in every run (what changes is
+eval loss and every round's packets, which must be the same in every run (what changes is
 when a worker waits, never what it computes). Prints per-run lines and a table of medians with
 new/old ratios; writes `{"old", "row", "overrides", "rows": [...], "summary": [...]}`.
 """
@@ -75,7 +75,7 @@ def run_once(src: Path, overrides: list[str], out: Path) -> dict:
         "utilisation": s["utilisation"], "wall_s": s["wall_s"], "tokens_per_s": s["tokens_per_s"],
         "straggler_s": round(sum(max(r["inner_s"]) - statistics.fmean(r["inner_s"]) for r in recs), 3),
         "wait_s": round(sum(statistics.fmean(r["wait_s"]) for r in recs), 3),
-        "eval_loss": s["eval_loss_end"], "params_hashes": [r["params_hash"] for r in recs],
+        "eval_loss": s["eval_loss_end"], "packets": [r["packets"] for r in recs],
     }
 
 

@@ -20,8 +20,8 @@ def test_a_short_eager_run_with_a_changing_straggler_reports_its_figures(tmp_pat
     assert "--adversary.1=red_team:SlowRounds:seconds=0.5,parity=1" in result["overrides"]
     # every round has a worker 0.5 s slow, counted in its inner steps: the straggler figure (per round,
     # the slowest minus the mean of 2: about 0.25 s, less what the other's steps took longer) shows it
-    assert row["straggler_s"] >= 3 * 0.15 and 0 < row["utilisation"] <= 1 and len(row["params_hashes"]) == 3
-    assert "| new |" in p.stdout and "params hashes identical across all runs" in p.stdout
+    assert row["straggler_s"] >= 3 * 0.15 and 0 < row["utilisation"] <= 1 and len(row["packets"]) == 3
+    assert "| new |" in p.stdout and "packets identical across all runs" in p.stdout
 
 
 def test_bad_arguments_exit_2():

@@ -153,8 +153,8 @@ def test_the_verification_it_plans_follows_the_sampling_and_the_screens():
 
 def test_the_trace_line_counts_the_state_hashes_and_says_when_nothing_compares_them(monkeypatch):
     """Each stage process hashes its whole inner state (params + AdamW moments) at a round's start
-    and every trace_every steps, between steps, on one core: on a GPU that is the host's sha256
-    rate against the GPU's steps. The plan prints the hashes, the bytes and their time at this
+    and every trace_every steps, between steps, on the host's CPU threads: on a GPU that is the
+    host's hash rate against the GPU's steps. The plan prints the hashes, the bytes and their time at this
     machine's rate (here fixed at 1 GB/s), and says when no replay compares them."""
     import veriloco.plan as plan_mod
 
@@ -164,7 +164,9 @@ def test_the_trace_line_counts_the_state_hashes_and_says_when_nothing_compares_t
     state = plan.stages[0].state_bytes
     text = format_plan(plan)
     assert "trace: 5 state hashes a round per stage process (params + AdamW moments, " in text
-    assert f"sha256 here at 1.00 GB/s: {5 * state / 1e9:.3f} s a round, {5 * state / 1e9 / 0.2:.1%} of the inner steps" in text
+    threads = plan_mod.hash_threads()
+    assert f"hashed between inner steps on {threads} CPU thread{'s' if threads > 1 else ''}; here at" in text
+    assert f"here at 1.00 GB/s: {5 * state / 1e9:.3f} s a round, {5 * state / 1e9 / 0.2:.1%} of the inner steps" in text
     assert "nothing compares them in this config (replay_probability = 0: no replays): --verify.trace_every=0" in text
     distance = format_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5", "--verify.replay_match=distance")))
     assert "nothing compares them in this config (distance replays compare deltas)" in distance

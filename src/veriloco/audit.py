@@ -60,7 +60,7 @@ from safetensors.torch import load as st_load
 
 from .config import Config, config_from_dict
 from .data import DataError
-from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
+from .hashing import canonical_json, json_hash, scheme_problem, sha256_hex, tensors_hash
 from .hf import transformers_version
 from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
@@ -313,6 +313,8 @@ class StoreSources(Sources):
             _fail("manifest: the manifest.json blob is not JSON")
         if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
             _fail("manifest: the manifest.json blob has no config")
+        if (problem := scheme_problem(manifest)) is not None:
+            _fail(f"manifest: {problem}")
         try:
             same = canonical_json({k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}) == core
         except ValueError:  # NaN or the like: not something a run wrote

@@ -830,8 +830,9 @@ def config_warnings(cfg: Config) -> list[str]:
     packets the codec was chosen to shrink.
 
     Distance replays with trace_every < H: nothing compares the trace, and each hash reads the whole
-    inner state on one CPU core between steps (sha256 at 1.8-1.9 GB/s here: a 303M-param GPT's
-    3.6 GB state takes about 1.9 s a hash, `veriloco plan`), which on a GPU can outweigh the steps.
+    inner state between steps (the tensor hash's leaves on the process's CPUs: 2.8 GB/s on this
+    2-core machine, so a 303M-param GPT's 3.6 GB state takes about 1.3 s a hash, `python
+    bench/tensor_hash.py`), which on a GPU can outweigh the steps.
 
     Two workers with an attacker or a robust aggregator: the screen's norm and cosine checks need a
     robust centre, which needs 3 workers (an honest majority), and are skipped with 2; the robust
@@ -854,7 +855,7 @@ def config_warnings(cfg: Config) -> list[str]:
     if t.mode == "diloco" and v.replay_match == "distance" and v.trace_every and v.trace_every < t.inner_steps:
         out.append(f"verify.replay_match = 'distance' compares deltas, not trace hashes, yet each worker still hashes "
                    f"its whole inner state (params + AdamW moments, 3x the model) {1 + t.inner_steps // v.trace_every} "
-                   f"times a round on one CPU core (trace_every = {v.trace_every}); --verify.trace_every=0 hashes it "
+                   f"times a round between steps (trace_every = {v.trace_every}); --verify.trace_every=0 hashes it "
                    "twice (veriloco plan prints the time)")
     if t.mode == "diloco" and t.inner_state == "reset" and not t.round_warmup_steps:
         out.append("train.inner_state = 'reset' without train.round_warmup_steps cost 6.6% eval loss on the make run "

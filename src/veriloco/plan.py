@@ -17,16 +17,18 @@ utilisation to expect with delay 0, and the adaptive codec's byte budget.
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .compress import build_codecs
 from .compress.controller import round_budget_bytes
 from .config import Config, load_config
+from .hashing import hash_threads, tensors_hash
 from .inner import Replicas
 from .link import Link
 from .model import build_meta
@@ -251,13 +253,13 @@ def verify_plan(plan: Plan) -> VerifyPlan:
     return VerifyPlan(W * p, steps, fetched, max(st.state_bytes for st in plan.stages), kept, gain)
 
 
-def hash_rate(nbytes: int = 32 << 20) -> float:
-    """This machine's sha256 rate on one core, bytes per second (the best of three hashes of
-    `nbytes`): what every trace hash runs at (hashing.tensors_hash, one stream)."""
-    data, best = bytes(nbytes), math.inf
+def hash_rate(nbytes: int = 64 << 20) -> float:
+    """This machine's `tensors_hash` rate, bytes per second (the best of three hashes of a
+    `nbytes` tensor, its leaves on `hash_threads()` threads): what every trace hash runs at."""
+    data, best = {"x": torch.zeros(nbytes, dtype=torch.uint8)}, math.inf
     for _ in range(3):
         t = time.perf_counter()
-        hashlib.sha256(data).digest()
+        tensors_hash(data)
         best = min(best, time.perf_counter() - t)
     return nbytes / best
 
@@ -271,17 +273,18 @@ def traces_compared(cfg: Config) -> bool:
 
 def _trace_lines(plan: Plan) -> list[str]:
     """The trace's hashing: each stage process hashes its whole inner state (params + AdamW
-    moments) at the round's start and every trace_every steps, between steps, on one CPU core."""
+    moments) at the round's start and every trace_every steps, between steps, on `hash_threads()`
+    CPU threads."""
     cfg, H = plan.cfg, plan.cfg.train.inner_steps
     hashes = 1 + H // (cfg.verify.trace_every or H)
     state = max(st.state_bytes for st in plan.stages)
-    rate = hash_rate()
+    rate, threads = hash_rate(), hash_threads()
     seconds = hashes * state / rate
     share = f", {seconds / (H * plan.step_s):.1%} of the inner steps" if plan.step_s else ""
     device = " (from GPU memory: a copy to the host first, not counted)" if cfg.run.device == "cuda" else ""
     out = [f"trace: {hashes} state hashes a round per stage process (params + AdamW moments, {_mb(state)} each: "
-           f"{_mb(hashes * state)} hashed between inner steps on one CPU core{device}; sha256 here at "
-           f"{rate / 1e9:.2f} GB/s: {seconds:.3f} s a round{share})"]
+           f"{_mb(hashes * state)} hashed between inner steps on {threads} CPU thread{'s' if threads > 1 else ''}{device}; "
+           f"here at {rate / 1e9:.2f} GB/s: {seconds:.3f} s a round{share})"]
     if not traces_compared(cfg) and hashes > 2:
         why = ("distance replays compare deltas" if cfg.verify.replay_match == "distance"
                else "replay_probability = 0: no replays")

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .hashing import canonical_json, json_hash
+from .hashing import canonical_json, json_hash, scheme_problem
 from .store import atomic_write
 
 if TYPE_CHECKING:
@@ -253,6 +253,8 @@ class RunDir:
             raise RunDirError(f"{self.manifest_path} is not valid JSON: {e}") from None
         if not isinstance(manifest, dict) or "config" not in manifest:
             raise RunDirError(f"{self.manifest_path} has no config")
+        if (problem := scheme_problem(manifest)) is not None:
+            raise RunDirError(f"{self.manifest_path}: {problem}")
         return manifest
 
     # -- records ------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from . import __version__
 from .config import Config, ConfigError, config_from_dict, load_config
 from .data import prepare_corpus
-from .hashing import canonical_json, json_hash, sha256_hex
+from .hashing import TENSOR_HASH, canonical_json, json_hash, sha256_hex
 from .hf import transformers_version
 from .model import build_meta, build_model
 from .procs import Terminated, die_with_parent, start_workers, warm
@@ -137,6 +137,7 @@ def prepare_run(cfg: Config, out: str | None) -> tuple[RunDir, CorpusTask]:
                 "model_init_hash": init_hash,
                 "initial_params": g0.close(),
                 "code_version": __version__,
+                "tensor_hash": TENSOR_HASH,  # how every params, trace and aggregate hash of the run is computed
                 "torch_version": torch.__version__,  # exact replays compare bits: one torch for the run (check_torch)
                 "worker_keys": admitted_keys(cfg),
             }
@@ -345,7 +346,7 @@ def write_task_manifest(run: RunDir, task: Task, cfg: Config) -> None:
     task's name; no corpus: the batches are the task's), into a directory that holds no run."""
     if run.has_records():  # its rounds would be appended to another run's (and its manifest replaced)
         raise RunDirError(f"{run.root} already holds a run; train into another directory")
-    manifest = {"config": cfg.to_dict(), "code_version": __version__, "torch_version": torch.__version__,
+    manifest = {"config": cfg.to_dict(), "code_version": __version__, "tensor_hash": TENSOR_HASH, "torch_version": torch.__version__,
                 "worker_keys": admitted_keys(cfg), "task": getattr(task.make_model, "__qualname__", repr(task.make_model))}
     manifest["run_id"] = json_hash(manifest)
     run.write_manifest(manifest)
