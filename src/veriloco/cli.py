@@ -329,11 +329,13 @@ def prove(run: str = typer.Argument(..., help="run directory"), round: int = typ
 @app.command()
 def report(run: str = typer.Argument(..., help="run directory")) -> None:
     """Write RUN/report.html: one self-contained page (plots embedded) of what the run did."""
+    from .records import RunDirError
     from .report import write_report
 
-    if not (Path(run) / "manifest.json").is_file():
-        fail(f"{run} is not a run directory: no manifest.json")
-    typer.echo(str(write_report(run)))
+    try:
+        typer.echo(str(write_report(run)))
+    except RunDirError as e:  # no manifest, or not one a run wrote
+        fail(str(e))
 
 
 @app.command()
