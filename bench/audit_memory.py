@@ -11,6 +11,11 @@ blobs never change), and resumes to the longer. Each of the two runs is then aud
 (from `git archive REV src` on PYTHONPATH) and with the working tree, each in a fresh
 interpreter; every audit must pass. Prints each audit's peak resident memory (`ru_maxrss`) and
 seconds; the memory added per round is the slope between the two lengths.
+
+An audit checks a run's tensor hashes the way the run made them (the manifest's `tensor_hash`),
+so where `--old` hashes tensors another way (a revision before the sha256 tree, 37f07f7), the
+old side audits the same two runs trained by itself: the same config, so the same rounds, only
+hashed its way.
 """
 
 from __future__ import annotations
@@ -44,6 +49,30 @@ def veriloco(src: Path, *argv: str, path: tuple[Path, ...] = ()) -> tuple[subpro
     return done, seconds, rss[-1] / 1024 if rss else float("nan")
 
 
+TREE = 'TENSOR_HASH = "sha256-tree/1MiB"'  # the scheme's line in hashing.py
+
+
+def train_both(src: Path, config: str, lengths: list[int], overrides: list[str], into: Path) -> dict[int, Path]:
+    """The run of the longer length trained with the package at `src`, stopped after the shorter
+    and copied there (hard links: blobs never change; the rest is written in place), then resumed
+    to the longer: {length: run directory}."""
+    into.mkdir()
+    runs = {n: into / f"run-{n}" for n in lengths}
+    for argv in (["train", config, "--out", str(runs[lengths[1]]), "--quiet", f"--stop-after={lengths[0]}",
+                  f"--train.rounds={lengths[1]}", *[f"--{o}" for o in overrides]],
+                 ["train", "--resume", str(runs[lengths[1]]), "--quiet"]):
+        done, train_s, _ = veriloco(src, *argv)
+        if done.returncode != 0:
+            raise SystemExit(f"audit_memory: the run failed: {(done.stderr.strip().splitlines() or ['?'])[-2:]}")
+        if argv[1] != "--resume":
+            short, long = runs[lengths[0]], runs[lengths[1]]
+            short.mkdir()
+            for item in long.iterdir():
+                subprocess.run(["cp", "-al" if item.name == "store" else "-a", str(item), str(short)], check=True)
+        print(f"trained in {train_s:.0f} s ({src})", flush=True)
+    return runs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", default="3cd58e7", help="git revision of the old side (default: before the audit kept only two rounds)")
@@ -61,23 +90,14 @@ def main() -> int:
     overrides = SIZE + EXTRA + args.set
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {n: Path(tmp) / f"run-{n}" for n in lengths}
-        for argv in (["train", args.config, "--out", str(runs[lengths[1]]), "--quiet", f"--stop-after={lengths[0]}",
-                      f"--train.rounds={lengths[1]}", *[f"--{o}" for o in overrides]],
-                     ["train", "--resume", str(runs[lengths[1]]), "--quiet"]):
-            done, train_s, _ = veriloco(ROOT / "src", *argv)
-            if done.returncode != 0:
-                raise SystemExit(f"audit_memory: the run failed: {(done.stderr.strip().splitlines() or ['?'])[-2:]}")
-            if argv[1] != "--resume":  # the shorter run: a copy of the run as it stopped (blobs never change:
-                short, long = runs[lengths[0]], runs[lengths[1]]  # hard links; the rest is written in place)
-                short.mkdir()
-                for item in long.iterdir():
-                    subprocess.run(["cp", "-al" if item.name == "store" else "-a", str(item), str(short)], check=True)
-            print(f"trained in {train_s:.0f} s", flush=True)
         (Path(tmp) / "old").mkdir()
         sides = {"old": source_of(args.old, Path(tmp) / "old"), "new": ROOT / "src"}
-        for n, copy in runs.items():
+        same_hash = TREE in (sides["old"] / "veriloco" / "hashing.py").read_text()
+        trained = {side: train_both(src, args.config, lengths, overrides, Path(tmp) / f"runs-{side}")
+                   for side, src in sides.items() if side == "new" or not same_hash}
+        for n in lengths:
             for side, src in sides.items():
+                copy = trained[side if side in trained else "new"][n]
                 audit, seconds, rss = veriloco(src, "audit", str(copy))
                 if audit.returncode != 0:
                     raise SystemExit(f"audit_memory: the {side} audit of {n} rounds failed: "
@@ -89,7 +109,7 @@ def main() -> int:
     slope = {side: (fig[side, b]["peak_rss_mb"] - fig[side, a]["peak_rss_mb"]) / (b - a) for side in sides}
     print(f"\npeak memory added per round of the run: old {slope['old']:.1f} MB, new {slope['new']:.1f} MB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"old": args.old, "overrides": overrides, "rows": rows,
+    Path(args.out).write_text(json.dumps({"old": args.old, "old_trained_its_own": not same_hash, "overrides": overrides, "rows": rows,
                                           "mb_per_round": slope}, indent=1) + "\n")
     return 0
 
