@@ -103,7 +103,14 @@ def _signalled_run(run: Path, send, **popen) -> tuple[int, list[str]]:
     return p.returncode, [ln for ln in err.splitlines() if ln.strip()]
 
 
-def _nothing_runs_on_and_it_resumes_to_the_whole_run(run: Path, tmp_path: Path, before_s: float, watch_s: float) -> None:
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> str:
+    """The final params hash of the uninterrupted run of ARGS (trained once for the tests below)."""
+    _, whole = train(tiny(*ARGS), str(tmp_path_factory.mktemp("whole") / "run"), quiet=True)
+    return whole["final_params_hash"]
+
+
+def _nothing_runs_on_and_it_resumes_to_the_whole_run(run: Path, whole_hash: str, before_s: float, watch_s: float) -> None:
     """After `before_s`, no round is recorded during `watch_s`; the resume ends at the whole run's params."""
     time.sleep(before_s)
     done = len(rounds_of(run))
@@ -111,11 +118,10 @@ def _nothing_runs_on_and_it_resumes_to_the_whole_run(run: Path, tmp_path: Path, 
     time.sleep(watch_s)
     assert len(rounds_of(run)) == done  # no worker runs on
     _, resumed = resume(str(run), quiet=True)
-    _, whole = train(tiny(*ARGS), str(tmp_path / "whole"), quiet=True)
-    assert resumed["complete"] and resumed["final_params_hash"] == whole["final_params_hash"]
+    assert resumed["complete"] and resumed["final_params_hash"] == whole_hash
 
 
-def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninterrupted_one(tmp_path):
+def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninterrupted_one(tmp_path, whole_run):
     """SIGINT to the terminal's whole process group, as Ctrl-C sends it, once a round is recorded:
     the launcher ends its workers and exits 130 with one line naming the resume. Before, each worker
     printed a KeyboardInterrupt from wherever it landed and the launcher nothing. Nothing writes to
@@ -128,11 +134,11 @@ def test_ctrl_c_ends_every_process_in_one_line_and_the_run_resumes_to_the_uninte
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert code == 130, err
     assert err == [f"veriloco: interrupted; continue with `veriloco train --resume {run}`"], err
-    _nothing_runs_on_and_it_resumes_to_the_whole_run(run, tmp_path, 0.0, 1.0)
+    _nothing_runs_on_and_it_resumes_to_the_whole_run(run, whole_run, 0.0, 1.0)
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_a_launcher_killed_alone_takes_its_workers_with_it(tmp_path, sig):
+def test_a_launcher_killed_alone_takes_its_workers_with_it(tmp_path, sig, whole_run):
     """A signal to the launcher alone, as a scheduler preempting a job sends SIGTERM (and later
     SIGKILL): the workers trained on without it, into the run directory (by hand: 94 rounds
     recorded between 3 s and 6 s after SIGTERM), and a resume started then raced them (its audit failed: a ledger entry with no
@@ -150,4 +156,4 @@ def test_a_launcher_killed_alone_takes_its_workers_with_it(tmp_path, sig):
     else:
         assert code == -signal.SIGKILL
     # the workers' watch threads see the launcher's end within a scheduling tick
-    _nothing_runs_on_and_it_resumes_to_the_whole_run(run, tmp_path, 1.0, 1.5)
+    _nothing_runs_on_and_it_resumes_to_the_whole_run(run, whole_run, 1.0, 1.5)
