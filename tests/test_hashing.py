@@ -123,3 +123,25 @@ def test_a_run_of_another_scheme_is_refused(tmp_path, monkeypatch, capsys) -> No
     (run / "manifest.json").write_text("{")
     code, err, _ = cli(monkeypatch, capsys, "report", str(run))  # it was a traceback
     assert code == 2 and len(err) == 1 and "manifest.json is not valid JSON" in err[0], err
+
+
+def test_the_hashers_fit_a_containers_cpu_quota(tmp_path, monkeypatch) -> None:
+    from veriloco.hashing import cpu_quota
+
+    assert cpu_quota(tmp_path) is None  # no cgroup files: no quota
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(tmp_path) is None
+    (tmp_path / "cpu.max").write_text("250000 100000\n")  # v2: 2.5 CPUs
+    assert cpu_quota(tmp_path) == 3
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1 without a quota
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota(tmp_path) is None
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")  # half a CPU: still one thread
+    assert cpu_quota(tmp_path) == 1
+    monkeypatch.setattr(hashing.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(hashing, "cpu_quota", lambda: 4)
+    assert hashing.hash_threads() == 4
+    monkeypatch.setattr(hashing, "cpu_quota", lambda: None)
+    assert hashing.hash_threads() == hashing.MAX_THREADS

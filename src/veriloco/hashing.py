@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +34,28 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def hash_threads() -> int:
-    """The leaf hashers' pool size: the CPUs this process may run on, at most MAX_THREADS."""
-    return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """The leaf hashers' pool size: the CPUs this process may run on (its affinity, and its
+    cgroup's CPU quota in a container), at most MAX_THREADS."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cpus, cpu_quota() or cpus))
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The CPUs the cgroup's CFS quota allows (rounded up), or None without one: a container
+    limited to 4 CPUs on a 64-core host sees 64 in its affinity, and 16 busy hashers would spend
+    its quota early in each period, then stall every thread of it, the training's too, until the
+    next. cgroup v2 (`cpu.max`), else v1 (`cpu/cpu.cfs_quota_us`), as a container sees its own."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return max(1, math.ceil(quota_us / period_us)) if quota_us > 0 and period_us > 0 else None
 
 
 def _leaf_pool() -> ThreadPoolExecutor:
