@@ -145,3 +145,28 @@ def test_the_hashers_fit_a_containers_cpu_quota(tmp_path, monkeypatch) -> None:
     assert hashing.hash_threads() == 4
     monkeypatch.setattr(hashing, "cpu_quota", lambda: None)
     assert hashing.hash_threads() == hashing.MAX_THREADS
+
+
+def test_blobs_in_threads_keep_their_order_and_the_first_failure() -> None:
+    import threading
+    import time as _time
+
+    from veriloco.hashing import alongside, in_threads
+
+    def slow_square(x: int) -> int:
+        _time.sleep(0.02 * (5 - x))  # the last items finish first
+        if x in (2, 4):
+            raise ValueError(f"item {x}")
+        return x * x
+
+    assert in_threads(lambda x: x * x, range(5)) == [0, 1, 4, 9, 16]
+    with pytest.raises(ValueError, match="item 2"):  # the first in order, not the first to fail
+        in_threads(slow_square, range(5))
+    caller = threading.get_ident()
+    assert alongside(threading.get_ident, threading.get_ident)[0] == caller
+    assert alongside(threading.get_ident, threading.get_ident)[1] != caller
+    boom = lambda: (_ for _ in ()).throw(RuntimeError("side"))  # noqa: E731
+    with pytest.raises(RuntimeError, match="side"):
+        alongside(lambda: 1, boom)
+    with pytest.raises(ValueError, match="item 2"):  # the caller's failure is the one told
+        alongside(lambda: slow_square(2), boom)

@@ -51,6 +51,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -60,13 +61,22 @@ from safetensors.torch import load as st_load
 
 from .config import Config, config_from_dict
 from .data import DataError
-from .hashing import canonical_json, json_hash, scheme_problem, sha256_hex, tensors_hash
+from .hashing import (
+    alongside,
+    canonical_json,
+    in_threads,
+    json_hash,
+    scheme_problem,
+    sha256_hex,
+    tensors_hash,
+)
 from .hf import transformers_version
 from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
 from .link import Link
 from .model import build_meta, build_model, model_from
 from .outer import OuterOptimizer
+from .packet import PacketError, decode_bundle
 from .pipeline import EmulatedPipeline
 from .records import RunDir, RunDirError, pruned, users_task
 from .round import (
@@ -624,14 +634,14 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config
         if cfg.verify.replay_probability > 0:
             replays_left = _replays(cfg, task, r, checks, slices, recorded, parts, replays_left, counts, wheres,
                                     (schedule.before(r), schedule.total(r)), stored_states)
-        results = [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
-                   for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres,
-                                                                   strict=True)]
-        for where, (_, digest, _) in zip(wheres, claims, strict=True):  # each slice's checkpoint is stored
-            try:  # unless [run] keep_checkpoints has pruned it: its digest was recomputed all the same
-                store.verify(digest)
+        # the stored checkpoints are read and hashed on a thread while the outer step and the
+        # recomputed checkpoint's digest run here (a failure of the recomputation is the one told)
+        results, stored_errors = alongside(partial(_finish_slices, cfg, slices, checks, r, parts, recorded, claims,
+                                                   wheres, counts), partial(_stored, store, claims))
+        for where, (_, digest, _), e in zip(wheres, claims, stored_errors, strict=True):
+            if e is None:  # unless [run] keep_checkpoints has pruned it: its digest was recomputed all the same
                 counts["checkpoints_stored"] += 1
-            except StoreError as e:
+            else:
                 # a run in progress prunes on: a checkpoint [run] keep_checkpoints lets go may be gone by now
                 ahead = loaded.live is not None and cfg.run.keep_checkpoints
                 if not ((ahead or pruned(cfg.run.keep_checkpoints, len(records), r)) and not store.has(digest)):
@@ -737,6 +747,24 @@ class _Redone(NamedTuple):
     aggregate_hash: str | None
 
 
+def _finish_slices(cfg, slices: list, checks: list, r: int, parts: list, recorded: list, claims: list, wheres: list,
+                   counts: dict) -> list:
+    return [_finish_slice(cfg, sl, check, r, part, mine, claim, where, counts)
+            for sl, check, part, mine, claim, where in zip(slices, checks, parts, recorded, claims, wheres, strict=True)]
+
+
+def _stored(store: Any, claims: list[tuple]) -> list[StoreError | None]:
+    """For each slice's claimed checkpoint: None when it is stored and its bytes hash to its name."""
+    out: list[StoreError | None] = []
+    for _, digest, _ in claims:
+        try:
+            store.verify(digest)
+            out.append(None)
+        except StoreError as e:
+            out.append(e)
+    return out
+
+
 class _Checked(NamedTuple):
     """One slice's round after its bundles were checked (before replays)."""
 
@@ -752,15 +780,23 @@ def _check_slice(
     """Check round r's bundles for one slice (`part`: its record, the whole record when there is
     one stage) as that slice's processes did: signatures, commitments, data, screen, loss gains.
     `where` starts every failure message ("round r: " or "round r: stage s: ")."""
-    bundles: dict[int, bytes] = {}  # worker -> its bundle; a worker absent or late (elastic) has none
-    digests: dict[int, str] = {}  # what store.get checked each one against
-    for j, digest in enumerate(part.get("bundles") or []):
-        if digest is None and part.get("verdicts", [None] * (j + 1))[j] in (ABSENT, LATE):
-            continue
+    # worker -> its bundle's digest (what store.get checks it against); a worker absent or late (elastic) has none
+    digests = {j: digest for j, digest in enumerate(part.get("bundles") or [])
+               if not (digest is None and part.get("verdicts", [None] * (j + 1))[j] in (ABSENT, LATE))}
+
+    def fetch(j: int) -> tuple[bytes, str | None]:  # a bundle read and hashed, and its packet hashed, on a thread
         try:
-            bundles[j], digests[j] = store.get(digest, max_bytes=cfg.run.max_packet_bytes + (1 << 20)), digest
+            data = store.get(digests[j], max_bytes=cfg.run.max_packet_bytes + (1 << 20))
         except StoreError as e:
             _fail(f"{where}bundle of worker {j}: {e}")
+        try:
+            return data, sha256_hex(decode_bundle(data, view=True)[1])
+        except PacketError:  # check_bundles says what is wrong with it
+            return data, None
+
+    fetched = dict(zip(digests, in_threads(fetch, digests), strict=True))
+    bundles = {j: data for j, (data, _) in fetched.items()}
+    packet_hashes = {j: h for j, (_, h) in fetched.items() if h is not None}
     present = [c for c in recorded if c["verdict"] not in (ABSENT, LATE)]
     if sorted(bundles) != sorted(c["worker"] for c in present):
         _fail(f"{where}bundles are stored for workers {sorted(bundles)}, the entry has commitments of "
@@ -774,6 +810,7 @@ def _check_slice(
         shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
         equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned, bundle_hashes=digests,
+        packet_hashes_known=packet_hashes,
     )
     return _Checked(check, base, set(bundles))
 

@@ -18,10 +18,10 @@ import json
 import math
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ INLINE = 256 << 10  # a leaf of a tensor this small is hashed in the caller's th
 MAX_THREADS = 16  # more threads than this outrun the memory's bandwidth before they outrun sha256
 PENDING = 256 << 20  # bytes TensorsHasher lets the pool hold before it waits: a writer holds one tensor at a time
 _pool: ThreadPoolExecutor | None = None
+T, R = TypeVar("T"), TypeVar("R")
 
 
 def hash_threads() -> int:
@@ -66,8 +67,45 @@ def _leaf_pool() -> ThreadPoolExecutor:
 
 
 def _forget_pool() -> None:  # a forked child has none of its parent's threads
-    global _pool
-    _pool = None
+    global _pool, _task_pool
+    _pool = _task_pool = None
+
+
+_task_pool: ThreadPoolExecutor | None = None
+
+
+def in_threads(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """[fn(x) for x in items], the calls spread over `hash_threads()` threads: for independent
+    reads and hashes of whole blobs (file reads and sha256 let go of the GIL). The first call to
+    raise, in the items' order, raises here. `fn` must not wait on this pool (nor the leaves':
+    a tensors_hash inside it is fine, the leaves have a pool of their own)."""
+    items = list(items)
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    futures = [_tasks().submit(fn, x) for x in items]
+    return [f.result() for f in futures]
+
+
+def alongside(fn: Callable[[], R], side: Callable[[], T]) -> tuple[R, T]:
+    """(fn(), side()), `side` on a thread of the pool while `fn` runs in the caller's thread, so
+    that the model-sized work stays on the caller's thread: an audit at 43M params whose outer
+    step and checkpoint digest ran on a pool thread peaked 340-660 MB higher (bench/audit_memory.py;
+    glibc's per-thread malloc arenas are the likely cause, not verified). `fn`'s exception is the
+    one raised when both fail."""
+    future = _tasks().submit(side)
+    try:
+        out = fn()
+    except BaseException:
+        future.cancel() or future.exception()  # not left running past the failure
+        raise
+    return out, future.result()
+
+
+def _tasks() -> ThreadPoolExecutor:
+    global _task_pool
+    if _task_pool is None:
+        _task_pool = ThreadPoolExecutor(hash_threads(), thread_name_prefix="veriloco-blobs")
+    return _task_pool
 
 
 if hasattr(os, "register_at_fork"):
