@@ -9,7 +9,10 @@
 # then, in one device call that carries .gpu-wheels:
 #
 #   python3 -m pip install --no-index --find-links .gpu-wheels cryptography &&
-#   PYTHONPATH=src python3 bench/gpu.py --engine --out $OUT/gpu.json
+#   PYTHONPATH=src python3 bench/gpu.py --engine --out $OUT/gpu.json &&
+#   python3 bench/tensor_hash.py --out $OUT/tensor_hash.json
+#
+# (the last: the tree hash on the GPU host's cores against one sha256 stream, host memory only)
 set -eu
 dest=${1:-.gpu-wheels}
 python3 -m pip download --dest "$dest" --only-binary=:all: --no-deps --python-version 3.12 \
