@@ -112,6 +112,7 @@ def test_a_run_of_another_scheme_is_refused(tmp_path, monkeypatch, capsys) -> No
     assert code == 0, err
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["tensor_hash"] == TENSOR_HASH
+    assert f"<th>tensor hash</th><td><code>{TENSOR_HASH}</code>" in (run / "report.html").read_text()
     del manifest["tensor_hash"]  # as the veriloco before it wrote them
     (run / "manifest.json").write_text(json.dumps(manifest))
     for args in (("audit", str(run)), ("train", "--resume", str(run)), ("plan", str(run))):
@@ -120,6 +121,7 @@ def test_a_run_of_another_scheme_is_refused(tmp_path, monkeypatch, capsys) -> No
         assert "one sha256 stream a dict" in err[0] and repr(TENSOR_HASH) in err[0], err
     code, err, out = cli(monkeypatch, capsys, "report", str(run))  # the report checks no hash: it shows the run
     assert code == 0 and out.strip().endswith("report.html"), err
+    assert "<th>tensor hash</th><td><code>one sha256 stream a dict</code>" in (run / "report.html").read_text()
     (run / "manifest.json").write_text("{")
     code, err, _ = cli(monkeypatch, capsys, "report", str(run))  # it was a traceback
     assert code == 2 and len(err) == 1 and "manifest.json is not valid JSON" in err[0], err

@@ -809,6 +809,8 @@ def header(v: RunView) -> str:
         ("transformers version", v.manifest.get("transformers_version")),
         ("final params hash" if v.summary is not None else "latest params hash", s.get("final_params_hash") or (v.rounds[-1].get("params_hash") if v.rounds else None)),
         ("code version", v.manifest.get("code_version")),
+        # how its params, trace and aggregate hashes are computed (a run made before the tree: one stream a dict)
+        ("tensor hash", _clip(str(v.manifest.get("tensor_hash") or "one sha256 stream a dict"), 64)),
         ("run directory", str(v.root)),
     ]
     kv = "".join(f"<tr><th>{label}</th><td><code>{e(_clip(str(val), 200))}</code></td></tr>"
