@@ -84,7 +84,7 @@ from .compress.controller import UNLIMITED_BYTES, suggest_inner_steps
 from .config import Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
-from .hashing import canonical_json, json_hash, sha256_hex, tensors_hash
+from .hashing import alongside, canonical_json, json_hash, sha256_hex, tensors_hash
 from .inner import InnerLoop, Landing, Replicas, Spent, run_steps, shift_params
 from .ledger import Ledger, SqliteLedger
 from .ledger.entry import ZERO_HASH, entry_bytes, make_entry
@@ -1264,20 +1264,25 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
 
     # 6. record: checkpoint, private state, agreement check, eval, one line per round
     ckpt = {f"param/{k}": v for k, v in G.items()} | w.outer.state_tensors()
-    # store.put(st_save(ckpt, ...)), streamed, by one process of the stage per store (checkpoint_writer), before
-    # the agreement below, so the blob is there before any record names it; the recorder's worker hashes it only
-    if w.writes_checkpoints:
-        ckpt_digest = put_tensors(w.store, ckpt, {"round": str(r)}, fresh=w.sole_writer)
-    else:
-        ckpt_digest = tensors_digest(ckpt, {"round": str(r)}) if w.worker == 0 else None
-    params_hash = w.outer.params_hash()
     state_dir = w.run.worker_dir(w.rank)
     state_dir.mkdir(parents=True, exist_ok=True)
     # what a resume at round r+1 starts from: as round r+1 began (delay 1: before its inner steps, which
     # have run by now; at the run's end none has), and which round each worker's newest delta is from
     state = w.start_states.pop(r + 1, None) or private_state(w, copy=False)  # written before they move
-    write_tensors_file(state_dir / f"state-{r}.safetensors", state,
-                       {"history": json.dumps({str(j): x for j, x in sorted(w.history_rounds.items())})})
+    history = json.dumps({str(j): x for j, x in sorted(w.history_rounds.items())})
+
+    def checkpoint() -> str | None:
+        # store.put(st_save(ckpt, ...)), streamed, by one process of the stage per store (checkpoint_writer),
+        # before the agreement below, so the blob is there before any record names it; the recorder's
+        # worker hashes it only
+        if w.writes_checkpoints:
+            return put_tensors(w.store, ckpt, {"round": str(r)}, fresh=w.sole_writer)
+        return tensors_digest(ckpt, {"round": str(r)}) if w.worker == 0 else None
+
+    # the private state is written (and synced) on a thread while the checkpoint is hashed and written here
+    ckpt_digest, _ = alongside(checkpoint, lambda: write_tensors_file(state_dir / f"state-{r}.safetensors", state,
+                                                                      {"history": history}))
+    params_hash = w.outer.params_hash()
     stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
     if stale.exists():
         stale.unlink()
