@@ -149,6 +149,20 @@ def test_records_replaced_and_ref_repointed(original, remote):
     assert msg.startswith("round 1: rounds.jsonl verdicts differ"), msg
 
 
+def test_a_published_run_of_another_tensor_hash_is_refused_by_name(original, remote):
+    """A store holding a run whose manifest hashes tensors another way (as the veriloco before the
+    tree did): the audit says so, not that a params hash differs."""
+    store = FsspecStore(remote)
+    run_id = run_id_of(original)
+    manifest = json.loads((original / "manifest.json").read_text())
+    del manifest["tensor_hash"]
+    signed = json.loads(store.get_ref(run_ref(run_id)))
+    signed["manifest"]["files"]["manifest.json"] = store.put(json.dumps(manifest).encode())
+    store.put_ref(run_ref(run_id), json.dumps(signed).encode())
+    msg = failure(original, remote)
+    assert msg.startswith("manifest: made by veriloco") and "one sha256 stream a dict" in msg, msg
+
+
 def test_signed_manifest_ref_tampered_or_missing(original, remote):
     store = FsspecStore(remote)
     ref = run_ref(run_id_of(original))
