@@ -1103,11 +1103,10 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False, task: Ta
     if not workers or any(not 0 <= j < W for j in workers) or len(set(workers)) != len(workers):
         raise ConfigError(f"--workers must name distinct workers of 0..{W - 1}, got {workers}")
     from .procs import warm
-    from .run import check_device, check_own_keys, check_torch
+    from .run import check_device, check_launch, check_torch
 
     check_device(cfg)
-    check_own_keys(cfg, workers, manifest["worker_keys"])
-    check_commit_lock(run.root)
+    check_launch(cfg, Placement(local=tuple(workers)), run.root, manifest["worker_keys"])
     for j in workers:  # running already (a second join of them, or the launcher's own): refused before anything starts
         os.close(hold_worker(run.root, j))
     other = check_torch(manifest, cfg, "join it")  # the launcher's machine prepared the manifest

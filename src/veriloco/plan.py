@@ -247,7 +247,9 @@ def verify_plan(plan: Plan) -> VerifyPlan:
         steps, fetched = float(k), (n - 1) / n
     kept = 0
     if p > 0 and v.replay_match == "exact" and v.replay_extent == "state":
-        kept = (1 + H // (v.trace_every or H)) * (2 if cfg.outer.delay else 1)
+        from .round import trace_entries
+
+        kept = trace_entries(cfg) * (2 if cfg.outer.delay else 1)
     checkers = v.loss_gain_checkers if v.loss_gain_action == "audit" and p > 0 else 0
     gain = W * (checkers or W) * 2 * v.loss_gain_batches  # every packet: 2 forwards a batch on each of its checkers
     return VerifyPlan(W * p, steps, fetched, max(st.state_bytes for st in plan.stages), kept, gain)
@@ -275,8 +277,10 @@ def _trace_lines(plan: Plan) -> list[str]:
     """The trace's hashing: each stage process hashes its whole inner state (params + AdamW
     moments) at the round's start and every trace_every steps, between steps, on `hash_threads()`
     CPU threads."""
+    from .round import trace_entries
+
     cfg, H = plan.cfg, plan.cfg.train.inner_steps
-    hashes = 1 + H // (cfg.verify.trace_every or H)
+    hashes = trace_entries(cfg)
     state = max(st.state_bytes for st in plan.stages)
     rate, threads = hash_rate(), hash_threads()
     seconds = hashes * state / rate

@@ -91,7 +91,7 @@ def check_own_keys(cfg: Config, workers: Iterable[int] | None, admitted: dict[st
 
 
 def check_launch(cfg: Config, placement, out: str | Path | None, admitted: dict[str, str] | None = None) -> None:
-    """What this machine needs before a launcher (train, train_task, resume) writes anything: the
+    """What this machine needs before a launcher (train, train_task, resume) or a joiner writes anything: the
     private keys of the workers it starts (`check_own_keys`; `admitted`: a resumed run's manifest
     keys), and for an elastic run a file system that takes locks where the run is or will be
     (`elastic.check_commit_lock`)."""
