@@ -89,9 +89,9 @@ def in_threads(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
 def alongside(fn: Callable[[], R], side: Callable[[], T]) -> tuple[R, T]:
     """(fn(), side()), `side` on a thread of the pool while `fn` runs in the caller's thread, so
     that the model-sized work stays on the caller's thread: an audit at 43M params whose outer
-    step and checkpoint digest ran on a pool thread peaked 340-660 MB higher (bench/audit_memory.py;
-    glibc's per-thread malloc arenas are the likely cause, not verified). `fn`'s exception is the
-    one raised when both fail."""
+    step and checkpoint digest ran on a pool thread peaked 340-660 MB higher (bench/audit_memory.py
+    on an uncommitted version; glibc's per-thread malloc arenas are the likely cause, not
+    verified). `fn`'s exception is the one raised when both fail."""
     future = _tasks().submit(side)
     try:
         out = fn()
