@@ -204,3 +204,17 @@ def test_the_mean_a_chunk_at_a_time_is_the_stacked_mean(dtype, monkeypatch):
         rows, template = agg.stack(xs)
         want = agg.unflatten(agg._mean_rows(rows), template)
         assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in want), workers
+
+
+@pytest.mark.parametrize("method", ["mean", "median", "trimmed_mean", "centered_clip", "geometric_median"])
+def test_finite_float64_deltas_too_large_for_float64_sums_are_refused(method):
+    """A finite 1e200 would overflow a norm's squares (geometric median: NaN; centered clipping:
+    the attacker dropped, not clipped): refused by name, like a non-finite delta."""
+    f64 = [torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([1.1, 0.9], dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"deltas \[2\] have values above .* would overflow"):
+        aggregate([*f64, torch.tensor([1e200, 0.0], dtype=torch.float64)], method)
+    ok = aggregate([*f64, torch.tensor([1e140, 0.0], dtype=torch.float64)], method)
+    assert bool(torch.isfinite(ok).all())
+    # float32's largest values are far inside the bound
+    big = torch.tensor([3e38, 0.0])
+    assert bool(torch.isfinite(aggregate([big, big.neg(), big], method)).all())

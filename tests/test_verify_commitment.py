@@ -338,3 +338,34 @@ def test_different_rounds_are_not_equivocation():
     assert det.observe(sign_commitment(make(0, round=4, losses=[1.0]), KEYS[0])) is None
     det.forget_before(4)
     assert det.observe(sign_commitment(make(0, round=4, losses=[1.0]), KEYS[0])) is None
+
+
+def test_equivocation_proven_by_a_later_bundle_rejects_the_earlier_sender():
+    """Worker 1's second signed commitment rides in worker 2's bundle: worker 1, checked first,
+    is still refused (EQUIVOCATION), as when worker 2 equivocates and worker 1 carries it."""
+    from veriloco.compress import build_codecs
+    from veriloco.packet import encode_bundle, packet_codecs
+    from veriloco.verify.check import check_bundles, hex_root
+
+    shapes = {"a": (8,)}
+
+    def signed(w: int, losses: tuple[float, ...]) -> tuple[bytes, bytes]:
+        delta = {"a": torch.randn(8, generator=torch.Generator().manual_seed(w))}
+        packet = encode_packet(delta, build_codecs("fp32", shapes))
+        c = make(w, round=1, trace=[sha256_hex(b"s")], trace_root=hex_root([sha256_hex(b"s")]), losses=list(losses),
+                 packet_hash=sha256_hex(packet), packet_bytes=len(packet), codec=packet_codecs(packet)["a"])
+        return canonical_json(sign_commitment(c, KEYS[w])), packet
+
+    for equivocator, carrier in ((2, 1), (1, 2)):
+        bundles = {}
+        for w in range(3):
+            s, p = signed(w, (2.5,))
+            extras = (signed(equivocator, (2.0,))[0],) if w == carrier else ()
+            bundles[w] = encode_bundle(s, p, extras)
+        check = check_bundles(
+            bundles, run_id=RUN, round=1, base_hash=BASE, admitted_keys=ADMITTED, shapes=shapes,
+            max_packet_bytes=1 << 20, batch_root_of=lambda w: sha256_hex(b"batches %d" % w),
+            equivocation=EquivocationDetector(ADMITTED))
+        assert check.verdicts == {w: EQUIVOCATION if w == equivocator else "accept" for w in range(3)}
+        assert set(check.decoded) == {0, carrier}
+        assert check.evidence[equivocator]["worker"] == equivocator

@@ -595,7 +595,17 @@ def _checked_parts(items: list[Delta]) -> list[list[torch.Tensor]]:
     bad = [i for i, p in enumerate(parts) if not all(all_finite(t) for t in p)]
     if bad:
         raise ValueError(f"deltas {bad[:8]} have non-finite values")
+    # float64 values can be finite and still overflow the float64 sums (a norm's squares, a mean's adds):
+    # below _MAGNITUDE / sqrt(d) a norm and a difference stay far from it. float32 and narrower never get near
+    limit = _MAGNITUDE / math.sqrt(max(1, sum(t.numel() for t in parts[0])))
+    huge = [i for i, p in enumerate(parts)
+            if any(t.numel() and t.dtype == torch.float64 and float(t.abs().max()) > limit for t in p)]
+    if huge:
+        raise ValueError(f"deltas {huge[:8]} have values above {limit:.3g}, whose float64 sums would overflow")
     return parts
+
+
+_MAGNITUDE = 1e150  # the largest float64 norm the aggregators take (sqrt of float64's max is 1.3e154)
 
 
 def _assemble(items: list[Delta], out: list[torch.Tensor]) -> Delta:

@@ -171,17 +171,25 @@ def check_bundles(
         if reason is None and trace_entries is not None and len(c.trace) != trace_entries:
             # fewer state hashes than the round has segments: it did not do (or admit) the work
             reason, evidence[w] = MALFORMED, {"trace_entries": len(c.trace), "expected": trace_entries}
+        # a second signed commitment for this round is evidence, whichever bundle carries it: gossip about a
+        # sender checked earlier is settled after the loop
+        for other in gossip:
+            equivocation.observe(other)
         if reason is None:
-            for other in [signed, *gossip]:  # a second signed commitment for this round is evidence
-                proof = equivocation.observe(other)
-                if proof is not None and proof["worker"] == w:
-                    reason, evidence[w] = EQUIVOCATION, proof
+            proof = equivocation.observe(signed)
+            if proof is not None:
+                reason, evidence[w] = EQUIVOCATION, proof
         if reason is None:
             try:
                 decoded[w] = decode_packet(packet, shapes, max_packet_bytes)
             except PacketError as e:
                 reason, evidence[w] = MALFORMED, {"error": str(e)[:200]}
         verdicts[w] = reason or ACCEPT
+    for w in list(decoded):  # proven by a bundle checked after its own
+        proof = equivocation.observe(commitments[w])
+        if proof is not None:
+            verdicts[w], evidence[w] = EQUIVOCATION, proof
+            del decoded[w]
     return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded)
 
 
