@@ -25,7 +25,7 @@ from veriloco.compress import (
     suggest_inner_steps,
 )
 from veriloco.compress.topk import decode_indices, encode_indices, index_code
-from veriloco.packet import PacketError, decode_packet, encode_packet
+from veriloco.packet import PacketError, decode_packet, encode_packet, header_limit, packet_codecs
 
 SPECS = [
     "fp32",
@@ -401,6 +401,60 @@ def test_a_packet_that_decodes_to_a_non_finite_value_is_refused(spec: str, bad: 
     with pytest.raises(PacketError, match="tensor w decodes to non-finite values"):
         decode_packet(forged, shapes, max_bytes=1 << 20)
     assert decode_packet(data, shapes, max_bytes=1 << 20).keys() == {"a", "w"}
+
+
+def _raw_packet(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+def test_structured_hostile_headers_are_packet_errors() -> None:
+    """JSON that parses to a RecursionError or a bare ValueError, zero-sized parts with dims past
+    int64, and headers far larger than the model's: each a PacketError (a MALFORMED verdict),
+    never another exception that would stop the receiving worker."""
+    shapes = {"a.weight": (8, 16), "b.bias": (16,)}
+    good = encode_packet({k: torch.randn(v) for k, v in shapes.items()}, build_codecs("fp32", shapes))
+    n = int.from_bytes(good[:8], "little")
+    header, body = json.loads(good[8 : 8 + n]), good[8 + n :]
+    meta = header["__metadata__"]["veriloco.packet"]
+    cases = {
+        "nested metadata": {**header, "__metadata__": {"veriloco.packet": "[" * 5000 + "]" * 5000}},
+        "a 5000-digit int in the metadata": {**header, "__metadata__": {"veriloco.packet": meta[:-1] + ',"x":' + "9" * 5000 + "}"}},
+        "a zero-sized part with a dim of 2**63": {**header, "a.weight/z": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}},
+        "dims whose strides overflow": {**header, "a.weight/z": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}},
+        "65 dims": {**header, "a.weight/z": {"dtype": "F32", "shape": [0] + [1] * 64, "data_offsets": [0, 0]}},
+    }
+    for label, h in cases.items():
+        with pytest.raises(PacketError):
+            decode_packet(_raw_packet(h, body), shapes, max_bytes=1 << 20)
+        if "metadata" in label:
+            with pytest.raises(PacketError):  # check_packet's read of the codecs (commitment.py)
+                packet_codecs(_raw_packet(h, body))
+    deep = b'{"__metadata__":{},"x":' + b"[" * 3000 + b"]" * 3000 + b"}"
+    deep += b" " * (-len(deep) % 8)
+    with pytest.raises(PacketError, match="not JSON"):
+        packet_codecs(len(deep).to_bytes(8, "little") + deep)
+    # a header of 1 MiB for a two-tensor model is refused before it is parsed
+    padded = _raw_packet({**header, "pad": "x" * (1 << 20)}, body)
+    assert header_limit(shapes) < 1 << 20
+    with pytest.raises(PacketError, match=r"packet header is \d+ bytes, over the limit of"):
+        decode_packet(padded, shapes, max_bytes=1 << 22)
+    with pytest.raises(PacketError, match="over the limit"):
+        packet_codecs(padded, header_limit(shapes))
+    assert decode_packet(good, shapes, max_bytes=1 << 20).keys() == set(shapes)
+
+
+@pytest.mark.parametrize("spec", ["int8:block=64", "topk:bits=8,density=1.0"])
+def test_int8_codes_of_fp32_max_decode_finite(spec: str) -> None:
+    """absmax / 127 rounds up at fp32's largest value, so 127 codes of it overflowed to inf: a
+    packet every receiver (and the sender's own decode) refuses. Now within the stated bound."""
+    fmax = torch.finfo(torch.float32).max
+    x = torch.tensor([fmax, -fmax, 1.0])
+    codec = codec_from_spec(spec)
+    y = codec.decode(codec.encode("w", x), (3,))
+    assert bool(torch.isfinite(y).all())
+    assert float((y - x.double()).abs().max()) <= fmax / 254
 
 
 # ---------------------------------------------------------------- error feedback

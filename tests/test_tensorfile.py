@@ -79,9 +79,15 @@ def test_a_file_is_read_by_header_then_tensor_by_tensor(tmp_path):
                   {"dtype": "U16", "shape": [8], "data_offsets": [0, 16]},  # a dtype it does not read
                   {"dtype": "F32", "shape": [2, -2], "data_offsets": [0, 16]},
                   {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]},
-                  {"dtype": "F32", "shape": [4], "data_offsets": [0]}):
+                  {"dtype": "F32", "shape": [4], "data_offsets": [0]},
+                  {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]},  # zero bytes, yet no torch.empty
+                  {"dtype": "F32", "shape": [0] + [1] * 65, "data_offsets": [0, 0]}):
         with pytest.raises(ValueError, match="tensor 'w' is malformed"):
             bad({"w": entry})
+    with pytest.raises(ValueError, match="its header is not JSON"):  # a RecursionError in json
+        raw = b'{"w":' + b"[" * 100000 + b"]" * 100000 + b"}"
+        path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+        TensorFile(path, "t")
 
 
 def test_a_staged_blob_is_adopted_whole_or_left_nowhere(tmp_path):

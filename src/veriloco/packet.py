@@ -76,7 +76,7 @@ def _meta(data: bytes | memoryview, header: dict | None = None) -> dict:
     raw = (header or _header(data))["__metadata__"].get("veriloco.packet")
     try:
         meta = json.loads(raw) if isinstance(raw, str) else None
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an int past Python's 4300 digits; nested past the stack
         meta = None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise PacketError(f"packet metadata is not veriloco packet format {FORMAT}")
@@ -98,16 +98,28 @@ def _unique(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def _header(data: bytes | memoryview) -> dict:
+MAX_HEADER = 16 << 20  # bytes of a packet's header at most, whatever the model (decode_packet caps it by the model)
+
+
+def header_limit(shapes: dict[str, tuple[int, ...]]) -> int:
+    """The most header bytes a packet for a model of `shapes` may have: generous for any codec's
+    parts (an honest header is 300-400 bytes a tensor), so that a peer cannot make the receiver
+    parse a 16 MiB header (about 25x that in Python objects) for a small model."""
+    return min(MAX_HEADER, (64 << 10) + sum(4096 + 16 * len(k) for k in shapes))
+
+
+def _header(data: bytes | memoryview, limit: int = MAX_HEADER) -> dict:
     if len(data) < 8:
         raise PacketError(f"packet of {len(data)} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8 or n > 16 << 20:
+    if n > len(data) - 8:
         raise PacketError(f"packet header claims {n} bytes, packet has {len(data) - 8}")
+    if n > limit:
+        raise PacketError(f"packet header is {n} bytes, over the limit of {limit}")
     try:
         header = json.loads(bytes(data[8 : 8 + n]), object_pairs_hook=_unique)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PacketError(f"packet header is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, a 5000-digit int; deep nesting
+        raise PacketError(f"packet header is not JSON: {str(e)[:100]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise PacketError("packet header has no __metadata__")
     return header
@@ -147,9 +159,10 @@ def _parts(data: bytes | memoryview, header: dict) -> tuple[dict[str, torch.Tens
     return out, range(first, first + len(data))
 
 
-def packet_codecs(data: bytes | memoryview) -> dict[str, str]:
-    """{param: codec spec} of a packet, read from its header without decoding tensors."""
-    return _meta(data)["codecs"]
+def packet_codecs(data: bytes | memoryview, max_header: int = MAX_HEADER) -> dict[str, str]:
+    """{param: codec spec} of a packet, read from its header (of at most `max_header` bytes:
+    `header_limit`) without decoding tensors."""
+    return _meta(data, _header(data, max_header))["codecs"]
 
 
 def decode_packet(
@@ -165,7 +178,7 @@ def decode_packet(
         raise PacketError("packet is not bytes")
     if len(data) > max_bytes:
         raise PacketError(f"packet is {len(data)} bytes, over the limit of {max_bytes}")
-    header = _header(data)
+    header = _header(data, header_limit(expected_shapes))
     meta = _meta(data, header)
     codecs, shapes = meta["codecs"], meta["shapes"]
     want = {k: list(v) for k, v in expected_shapes.items()}

@@ -34,18 +34,34 @@ DTYPES = {**FLOATS, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2
           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER = 64 << 20  # bytes; larger is not a file veriloco reads (the format caps it at 100 MB)
+MAX_DIMS = 64  # a tensor's dimensions at most; more is no tensor veriloco writes (and the product's cost grows)
+MAX_ELEMENTS = 1 << 60  # elements of one tensor at most, a zero-sized one's other dims included: torch.empty's limit
 
 Layout = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]  # name -> (dtype, shape)
 
 
+def _elements(shape: object) -> int | None:
+    """The element count of a header's shape, or None unless it is a list of at most MAX_DIMS
+    non-negative ints (not bools) whose non-zero ones multiply to at most MAX_ELEMENTS: a zero-sized
+    tensor with a dimension of 2**63 passes a byte count and then fails torch.empty."""
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int and d >= 0 for d in shape):
+        return None
+    n = 1
+    for d in shape:
+        n *= d or 1
+        if n > MAX_ELEMENTS:
+            return None
+    return 0 if 0 in shape else n
+
+
 def header_entry(entry: object, dtypes: Mapping[str, torch.dtype] = DTYPES) -> tuple[torch.dtype, list[int], int, int] | None:
     """(dtype, shape, begin, end) of one tensor's entry in a safetensors header, or None if it is
-    malformed: an unknown dtype, a shape that is not a list of non-negative ints, offsets that are
-    not two ints, or a byte count that is not the shape's (end < begin among them)."""
+    malformed: an unknown dtype, a shape that is not a list of non-negative ints (`_elements`), offsets
+    that are not two ints, or a byte count that is not the shape's (end < begin among them)."""
     try:
         dtype, shape, (begin, end) = dtypes[entry["dtype"]], entry["shape"], entry["data_offsets"]  # type: ignore[index]
-        ok = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)  # not bools
-              and type(begin) is int and type(end) is int and end - begin == math.prod(shape) * dtype.itemsize)
+        n = _elements(shape)
+        ok = n is not None and type(begin) is int and type(end) is int and end - begin == n * dtype.itemsize
     except (KeyError, TypeError, ValueError):
         return None
     return (dtype, shape, begin, end) if ok else None
@@ -64,7 +80,7 @@ class TensorFile(Mapping[str, torch.Tensor]):
                 raise ValueError(f"{label} is not a safetensors file: its header length is {n}")
             try:
                 header = json.loads(f.read(n))
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError, a 5000-digit int; deep nesting
                 raise ValueError(f"{label} is not a safetensors file: its header is not JSON") from None
         if not isinstance(header, dict):
             raise ValueError(f"{label} is not a safetensors file: its header is not an object")

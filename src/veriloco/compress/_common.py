@@ -52,3 +52,10 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 def unpack_bits(data: torch.Tensor, n: int) -> torch.Tensor:
     """The first `n` bits of uint8 `data` as a bool vector (inverse of `pack_bits`)."""
     return ((data.reshape(-1, 1) >> _BIT_SHIFTS) & 1).reshape(-1)[:n].bool()
+
+
+def below_overflow(scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """`scales`, each one ulp lower where `levels * scale` rounds past fp32's largest value (an
+    absmax within an ulp of it): its top code would decode to inf, which every receiver refuses."""
+    over = torch.isinf(scales * levels)
+    return torch.where(over, torch.nextafter(scales, torch.zeros_like(scales)), scales) if over.any() else scales

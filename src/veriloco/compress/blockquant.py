@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..codecspec import MAX_BLOCK
-from ._common import exact_parts, flat_fp32
+from ._common import below_overflow, exact_parts, flat_fp32
 from .base import Codec, CodecError, expect_part, numel_of, register_codec
 
 
@@ -47,7 +47,7 @@ class _BlockQuantCodec(Codec):
         padded = torch.zeros(nb * b, dtype=torch.float32)
         padded[:n] = x
         blocks = padded.reshape(nb, b)
-        scales = blocks.abs().amax(dim=1) / self.levels
+        scales = below_overflow(blocks.abs().amax(dim=1) / self.levels, self.levels)
         # A block of zeros has scale 0; divide by 1 there so its codes are 0, not NaN.
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(blocks / safe[:, None]).clamp_(-self.levels, self.levels)

@@ -27,6 +27,7 @@ import math
 import torch
 
 from ._common import (
+    below_overflow,
     exact_parts,
     flat_fp32,
     pack_bits,
@@ -133,7 +134,7 @@ class TopKCodec(Codec):
         if self.bits == 16:
             parts["v"] = values.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
         else:
-            scale = values.abs().max() / 127
+            scale = below_overflow(values.abs().max() / 127, 127)
             safe = scale if scale > 0 else torch.ones(())
             parts["v"] = torch.round(values / safe).clamp_(-127, 127).to(torch.int8)
             parts["s"] = scale.reshape(1)

@@ -30,7 +30,7 @@ import torch
 
 from ..hashing import sha256_hex
 from ..ledger.merkle import root as merkle_root
-from ..packet import PacketError, decode_bundle, decode_packet
+from ..packet import PacketError, decode_bundle, decode_packet, header_limit
 from . import (
     ACCEPT,
     BANNED,
@@ -163,7 +163,7 @@ def check_bundles(
         reason = check_commitment(signed, admitted_keys, run_id=run_id, round=round, base_hash=base_hash)
         if reason is None and c.worker != w:
             reason = KEY_MISMATCH
-        reason = reason or check_packet(signed, packet, packet_hashes[w])
+        reason = reason or check_packet(signed, packet, packet_hashes[w], header_limit(shapes))
         if reason is None and c.batch_root != batch_root_of(w):
             reason, evidence[w] = WRONG_DATA, {"committed": c.batch_root, "assigned": batch_root_of(w)}
         if reason is None and (not c.trace or c.trace_root != hex_root(list(c.trace))):

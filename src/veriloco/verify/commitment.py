@@ -33,7 +33,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ..hashing import canonical_json, sha256_hex
-from ..packet import PacketError, packet_codecs
+from ..packet import MAX_HEADER, PacketError, packet_codecs
 from . import (
     BAD_SIGNATURE,
     EQUIVOCATION,
@@ -353,17 +353,18 @@ def check_commitment(
 
 
 def check_packet(signed: SignedCommitment | Mapping[str, Any], packet: bytes | memoryview,
-                 packet_hash: str | None = None) -> str | None:
+                 packet_hash: str | None = None, max_header: int = MAX_HEADER) -> str | None:
     """None if `packet` is the one the commitment names (size, sha256, codec per parameter),
     else MALFORMED. Tensors are not decoded here (packet.decode_packet does that).
-    `packet_hash`: sha256_hex(packet), where the caller has just computed it."""
+    `packet_hash`: sha256_hex(packet), where the caller has just computed it. `max_header`: the
+    most header bytes read (packet.header_limit of the model)."""
     c = _as_signed(signed).commitment
     if not isinstance(packet, (bytes, bytearray, memoryview)):
         return MALFORMED
     if len(packet) != c.packet_bytes or (packet_hash or sha256_hex(packet)) != c.packet_hash:
         return MALFORMED
     try:
-        codecs = packet_codecs(packet)
+        codecs = packet_codecs(packet, max_header)
     except PacketError:
         return MALFORMED
     if isinstance(c.codec, str):
