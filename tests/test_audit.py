@@ -408,6 +408,59 @@ def test_signed_checkpoint_manifest_checked(run):
     assert "checkpoint.sig.json is missing" in failure(run)
 
 
+@pytest.mark.parametrize("unsigned", ["summary deleted", "summary incomplete", "a lock of pid 1"])
+def test_edited_records_cannot_switch_the_signature_check_off(run, unsigned):
+    """rounds.jsonl's fields the ledger does not hold (train_loss, evidence, bytes...) are bound
+    only by the recorder's signature, which the audit checked only where summary.json (unsigned)
+    said complete and RUN/.lock named no live pid: an edited record went through with either
+    changed. The signature is now checked wherever the records are complete or it is present."""
+    recs = rounds_of(run)
+    recs[1]["train_loss"] = [0.1 for _ in recs[1]["train_loss"]]
+    write_records(run, recs)
+    if unsigned == "summary deleted":
+        (run / "summary.json").unlink()
+    elif unsigned == "summary incomplete":
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, "complete": False}))
+    else:
+        (run / ".lock").write_text("1")  # pid 1 is alive, but holds no lock on the file
+    msg = failure(run)
+    assert msg.startswith("signed checkpoint manifest: ") and "rounds.jsonl" in msg, msg
+
+
+def test_a_run_stopped_before_its_signature_is_signed_by_resume(run, monkeypatch, capsys):
+    """A launcher stopped between the last record and its last act (the signature) left a run the
+    audit now refuses (complete, unsigned); `veriloco train --resume` signs it. A run stopped
+    earlier audits ok, and the line says its records are not signed."""
+    from conftest import cli
+
+    (run / "checkpoint.sig.json").unlink()
+    (run / "summary.json").unlink()
+    assert "checkpoint.sig.json is missing" in failure(run)
+    code, err, out = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 0, err
+    report = audit_run(run)
+    assert report.ok and report.signed, report.first_failure
+    assert json.loads((run / "summary.json").read_text())["complete"] is True
+    code, err, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 2 and err == [f"veriloco: error: {run} is already complete ({ROUNDS}/{ROUNDS} rounds)"]
+    # the first two rounds of it, as a run stopped there (--stop-after 2) leaves them
+    short = run.parent / "short"
+    shutil.copytree(run, short)
+    for name in ("checkpoint.sig.json", "summary.json"):
+        (short / name).unlink()
+    write_records(short, rounds_of(short)[:2])
+    with sql(short) as con:
+        con.execute("DELETE FROM entries WHERE idx >= 2")
+        con.execute("DELETE FROM roots WHERE size > 2")
+    report = audit_run(short)
+    assert report.ok and not report.signed, report.first_failure
+    code, _, out = cli(monkeypatch, capsys, "audit", str(short))
+    assert code == 0 and out.strip().endswith(
+        f"(not signed: 2 of {ROUNDS} rounds recorded, so the recorder's signed checkpoint manifest, which a "
+        "complete run writes, does not cover the records' other fields)"), out
+
+
 @pytest.mark.parametrize("mode", [False, True])
 def test_the_audit_leaves_the_process_as_it_found_it(run, mode):
     """Its thread count and torch's deterministic-algorithms setting are restored (and not set

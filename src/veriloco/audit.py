@@ -166,12 +166,15 @@ class AuditReport:
     seconds: float = 0.0
     source: str = ""
     in_progress: int | None = None  # the pid of the launcher still training the run: its rounds so far were audited
+    signed: bool = False  # the recorder's signed checkpoint manifest was checked (a complete run's records)
+    planned_rounds: int | None = None  # the config's train.rounds
     trained_torch: str | None = None  # the torch version the run's manifest names (None before it named one)
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "rounds": self.rounds, "checked": self.checked,
                 "first_failure": self.first_failure, "ledger_root": self.ledger_root,
-                "seconds": round(self.seconds, 3), "source": self.source, "in_progress": self.in_progress}
+                "seconds": round(self.seconds, 3), "source": self.source, "in_progress": self.in_progress,
+                "signed": self.signed, "planned_rounds": self.planned_rounds}
 
 
 def _fail(msg: str) -> None:
@@ -668,12 +671,17 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config
             _fail(f"round {r}: the stages' aggregates do not combine to the entry's aggregate hash")
     report.rounds = len(records)
 
-    # 5. the signed checkpoint manifest of a complete run (recorder = worker 0)
-    if loaded.complete:
-        problem = check_signed(loaded.signed, admitted[0], records[-1]["checkpoint"], src.read)
+    # 5. the signed checkpoint manifest of a complete run (recorder = worker 0). Complete by the records' count
+    # (the config's rounds; the ledger holds as many), and checked wherever it is present, not by summary.json's
+    # word: that file is not signed, and deleting it must not let an edited rounds.jsonl through
+    report.planned_rounds = cfg.train.rounds
+    if loaded.live is None and (loaded.complete or loaded.signed is not None or len(records) >= cfg.train.rounds):
+        problem = check_signed(loaded.signed, admitted[0], records[-1]["checkpoint"], src.read,
+                               run_id=manifest["run_id"], round=len(records) - 1)
         if problem:
             _fail(f"signed checkpoint manifest: {problem}")
         counts["signed_manifest"] = 1
+        report.signed = True
 
 
 def _step_schedule(cfg, records: list[dict]) -> StepSchedule:

@@ -289,7 +289,10 @@ def audit(
             f"{c.get('corpus_chunks', 0)} "
             f"corpus chunks, in {report.seconds:.1f}s"
             + (f" (a run in progress, pid {report.in_progress}{on}: its rounds recorded so far)"
-               if report.in_progress is not None else "")
+               if report.in_progress is not None else
+               "" if report.signed else
+               f" (not signed: {report.rounds} of {report.planned_rounds} rounds recorded, so the recorder's signed "
+               "checkpoint manifest, which a complete run writes, does not cover the records' other fields)")
         )
         return
     typer.echo(f"audit FAILED: {report.first_failure}", err=True)

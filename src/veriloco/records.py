@@ -201,7 +201,8 @@ class RunDir:
         is gone. A pid of another machine (a shared run directory) cannot be asked after here: the
         file's lock is tried instead (shared, without waiting, and let go at once), which a live
         holder's refuses. Before, that pid was looked up among this machine's processes: a run
-        training on machine A was no run in progress to `veriloco audit` on machine B."""
+        training on machine A was no run in progress to `veriloco audit` on machine B. On its own
+        machine too the file must be locked (a live pid alone can be any process's)."""
         try:
             text = self.lock_path.read_text(encoding="ascii", errors="replace").strip()
         except OSError:
@@ -217,7 +218,9 @@ class RunDir:
             return None
         except PermissionError:  # alive, another user's
             pass
-        return pid
+        # a live pid alone is not a holder: a lock file a killed launcher left may name a pid reused since, and
+        # one written by hand may name any (pid 1 is always alive), which made `veriloco audit` skip the signature
+        return pid if _locked_elsewhere(self.lock_path) else None
 
     def holder_host(self) -> str | None:
         """The machine named in RUN/.lock when it is not this one (a run directory shared between

@@ -510,7 +510,7 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
     records = run.rounds()
     done = len(records)
     if done >= cfg.train.rounds:
-        raise RunDirError(f"{run.root} is already complete ({done}/{cfg.train.rounds} rounds)")
+        return run, _sign_recorded(run, cfg, records)
     if done:
         check_carried(records[-1], cfg.topology.workers, f"{run.rounds_path} round {done - 1}")
     processes = cfg.topology.workers * cfg.topology.stages if cfg.run.membership == "static" and done else 0
@@ -536,6 +536,27 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
     if task is None:
         task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
     return run, launch(cfg, task, run, done, quiet, stop_after, None, placement)
+
+
+def _sign_recorded(run: RunDir, cfg: Config, records: list[dict]) -> dict:
+    """The summary of a run whose every round is recorded: RunDirError when it is signed already;
+    else its launcher stopped after the last record and before its last act (`_finish`), which
+    this does now, so that `veriloco audit` finds the signed checkpoint manifest a complete run has."""
+    from .elastic import summarize
+    from .round import open_ledger
+    from .signing import FILE
+
+    if (run.root / FILE).is_file():
+        raise RunDirError(f"{run.root} is already complete ({len(records)}/{cfg.train.rounds} rounds)")
+    if cfg.ledger.backend == "sqlite":
+        check_ledger(run, records)
+    summary = summarize(cfg, records, records[0].get("eval_loss_start"), sum(p["round_s"] for p in records))
+    summary |= {"membership": cfg.run.membership, "stages": cfg.topology.stages}
+    if cfg.ledger.backend != "none":
+        with open_ledger(cfg, run) as ledger:
+            summary["ledger_root"], summary["ledger_head"] = ledger.root(), ledger.head_hash()
+    _finish(run, cfg, summary)
+    return summary
 
 
 def check_torch(manifest: dict, cfg: Config, what: str) -> str | None:

@@ -67,11 +67,13 @@ def signed_files(data: bytes) -> dict[str, str]:
 
 
 def check_signed(
-    data: bytes | None, recorder_key: str, checkpoint: str, read: Callable[[str, str], bytes | None]
+    data: bytes | None, recorder_key: str, checkpoint: str, read: Callable[[str, str], bytes | None],
+    run_id: str | None = None, round: int | None = None,
 ) -> str | None:
-    """None when the signed manifest `data` is signed by `recorder_key`, names `checkpoint`, and
-    every file it lists, as `read(name, digest)` returns it, hashes to its digest; otherwise what
-    is wrong, in one line. `read` returns None for a file it cannot find."""
+    """None when the signed manifest `data` is signed by `recorder_key`, names `checkpoint` (and
+    `run_id` and the last `round`, where given), lists manifest.json and rounds.jsonl, and every
+    file it lists, as `read(name, digest)` returns it, hashes to its digest; otherwise what is
+    wrong, in one line. `read` returns None for a file it cannot find."""
     if data is None:
         return f"{FILE} is missing"
     try:
@@ -85,6 +87,13 @@ def check_signed(
         return f"{FILE}: the signature is not the recorder's"
     if checkpoint not in files.values():
         return f"{FILE} does not name the final checkpoint {checkpoint[:16]}"
+    if run_id is not None and body.get("run_id") != run_id:
+        return f"{FILE} is signed for run {str(body.get('run_id'))[:16]}, not {run_id[:16]}"
+    if round is not None and body.get("round") != round:
+        return f"{FILE} is signed for round {str(body.get('round'))[:12]}, the records end at round {round}"
+    missing = [name for name in ("manifest.json", "rounds.jsonl") if name not in files]
+    if missing:
+        return f"{FILE} does not list {missing[0]}"
     for name, digest in files.items():
         got = read(name, digest) if isinstance(name, str) and isinstance(digest, str) else None
         if got is None or sha256_hex(got) != digest:
