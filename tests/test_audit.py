@@ -250,6 +250,35 @@ def test_manifest_edited_and_run_id_recomputed(run):
     assert "another run" in msg
 
 
+def _rehashed_manifest(run: Path, edit: Callable[[dict], None]) -> None:
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    manifest["run_id"] = json_hash({k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")})
+    path.write_bytes(canonical_json(manifest) + b"\n")
+
+
+@pytest.mark.parametrize("what", ["bundles an int", "threads a string", "config a list", "no corpus_root"])
+def test_malformed_fields_fail_in_one_line_not_a_traceback(run, what):
+    """Each of these stopped `veriloco audit` with a traceback (TypeError, ValueError,
+    AttributeError, KeyError) before the check that would have named it."""
+    if what == "bundles an int":
+        recs = rounds_of(run)
+        recs[1]["bundles"] = 5
+        write_records(run, recs)
+        want = "round 1: the record's bundles are not a list of 2 digests (or nulls): 5"
+    elif what == "threads a string":
+        _rehashed_manifest(run, lambda m: m["config"]["train"].update(threads="x"))
+        want = "manifest: config does not parse"
+    elif what == "config a list":
+        _rehashed_manifest(run, lambda m: m.update(config=[1]))
+        want = "manifest: its config is not an object"
+    else:
+        _rehashed_manifest(run, lambda m: m.pop("corpus_root"))
+        want = "corpus: Merkle root "
+    assert failure(run).startswith(want)
+
+
 def test_records_checkpoint_replaced(run):
     recs = rounds_of(run)
     recs[1]["checkpoint"] = recs[0]["checkpoint"]
@@ -339,6 +368,45 @@ def test_forged_signature_ledger_not_updated(run):
     _forge_signature(run, 1, 1)
     msg = failure(run)
     assert msg.startswith("round 1: worker 1"), msg
+
+
+def test_a_static_runs_rejected_worker_cannot_be_recorded_absent(run):
+    """Worker 1's signed commitment, bundle and verdict replaced by "absent" in a rebuilt ledger
+    and the records (and its bundle gone from the store): a static run never leaves a worker out,
+    so the round fails, where it audited ok (the entry held no commitment to contradict)."""
+    recs = rounds_of(run)
+    blob(run, recs[1]["bundles"][1]).unlink()
+
+    def edit(i: int, e: dict) -> None:
+        if i == 1:
+            e["predicate"]["commitments"][1] = {"worker": 1, "verdict": "absent", "signed": None, "bundle_sha256": None}
+    forge_ledger(run, edit)
+    recs = rounds_of(run)
+    recs[1]["verdicts"][1], recs[1]["bundles"][1] = "absent", None
+    write_records(run, recs)
+    msg = failure(run)
+    assert msg == ("round 1: worker 1 is recorded as absent without a bundle, which only an elastic run records "
+                   "(a static run stops when a worker is missing)"), msg
+
+
+@pytest.mark.parametrize("worker", [None, "1", 0])
+def test_a_ledger_commitment_must_name_its_worker_once(run, worker, monkeypatch):
+    """A commitment without its worker, or naming one as a string, or a worker twice: the audit
+    stopped with a traceback (KeyError, TypeError); now the ledger's entry check refuses it."""
+    monkeypatch.setattr("veriloco.ledger.base.parse_entry", json.loads)  # the forger's own writer checks nothing
+
+    def edit(i: int, e: dict) -> None:
+        if i == 1:
+            c = e["predicate"]["commitments"][1]
+            if worker is None:
+                del c["worker"]
+            else:
+                c["worker"] = worker
+    forge_ledger(run, edit)
+    monkeypatch.undo()
+    msg = failure(run)
+    want = "is a second one of worker 0" if worker == 0 else "must name its worker (and stage) as integers >= 0"
+    assert msg.startswith("round 1: ledger entry: ") and want in msg, msg
 
 
 def test_forged_ledger_alone_is_consistent_chain_but_fails_recompute(run):

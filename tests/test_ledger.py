@@ -249,6 +249,11 @@ def test_entry_is_an_in_toto_statement() -> None:
         ("commitments", [{"verdict": ""}], "commitment 0 verdict must be"),
         ("commitments", [{"verdict": {"reason": 3}}], "commitment 0 verdict must be"),
         ("commitments", {"0": {}}, "commitments must be a list"),
+        ("commitments", [{"verdict": "accept"}], "commitment 0 must name its worker"),
+        ("commitments", [{"verdict": "accept", "worker": "0"}], "commitment 0 must name its worker"),
+        ("commitments", [{"verdict": "accept", "worker": 0, "stage": -1}], "commitment 0 must name its worker"),
+        ("commitments", [{"verdict": "accept", "worker": 0}, {"verdict": "accept", "worker": 0}],
+         "commitment 1 is a second one of worker 0"),
     ],
 )
 def test_make_entry_rejects_bad_fields(field: str, value: Any, reason: str) -> None:

@@ -430,6 +430,9 @@ def audit_sources(src: Sources, replay: int = 0, device: str = "cpu", user_task:
         report.first_failure = str(e)
     except (StoreError, LedgerError, RunDirError) as e:  # RunDirError here: a corrupt record
         report.first_failure = str(e).splitlines()[0]
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a field of a record or manifest
+        # of another type or missing, which no check above named: the run's files are not what a run writes
+        report.first_failure = f"the run's files are malformed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
     finally:  # the run's thread count and, on a GPU, deterministic kernels: for the audit only
         torch.set_num_threads(threads)
         if torch.are_deterministic_algorithms_enabled() != deterministic:  # the call imports torch's compiler (~1.5 s)
@@ -497,10 +500,10 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
     manifest = loaded.manifest
     if isinstance(manifest.get("torch_version"), str):
         report.trained_torch = manifest["torch_version"][:40]
-    # the workers' thread count: replays are bit-exact only with the same reduction order
-    torch.set_num_threads(int(manifest.get("config", {}).get("train", {}).get("threads", 1) or 1))
 
     # 1. manifest
+    if not isinstance(manifest.get("config"), dict):
+        _fail("manifest: its config is not an object")
     core = {k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}
     if json_hash(core) != manifest.get("run_id"):
         _fail("manifest: its hash is not the run id (the manifest was changed)")
@@ -514,6 +517,7 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
         cfg = config_from_dict(manifest["config"])
     except ValueError as e:
         _fail(f"manifest: config does not parse: {e}")
+    torch.set_num_threads(cfg.train.threads or 1)  # the workers' count: replays are bit-exact only with their sums' order
     stages = cfg.topology.stages
     if user_task is not None:
         if stages != 1:
@@ -550,8 +554,8 @@ def _audit(src: Sources, report: AuditReport, replays_left: int = 0, device: str
         corpus.check_all(cfg.model.vocab_size)
     except (StoreError, KeyError, DataError) as e:
         _fail(f"corpus: {e}")
-    if corpus.root != manifest["corpus_root"]:
-        _fail(f"corpus: Merkle root {corpus.root} is not the manifest's {manifest['corpus_root']}")
+    if corpus.root != manifest.get("corpus_root"):
+        _fail(f"corpus: Merkle root {corpus.root} is not the manifest's {str(manifest.get('corpus_root'))[:64]}")
     counts["corpus_chunks"] = len(corpus.chunk_hashes)
     if "tokenizer" in manifest:  # [data] tokenizer: the file is kept, not rerun (the text is not stored)
         try:
@@ -788,8 +792,12 @@ def _check_slice(
     """Check round r's bundles for one slice (`part`: its record, the whole record when there is
     one stage) as that slice's processes did: signatures, commitments, data, screen, loss gains.
     `where` starts every failure message ("round r: " or "round r: stage s: ")."""
+    listed = part.get("bundles")
+    if not (isinstance(listed, list) and len(listed) == cfg.topology.workers
+            and all(d is None or isinstance(d, str) for d in listed)):
+        _fail(f"{where}the record's bundles are not a list of {cfg.topology.workers} digests (or nulls): {listed!r:.60}")
     # worker -> its bundle's digest (what store.get checks it against); a worker absent or late (elastic) has none
-    digests = {j: digest for j, digest in enumerate(part.get("bundles") or [])
+    digests = {j: digest for j, digest in enumerate(listed)
                if not (digest is None and part.get("verdicts", [None] * (j + 1))[j] in (ABSENT, LATE))}
 
     def fetch(j: int) -> tuple[bytes, str | None]:  # a bundle read and hashed, and its packet hashed, on a thread
@@ -802,6 +810,16 @@ def _check_slice(
         except PacketError:  # check_bundles says what is wrong with it
             return data, None
 
+    if cfg.run.membership == "static":  # every worker sends, or the run stops: no one is left out of a round
+        out = [c for c in recorded if verdict_reason(c) in (ABSENT, LATE) and c.get("bundle_sha256") is None]
+        if out:
+            _fail(f"{where}worker {out[0]['worker']} is recorded as {verdict_reason(out[0])} without a bundle, which "
+                  "only an elastic run records (a static run stops when a worker is missing)")
+    else:  # the round's quorum: its members are all but the absent, and at least min_workers
+        members = sum(verdict_reason(c) != ABSENT for c in recorded)
+        least = cfg.run.min_workers or cfg.topology.workers // 2 + 1
+        if members < least:
+            _fail(f"{where}the round's quorum has {members} members, fewer than min_workers = {least}")
     fetched = dict(zip(digests, in_threads(fetch, digests), strict=True))
     bundles = {j: data for j, (data, _) in fetched.items()}
     packet_hashes = {j: h for j, (_, h) in fetched.items() if h is not None}

@@ -195,6 +195,7 @@ def check_entry(entry: Any) -> None:
     commitments = p["commitments"]
     if not isinstance(commitments, list):
         raise LedgerError(f"entry commitments must be a list, got {type(commitments).__name__}")
+    seen = set()
     for j, c in enumerate(commitments):
         if not isinstance(c, dict):
             raise LedgerError(f"entry commitment {j} is not an object")
@@ -205,6 +206,13 @@ def check_entry(entry: Any) -> None:
                 f"entry commitment {j} verdict must be a reason code string (\"accept\" or why "
                 f"not) or an object with one under \"reason\", got {v!r:.80}"
             )
+        slot = (c.get("worker"), c.get("stage", 0))
+        if not all(_is_int(x) and x >= 0 for x in slot):
+            raise LedgerError(f"entry commitment {j} must name its worker (and stage) as integers >= 0, "
+                              f"got {slot[0]!r:.40} ({slot[1]!r:.40})")
+        if slot in seen:
+            raise LedgerError(f"entry commitment {j} is a second one of worker {slot[0]} (stage {slot[1]})")
+        seen.add(slot)
 
 
 def verdict_reason(commitment: dict[str, Any]) -> str:
