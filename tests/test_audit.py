@@ -409,6 +409,43 @@ def test_a_ledger_commitment_must_name_its_worker_once(run, worker, monkeypatch)
     assert msg.startswith("round 1: ledger entry: ") and want in msg, msg
 
 
+@pytest.mark.parametrize("field", ["eval_loss", "codecs"])
+def test_a_recorders_claimed_eval_loss_and_codecs_are_recomputed(run, field):
+    """The eval loss (the run's headline) and each worker's codecs, changed in a rebuilt ledger and
+    the records alike: both were only compared with each other, so the audit passed; now the eval
+    loss is recomputed from the recomputed params and the codecs from the signed commitments."""
+    value = 1.2345 if field == "eval_loss" else [{"int8": 29}, {"int8": 29}]
+
+    def edit(i: int, e: dict) -> None:
+        if i == 1:
+            e["predicate"][field] = value
+    forge_ledger(run, edit)
+    recs = rounds_of(run)
+    recs[1][field] = value
+    write_records(run, recs)
+    msg = failure(run)
+    if field == "eval_loss":
+        assert re.match(r"round 1: the recomputed params' eval loss is \d\.\d{6}, the entry claims 1\.234500$", msg), msg
+    else:
+        assert msg.startswith("round 1: the record's codecs [{'int8': 29}, {'int8': 29}] are not the ones the signed "
+                              "commitments name [{'fp32': "), msg
+
+
+@pytest.mark.parametrize("key", ["eval_loss_end", "final_params_hash", "rounds", "eval_loss_start"])
+def test_summary_and_the_starting_eval_loss_are_checked(run, key):
+    """summary.json is not signed and the report showed its final eval loss and params hash beside
+    "audit passed": the audit now holds it to the records and the ledger; and the starting eval loss
+    (the records' only, under the signature) is recomputed from G_0."""
+    if key == "eval_loss_start":
+        write_records(run, [{**rec, key: 9.0} for rec in rounds_of(run)])
+        assert re.match(r"round 0: the starting params' eval loss is \d\.\d{6}, the record claims 9\.0$", failure(run))
+        return
+    summary = json.loads((run / "summary.json").read_text())
+    summary[key] = {"eval_loss_end": 0.5, "final_params_hash": "ab" * 32, "rounds": 2}[key]
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert failure(run).startswith(f"summary: summary.json's {key} ")
+
+
 def test_forged_ledger_alone_is_consistent_chain_but_fails_recompute(run):
     """A rebuilt ledger whose round-2 checkpoint digest is another (stored) checkpoint, with
     rounds.jsonl updated too: the chain is sound, the outer step recomputation is not."""

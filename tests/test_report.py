@@ -339,3 +339,15 @@ def test_an_elastic_run_lists_what_happened_to_its_workers(real_run: Path, tmp_p
     assert "worker 0 ↔ worker 1" in section and "for 4 s" in section and "0 restarts left" in section
     assert "exit -9" in section and "ValueError: &lt;b&gt;x&lt;/b&gt;" in section and "<b>x</b>" not in text
     assert section.count("<tr>") == 1 + len(events) - 1  # the header, every event but the commit
+
+
+def test_the_headline_numbers_come_from_the_records_not_summary_json(real_run: Path, tmp_path: Path) -> None:
+    """summary.json is not signed: the final eval loss and params hash beside the audit badge are
+    the records' (which `veriloco audit` checks), not a number written into it by hand."""
+    run = copy_run(real_run, tmp_path / "run")
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "eval_loss_end": 0.1234, "final_params_hash": "ab" * 32}))
+    text = render_report(run)
+    last = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()][-1]
+    assert "0.1234" not in text and "ab" * 32 not in text
+    assert f"{last['eval_loss']:.4f}" in text and last["params_hash"] in text

@@ -74,7 +74,7 @@ from .hf import transformers_version
 from .ledger import Ledger, LedgerError, SqliteLedger
 from .ledger.entry import parse_entry, verdict_reason
 from .link import Link
-from .model import build_meta, build_model, model_from
+from .model import build_meta, build_model, load_params, model_from
 from .outer import OuterOptimizer
 from .packet import PacketError, decode_bundle
 from .pipeline import EmulatedPipeline
@@ -84,6 +84,7 @@ from .round import (
     aggregate_deltas,
     base_lag,
     batch_root,
+    codec_summary,
     hide_steps,
     lookahead_momentum,
     loss_gain_action,
@@ -113,6 +114,7 @@ from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, R
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
 from .verify.commitment import EquivocationDetector
 from .verify.lossgain import (
+    LOSS_TOLERANCE,
     Settled,
     assign_checkers,
     gain_steps,
@@ -193,6 +195,7 @@ class Loaded:
     signed: bytes | None
     complete: bool
     live: int | None = None  # the pid of a launcher training the run as it is read (RunDir.holder)
+    summary: dict | None = None  # RUN/summary.json, where there is one (a finished run's; the report shows it)
 
 
 class Sources(ABC):
@@ -230,12 +233,13 @@ class DirSources(Sources):
         live = self.run.holder()  # before the records: a run that ends meanwhile is audited as in progress
         summary = self.run.summary_path
         try:
-            complete = summary.is_file() and bool(json.loads(summary.read_text()).get("complete"))
+            told = json.loads(summary.read_text()) if summary.is_file() else None
+            complete = told is not None and bool(told.get("complete"))
         except (ValueError, AttributeError):
             _fail("records: summary.json is not a JSON object")
         signed = self.run.root / SIGNED_FILE
         return Loaded(self.manifest, self.run.rounds(), signed.read_bytes() if signed.is_file() else None,
-                      complete and live is None, live)
+                      complete and live is None, live, told)
 
     def open_ledger(self, manifest: dict) -> Ledger:
         ledger_cfg = manifest["config"].get("ledger", {})
@@ -480,9 +484,16 @@ class _AuditTask:
         self.task, self.device = task, torch.device(device)
         self.computed = on_device(self.as_task(), self.device, precision)
         self._model: torch.nn.Module | None = None
+        self._eval: list | None = None
 
     def as_task(self) -> Task:
         return self.task if isinstance(self.task, Task) else self.task.as_task()
+
+    def eval_batches(self) -> list:
+        """The task's eval batches, made once."""
+        if self._eval is None:
+            self._eval = self.computed.eval_batches()
+        return self._eval
 
     def gain_model(self, G0: torch.nn.Module) -> torch.nn.Module:
         """A model for the loss gains, on the device (G0 itself on the CPU: they load their params)."""
@@ -614,6 +625,7 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config
         slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},
                              EquivocationDetector(admitted)))
     counts.update(signatures=0, bundles=0, checkpoints=0, checkpoints_stored=0, checkpoints_pruned=0, replays=0)
+
     schedule = _step_schedule(cfg, records)
     stored_states = _stored_states(store, manifest["run_id"], stage_models)  # replay_extent "state": what auditors replayed from
     base_cfg = cfg
@@ -645,6 +657,7 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config
         # recomputed checkpoint's digest run here (a failure of the recomputation is the one told)
         results, stored_errors = alongside(partial(_finish_slices, cfg, slices, checks, r, parts, recorded, claims,
                                                    wheres, counts), partial(_stored, store, claims))
+        _check_eval(cfg, task, G0, slices, r, p["eval_loss"], counts)
         for where, (_, digest, _), e in zip(wheres, claims, stored_errors, strict=True):
             if e is None:  # unless [run] keep_checkpoints has pruned it: its digest was recomputed all the same
                 counts["checkpoints_stored"] += 1
@@ -675,6 +688,24 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config
             _fail(f"round {r}: the stages' aggregates do not combine to the entry's aggregate hash")
     report.rounds = len(records)
 
+    # the eval loss of G_0, which the records and the report show as the start (after the rounds: a wrong G_0 is
+    # named by round 0's stale bases first)
+    start = _eval_loss(base_cfg, task, G0, {k: v for sl in slices for k, v in sl.init.items()}, stages)
+    if not _same_loss(start, records[0].get("eval_loss_start")):
+        _fail(f"round 0: the starting params' eval loss is {start:.6f}, the record claims "
+              f"{str(records[0].get('eval_loss_start'))[:12]}")
+
+    # summary.json (unsigned) says what the records and the ledger say: the report shows its numbers
+    if loaded.summary is not None and loaded.live is None:
+        last, evals = records[-1], [x["eval_loss"] for x in records if x.get("eval_loss") is not None]
+        told = {"rounds": len(records), "final_checkpoint": last["checkpoint"], "final_params_hash": last.get("params_hash"),
+                "eval_loss_start": records[0].get("eval_loss_start"), "eval_loss_end": evals[-1] if evals else None,
+                "ledger_root": report.ledger_root, "ledger_head": last.get("entry")}
+        for key, want in told.items():
+            if key in loaded.summary and want is not None and loaded.summary[key] != want:
+                _fail(f"summary: summary.json's {key} {str(loaded.summary[key])[:20]} is not the records' and the "
+                      f"ledger's {str(want)[:20]}")
+
     # 5. the signed checkpoint manifest of a complete run (recorder = worker 0). Complete by the records' count
     # (the config's rounds; the ledger holds as many), and checked wherever it is present, not by summary.json's
     # word: that file is not signed, and deleting it must not let an edited rounds.jsonl through
@@ -686,6 +717,60 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config
             _fail(f"signed checkpoint manifest: {problem}")
         counts["signed_manifest"] = 1
         report.signed = True
+
+
+def _check_eval(cfg, task: _AuditTask, G0: torch.nn.Module, slices: list[_Slice], r: int, claimed: Any,
+                counts: dict) -> None:
+    """Round r's eval loss (the entry's), recomputed from the round's recomputed params on the
+    task's eval batches, as the workers computed it (round.eval_sums; with stages, each worker's
+    share through its pipeline: the emulated one), to LOSS_TOLERANCE; a round the schedule does not
+    evaluate claims none. The loss is the run's headline result: unchecked, a recorder could claim any."""
+    evaluating = (r + 1) % cfg.train.eval_every == 0 or r == cfg.train.rounds - 1
+    if not evaluating:
+        if claimed is not None:
+            _fail(f"round {r}: the entry claims an eval loss for a round that [train] eval_every does not evaluate")
+        return
+    if claimed is None:
+        _fail(f"round {r}: the entry claims no eval loss for a round that [train] eval_every evaluates")
+    got = _eval_loss(cfg, task, G0, {k: v for sl in slices for k, v in sl.outer.params.items()}, len(slices))
+    if not _same_loss(got, claimed):
+        _fail(f"round {r}: the recomputed params' eval loss is {got:.6f}, the entry claims {claimed:.6f}")
+    counts["eval_losses"] = counts.get("eval_losses", 0) + 1
+
+
+def _same_loss(got: float, claimed: Any) -> bool:
+    """Within LOSS_TOLERANCE, or both NaN (an empty eval set)."""
+    if not isinstance(claimed, (int, float)) or isinstance(claimed, bool):
+        return False
+    if math.isnan(got) or math.isnan(claimed):
+        return math.isnan(got) and math.isnan(claimed)
+    return abs(got - claimed) <= LOSS_TOLERANCE
+
+
+def _eval_loss(cfg, task: _AuditTask, G0: torch.nn.Module, params: dict, stages: int) -> float:
+    """The eval loss of `params` (the whole model's) as the workers computed it (`_check_eval`)."""
+    batches = task.eval_batches()
+    total, tokens = 0.0, 0
+    if stages == 1:
+        model = task.gain_model(G0)
+        load_params(model, params)
+        with torch.no_grad():
+            for x, y in batches:
+                total += float(task.computed.loss(model, x, y)) * y.numel()
+                tokens += y.numel()
+    else:
+        emu = EmulatedPipeline([stage_model(cfg, s, stages) for s in range(stages)], cfg.train, 1,
+                               microbatches=cfg.topology.microbatches)
+        with torch.no_grad():
+            for k, q in emu.named_parameters():
+                q.copy_(params[k])
+        W = cfg.topology.workers
+        for j in range(W):  # each worker's share through its own pipeline (round.setup_worker's eval_set)
+            share = batches[j::W]
+            if share:
+                n = sum(y.numel() for _, y in share)
+                total, tokens = total + emu.eval_loss(share) * n, tokens + n
+    return total / tokens if tokens else math.nan
 
 
 def _step_schedule(cfg, records: list[dict]) -> StepSchedule:
@@ -936,6 +1021,12 @@ def _finish_slice(cfg, sl: _Slice, checked: _Checked, r: int, part: dict, record
         if (signed.to_dict() if signed else None) != c["signed"]:
             _fail(f"{where}worker {j}'s signed commitment in the ledger is not the one in its bundle")
         counts["signatures"] += signed is not None
+    # the codecs each worker's packet used, as its signed commitment names them (round.start_finish's record)
+    codecs = [codec_summary(c.commitment.codec) if c is not None and isinstance(c.commitment.codec, dict) else {}
+              for c in (check.commitments.get(j) for j in range(cfg.topology.workers))]
+    if part.get("codecs") != codecs:
+        _fail(f"{where}the record's codecs {str(part.get('codecs'))[:60]} are not the ones the signed commitments "
+              f"name {str(codecs)[:60]}")
     sl.earlier = sl.previous[1] if screens_earlier(cfg) else {}  # as round.finish_round keeps them
     sl.previous = (dict(check.packet_hashes), check.accepted)
     aggregate_hash = None

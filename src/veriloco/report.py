@@ -759,8 +759,8 @@ def header(v: RunView) -> str:
     if wall is None:
         wall = sum(_num(r.get("round_s")) or 0 for r in v.rounds) or None
     evals = [x for x in (_num(r.get("eval_loss")) for r in v.rounds) if x is not None]
-    end = _num(s.get("eval_loss_end"))
-    end = end if end is not None else (evals[-1] if evals else None)
+    # the records' numbers first (what `veriloco audit` checks), summary.json's (not audited) only without them
+    end = evals[-1] if evals else _num(s.get("eval_loss_end"))
     start = _num(s.get("eval_loss_start"))
     if start is None and v.rounds:
         start = _num(v.rounds[0].get("eval_loss_start"))
@@ -807,7 +807,7 @@ def header(v: RunView) -> str:
         ("starting weights (store)", v.manifest.get("init")),  # [model] init
         ("tokenizer (store)", v.manifest.get("tokenizer")),  # [data] tokenizer
         ("transformers version", v.manifest.get("transformers_version")),
-        ("final params hash" if v.summary is not None else "latest params hash", s.get("final_params_hash") or (v.rounds[-1].get("params_hash") if v.rounds else None)),
+        ("final params hash" if v.summary is not None else "latest params hash", (v.rounds[-1].get("params_hash") if v.rounds else None) or s.get("final_params_hash")),
         ("code version", v.manifest.get("code_version")),
         # how its params, trace and aggregate hashes are computed (a run made before the tree: one stream a dict)
         ("tensor hash", _clip(str(v.manifest.get("tensor_hash") or "one sha256 stream a dict"), 64)),

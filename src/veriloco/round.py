@@ -1295,7 +1295,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "verdicts": verdicts,
         "evidence": {str(j): e for j, e in check.evidence.items()},
         "commitments": [c.digest if c else None for c in commitments],
-        "codecs": [_codec_summary(c.commitment.codec) if c and isinstance(c.commitment.codec, dict) else {} for c in commitments],
+        "codecs": [codec_summary(c.commitment.codec) if c and isinstance(c.commitment.codec, dict) else {} for c in commitments],
         "codec_log": sent.codec_log,
         "aggregate_hash": tensors_hash(aggregate) if aggregate is not None else None,
         "params_hash": params_hash,
@@ -1537,7 +1537,7 @@ def open_ledger(cfg: Config, run: RunDir) -> Ledger | None:
                              cfg.ledger.key_file, str(run.root / "ledger-bodies"))
 
 
-def _codec_summary(codecs: dict[str, str]) -> dict[str, int]:  # noqa: D103
+def codec_summary(codecs: dict[str, str]) -> dict[str, int]:
     """{spec: number of tensors} of one packet."""
     out: dict[str, int] = {}
     for spec in codecs.values():
