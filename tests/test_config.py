@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -71,6 +72,19 @@ def test_override_types():
         ("--outer.lr=inf", "outer.lr: expected a finite number, got inf"),
         ("--train.lr=-inf", "train.lr: expected a finite number, got -inf"),
         ("--outer.momentum=nan", "outer.momentum: expected a finite number, got nan"),
+        # finite, yet past what the workers' machinery takes: each failed in the workers (exit 1), with the run's
+        # directory half made (an OverflowError in torch.distributed's timeout, in the link's sleep; in set_num_threads)
+        ("--run.timeout_s=1e308", "run.timeout_s must be in (0, 604800.0] seconds, got 1e+308"),
+        ("--link.latency=1e300s", "link.latency: bad duration '1e300s': must be at most a day (86400s)"),
+        ("--link.bandwidth=1e-300bit", "link.bandwidth: bad bandwidth '1e-300bit': must be at least 1bit"),
+        ("--train.threads=99999999999999999999", "train.threads must be in [1, 1024], got 99999999999999999999"),
+        ("--adversary.²=noise", "adversary.² in the command line: expected adversary.<worker id>"),  # '²'.isdigit()
+        ("--data.source=", "data.source must be 'stdlib' or a path, got ''"),
+        ('--model.arch=llama --model.rope_scaling={"rope_type":"linear","factor":1e400}',
+         "model.rope_scaling: factor must be a finite number > 0, got inf"),
+        ('--model.arch=llama --model.rope_scaling={"rope_type":"llama3","factor":8.0,"low_freq_factor":4.0,'
+         '"high_freq_factor":1.0,"original_max_position_embeddings":8192}',
+         "llama3's high_freq_factor must be greater than its low_freq_factor, got 1.0 and 4.0"),
     ],
 )
 def test_bad_override_names_the_key(override, needle):
@@ -107,6 +121,59 @@ def test_cli_exit_2_one_line(args, needle, tmp_path, monkeypatch, capsys):
     code, lines, _ = cli(monkeypatch, capsys, *args, *(["--out", str(tmp_path / "r")] if args[1] != "--resume" else []))
     assert code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "r" / "rounds.jsonl").exists()  # nothing half-written
+
+
+def test_paths_the_os_refuses_exit_2_in_one_line(tmp_path, monkeypatch, capsys):
+    """A name past 255 bytes, a directory where a file goes, a dangling link as --out, a place
+    that cannot be written, a prompt that is not UTF-8: each stopped a command with a traceback
+    (OSError and its kin were not among the CLI's user errors)."""
+    from veriloco.run import train
+
+    long = tmp_path / ("a" * 300)
+    run = tmp_path / "run"
+    train(tiny("--train.rounds=1"), str(run), quiet=True)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert cli(monkeypatch, capsys, "keygen", "--out", str(tmp_path / "keys"), "--workers", "2")[0] == 0
+    (tmp_path / "keys" / "worker-1.pub").unlink()
+    (tmp_path / "keys" / "worker-1.pub").mkdir()  # a directory where worker 1's public key goes
+    cases = [
+        (["train", str(long)], "config file "),
+        (["train", str(TINY), "--out", str(long), "--quiet"], "File name too long"),
+        (["report", str(long)], "File name too long"),
+        (["audit", str(long)], "File name too long"),
+        (["keygen", "--out", str(long), "--workers", "1"], "File name too long"),
+        (["keygen", "--out", "", "--workers", "1"], "--out must name a directory, got ''"),
+        (["export", str(run), "--out", str(tmp_path / "dangling")], "already exists"),
+        (["sample", str(run), "--prompt", "\udcff", "--tokens", "2"], "--prompt is not UTF-8 text"),
+        (["train", str(TINY), f"--verify.key_dir={tmp_path / 'keys'}", "--out", str(tmp_path / "r")],
+         "worker-1.pub is not a file"),
+    ]
+    for args, needle in cases:
+        code, lines, _ = cli(monkeypatch, capsys, *args)
+        assert code == 2 and len(lines) == 1 and needle in lines[0], (args, lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "keys", "run"]  # nothing made, nothing half-written
+    (run / "report.html").mkdir()  # a report it cannot write
+    code, lines, _ = cli(monkeypatch, capsys, "report", str(run))
+    assert code == 2 and len(lines) == 1 and "Is a directory" in lines[0], lines
+    # a temperature so small that logits / temperature overflowed softmax into NaN: it samples the argmax
+    code, lines, out = cli(monkeypatch, capsys, "sample", str(run), "--temperature", "1e-45", "--tokens", "3")
+    assert code == 0, lines
+
+
+def test_a_resume_of_a_run_whose_manifest_was_edited_exits_2(tmp_path, monkeypatch, capsys):
+    """It trained on under the edited config (the audit then refused the run): a run goes on only
+    under the config its run id names."""
+    from veriloco.run import train
+
+    run = tmp_path / "run"
+    train(tiny("--train.rounds=2"), str(run), quiet=True, stop_after=1)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["train"]["lr"] = 0.1
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 2 and lines == [f"veriloco: error: {run}/manifest.json was changed since the run started (it does "
+                                   "not hash to its run id): a run goes on only under the config it started with"]
+    assert len((run / "rounds.jsonl").read_text().splitlines()) == 1
 
 
 def test_a_file_where_a_directory_must_go_exits_2_with_nothing_made(tmp_path, monkeypatch, capsys):

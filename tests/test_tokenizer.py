@@ -124,6 +124,16 @@ def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file, monkeypatch, 
     code, lines, _ = cli(monkeypatch, capsys, "tokenize", "stdlib", "--tokenizer", str(tokenizer_file),
                          "--out", str(bad / "t.bin"))
     assert code == 2 and lines == [f"veriloco: error: {bad} is a file, not a directory (making {bad})"], lines
+    # a tokenizer that loads but cannot encode (its unk_token is not in its vocabulary): a traceback, was
+    wordlevel = tmp_path / "wordlevel.json"
+    wordlevel.write_text(json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                                     "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+                                     "decoder": None, "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1},
+                                                                "unk_token": "[UNK]"}}))
+    code, lines, _ = cli(monkeypatch, capsys, "tokenize", "stdlib", "--tokenizer", str(wordlevel),
+                         "--out", str(tmp_path / "w.bin"))
+    assert code == 2 and len(lines) == 1 and "data.tokenizer cannot encode the text: WordLevel error" in lines[0], lines
+    assert not (tmp_path / "w.bin").exists()
 
 
 def test_a_stored_corpus_of_an_unknown_kind_is_refused():

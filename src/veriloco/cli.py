@@ -43,7 +43,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     from .store import StoreError
     from .verify.identity import IdentityError
 
-    return (ConfigError, DataError, ExportError, RunDirError, StoreError, FileNotFoundError, FaultError, IdentityError)
+    # OSError: a path the OS refuses (a name past 255 bytes, a directory where a file goes, a place it may not
+    # write); an error of the machine mid-run (a full disk) reads the same, one line and exit 2
+    return (ConfigError, DataError, ExportError, RunDirError, StoreError, OSError, FaultError, IdentityError)
 
 
 def fail(msg: str, code: int = 2) -> None:
@@ -310,7 +312,7 @@ def prove(run: str = typer.Argument(..., help="run directory"), round: int = typ
 
     try:
         ledger = open_run_ledger(run)
-    except user_errors() as e:
+    except (*user_errors(), LedgerError) as e:  # LedgerError: a ledger.sqlite that is no database
         fail(str(e).splitlines()[0])
     try:
         n = ledger.size()
@@ -337,8 +339,8 @@ def report(run: str = typer.Argument(..., help="run directory")) -> None:
 
     try:
         typer.echo(str(write_report(run)))
-    except RunDirError as e:  # no manifest, or not one a run wrote
-        fail(str(e))
+    except (RunDirError, OSError) as e:  # no manifest, or not one a run wrote; a report.html it cannot write
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 @app.command()
@@ -432,7 +434,7 @@ def keygen(
 ) -> None:
     """Ed25519 keys: worker-<w>.key (private, 0600) and worker-<w>.pub, for each of --workers N,
     or for --worker W alone (each party makes its own and hands out only the .pub)."""
-    from .records import RunDirError, make_dirs
+    from .records import RunDirError, make_dirs, remove_dirs
     from .verify.identity import IdentityError, generate_key, public_key_hex, save_private_key
 
     if (workers is None) == (worker is None):
@@ -442,21 +444,34 @@ def keygen(
     if worker is not None and worker < 0:
         fail(f"--worker must be >= 0, got {worker}")
     ids = list(range(workers)) if workers is not None else [worker]
+    if not out.strip():  # Path("") is the current directory
+        fail("--out must name a directory, got ''")
     d = Path(out)
-    taken = [p for w in ids for p in (d / f"worker-{w}.key", d / f"worker-{w}.pub") if p.exists()]
+    try:
+        taken = [p for w in ids for p in (d / f"worker-{w}.key", d / f"worker-{w}.pub") if p.exists() or p.is_symlink()]
+    except OSError as e:  # a name past the OS's limit
+        fail(f"--out {out!r:.80}: {e.strerror or e}")
     if taken:  # before any key is written: a key lost is an identity lost, and half a set is no set
         fail(f"{taken[0]} already exists; keygen writes new keys into a directory without them")
     try:
-        make_dirs(d)
+        made = make_dirs(d)
     except RunDirError as e:
         fail(str(e))
-    for w in ids:
-        private, _ = generate_key()
-        try:
-            save_private_key(d / f"worker-{w}.key", private)
-        except IdentityError as e:
-            fail(str(e))
-        (d / f"worker-{w}.pub").write_text(public_key_hex(private) + "\n")
+    written: list[Path] = []
+    try:
+        for w in ids:
+            private, _ = generate_key()
+            for path in (d / f"worker-{w}.key", d / f"worker-{w}.pub"):
+                written.append(path)
+                if path.suffix == ".key":
+                    save_private_key(path, private)
+                else:
+                    path.write_text(public_key_hex(private) + "\n")
+    except (IdentityError, OSError) as e:  # all the keys or none: the ones written go again
+        for path in written:
+            path.unlink(missing_ok=True)
+        remove_dirs(made)
+        fail(str(e).splitlines()[0] if isinstance(e, IdentityError) else f"cannot write {written[-1]}: {e.strerror or e}")
     if worker is None:
         typer.echo(f"wrote {workers} key pairs to {d} (set [verify] key_dir = \"{d}\")")
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields
@@ -29,6 +30,8 @@ def _f(default: Any, doc: str) -> Any:
 
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3")  # [model] arch, besides gpt: hf.py
 TRANSFORMERS_NEEDED = "transformers>=5,<6"
+MAX_THREADS = 1024  # train.threads at most (a number past int64 overflowed in torch, 100000 exhausted the OS)
+MAX_TIMEOUT_S = 604800.0  # run.timeout_s at most, a week: torch.distributed holds it as int milliseconds
 
 
 @dataclass
@@ -477,7 +480,7 @@ def _apply(cfg: Config, section: str, values: dict[str, Any], origin: str) -> No
         if not isinstance(values, dict):
             raise ConfigError(f"[adversary] in {origin} must be a table of worker = \"kind\"")
         for key, value in values.items():
-            if not str(key).isdigit() or not isinstance(value, str):
+            if not re.fullmatch(r"[0-9]+", str(key)) or not isinstance(value, str):  # not isdigit(): '²' is one
                 raise ConfigError(f"adversary.{key} in {origin}: expected adversary.<worker id> = \"<kind>\"")
             cfg.adversary[str(int(key))] = value
         return
@@ -524,12 +527,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             _apply(cfg, section, values, "the manifest")
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
         try:
+            if not p.is_file():
+                raise ConfigError(f"config file not found: {p}")
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        except OSError as e:  # a name past the OS's limit, a file it may not read
+            raise ConfigError(f"config file {str(p)[:120]}: {e.strerror or e}") from None
         for section, values in data.items():
             _apply(cfg, section, values, str(p))
     for text in overrides or []:
@@ -571,7 +576,7 @@ def validate(cfg: Config) -> None:
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
     need(t.eval_every >= 1, f"train.eval_every must be >= 1, got {t.eval_every}")
-    need(t.threads >= 1, f"train.threads must be >= 1, got {t.threads}")
+    need(1 <= t.threads <= MAX_THREADS, f"train.threads must be in [1, {MAX_THREADS}], got {t.threads}")
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.batch_size % t.grad_accum == 0,
          f"train.batch_size ({t.batch_size}) must split into train.grad_accum ({t.grad_accum}) equal parts")
@@ -583,6 +588,7 @@ def validate(cfg: Config) -> None:
     need(d.chunk_bytes >= 1024, f"data.chunk_bytes must be >= 1024, got {d.chunk_bytes}")
     need(d.max_bytes >= 0, f"data.max_bytes must be >= 0 (0: all of the corpus), got {d.max_bytes}")
     need(d.bin_dtype in ("uint16", "uint32"), f"data.bin_dtype must be uint16 or uint32, got {d.bin_dtype!r}")
+    need(d.source.strip() != "", "data.source must be 'stdlib' or a path, got '' (which would read the current directory)")
     need(not d.eos or bool(d.tokenizer), "data.eos needs data.tokenizer (a byte-level corpus has no end-of-text token)")
     need(cfg.outer.lr > 0, f"outer.lr must be > 0, got {cfg.outer.lr}")
     need(0 <= cfg.outer.momentum < 1, f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
@@ -661,7 +667,8 @@ def validate(cfg: Config) -> None:
     if cfg.ledger.backend == "evm":
         need(bool(cfg.ledger.rpc_url and cfg.ledger.contract and cfg.ledger.key_file),
              "ledger.backend = 'evm' needs ledger.rpc_url, ledger.contract and ledger.key_file")
-    need(cfg.run.timeout_s > 0, f"run.timeout_s must be > 0, got {cfg.run.timeout_s}")
+    need(0 < cfg.run.timeout_s <= MAX_TIMEOUT_S,  # torch.distributed holds it as int milliseconds
+         f"run.timeout_s must be in (0, {MAX_TIMEOUT_S}] seconds, got {cfg.run.timeout_s}")
     r = cfg.run
     need(r.membership in ("static", "elastic"), f"run.membership must be 'static' or 'elastic', got {r.membership!r}")
     need(0 <= r.min_workers <= cfg.topology.workers,

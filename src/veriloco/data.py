@@ -412,7 +412,11 @@ def _encoded(tok, blocks: Iterable[bytes]) -> Iterator[np.ndarray]:
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     pieces = _pieces_of(blocks)
     while batch := list(itertools.islice(pieces, ENCODE_BATCH)):
-        yield np.concatenate([np.asarray(e.ids, dtype=TOKENIZED_DTYPE) for e in encode(batch, add_special_tokens=False)])
+        try:
+            encoded = encode(batch, add_special_tokens=False)
+        except Exception as e:  # the tokenizers library's own error type: a tokenizer that loads but cannot encode
+            raise DataError(f"data.tokenizer cannot encode the text: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
+        yield np.concatenate([np.asarray(e.ids, dtype=TOKENIZED_DTYPE) for e in encoded])
 
 
 def tokenize(text: bytes, tokenizer_json: bytes, vocab_size: int) -> bytes:

@@ -1089,7 +1089,7 @@ def join_elastic(run_dir: str, workers: list[int], quiet: bool = False, task: Ta
     from .task import CorpusTask, initial_digest
 
     run = RunDir(run_dir)
-    manifest = run.read_manifest()
+    manifest = run.read_own_manifest()
     users = users_task(manifest)
     if users is not None and task is None:
         raise RunDirError(f"{run.root} trains a user's Task ({users}): join it with veriloco.join_task(task, RUN, "

@@ -196,12 +196,16 @@ def run_params(run_dir: str | Path, round: int | None = None) -> tuple[Config, R
 def export_run(run_dir: str | Path, out: str | Path, round: int | None = None) -> tuple[Path, int]:
     """Write the run's params after `round` to `out` (see the module docstring); returns (out, round)."""
     out = Path(out)
-    if out.exists():
+    if out.exists() or out.is_symlink():  # a dangling link exists() denies; the rename onto it would fail
         raise ExportError(f"{out} already exists; export writes a new directory")
     opened = open_round(run_dir, round)
     cfg, params, r = opened.cfg, opened.params, opened.round
     made = make_dirs(out.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed to out once whole
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # renamed to out once whole
+    except OSError as e:
+        remove_dirs(made)
+        raise ExportError(f"cannot write the export beside {out}: {e.strerror or e}") from None
     try:
         users = users_task(opened.manifest) is not None  # the model is the user's module: no config of ours describes it
         if cfg.model.arch != "gpt" and not users:

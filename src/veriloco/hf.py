@@ -27,6 +27,7 @@ full model.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,13 @@ def check_rope_scaling(value: Any, where: str) -> dict[str, Any]:
             out[key] = v
             continue
         integral = key == "original_max_position_embeddings"
-        if isinstance(v, bool) or not isinstance(v, int if integral else (int, float)) or not v > 0:
-            raise ValueError(f"{where}: {key} must be {'an integer' if integral else 'a number'} > 0, got {v!r:.40}")
+        if isinstance(v, bool) or not isinstance(v, int if integral else (int, float)) or not (0 < v < math.inf):
+            raise ValueError(f"{where}: {key} must be {'an integer' if integral else 'a finite number'} > 0, "
+                             f"got {v!r:.40}")
         out[key] = v if integral else float(v)
+    if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:  # its wavelength bands are empty
+        raise ValueError(f"{where}: llama3's high_freq_factor must be greater than its low_freq_factor, got "
+                         f"{out['high_freq_factor']} and {out['low_freq_factor']}")
     return out
 
 

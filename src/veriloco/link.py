@@ -38,6 +38,7 @@ _NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _BANDWIDTH_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _DURATION_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 _UNLIMITED = {"", "inf", "unlimited"}
+MAX_DURATION_S = 86400.0  # a link latency at most: a day
 
 
 def _split_number_unit(text: str) -> tuple[float, str] | None:
@@ -64,6 +65,8 @@ def parse_bandwidth(text: str) -> float:
     value = parsed[0] * _BANDWIDTH_UNITS[parsed[1]]
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"bad bandwidth {text!r}: must be > 0 (use '' or 'inf' for unlimited)")
+    if value < 1:  # a round's pacing would be past what a clock can wait for (1e-300bit: an overflow in sleep)
+        raise ValueError(f"bad bandwidth {text!r}: must be at least 1bit")
     return value
 
 
@@ -82,6 +85,8 @@ def parse_duration(text: str) -> float:
     value = parsed[0] * _DURATION_UNITS[parsed[1]]
     if not math.isfinite(value):
         raise ValueError(f"bad duration {text!r}: must be finite")
+    if value > MAX_DURATION_S:  # 1e300s overflowed the pacing's sleep
+        raise ValueError(f"bad duration {text!r}: must be at most a day ({MAX_DURATION_S:.0f}s)")
     return value
 
 

@@ -256,10 +256,19 @@ class RunDir:
             manifest = json.loads(self.manifest_path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RunDirError(f"{self.manifest_path} is not valid JSON: {e}") from None
-        if not isinstance(manifest, dict) or "config" not in manifest:
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
             raise RunDirError(f"{self.manifest_path} has no config")
         if hashes and (problem := scheme_problem(manifest)) is not None:
             raise RunDirError(f"{self.manifest_path}: {problem}")
+        return manifest
+
+    def read_own_manifest(self) -> dict[str, Any]:
+        """`read_manifest`, refused unless it hashes to its run id: a run goes on (resume, join) only
+        under the config it was started with, not one edited since (which the audit would refuse)."""
+        manifest = self.read_manifest()
+        if json_hash({k: v for k, v in manifest.items() if k not in ("run_id", "corpus_manifest")}) != manifest.get("run_id"):
+            raise RunDirError(f"{self.manifest_path} was changed since the run started (it does not hash to its "
+                              "run id): a run goes on only under the config it started with")
         return manifest
 
     # -- records ------------------------------------------------------------------------------
@@ -280,6 +289,8 @@ class RunDir:
         """Complete lines of a JSONL file; a torn last line is skipped, a bad middle line is an error."""
         if not path.exists():
             return []
+        if not path.is_file():
+            raise RunDirError(f"{path} is not a file")
         lines = path.read_bytes().split(b"\n")
         out = []
         for i, raw in enumerate(lines):

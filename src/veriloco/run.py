@@ -60,6 +60,8 @@ def admitted_keys(cfg: Config) -> dict[str, str]:
     for w in range(cfg.topology.workers):
         pub = Path(cfg.verify.key_dir) / f"worker-{w}.pub" if cfg.verify.key_dir else None
         if pub is not None and pub.exists():
+            if not pub.is_file():
+                raise IdentityError(f"public key file {pub} is not a file")
             out[str(w)] = public_key_hex(load_public_key(pub.read_bytes(), source=f"public key file {pub}"))
         elif pub is not None and not pub.with_suffix(".key").exists():
             raise IdentityError(f"verify.key_dir {cfg.verify.key_dir} has neither worker-{w}.pub nor worker-{w}.key: "
@@ -478,7 +480,7 @@ def resume(run_dir: str, quiet: bool = False, stop_after: int | None = None, pla
     user's Task of a `train_task` run (`resume_task`); the built-in tasks rebuild theirs."""
     check_stop_after(stop_after)
     run = RunDir(run_dir)
-    manifest = run.read_manifest()
+    manifest = run.read_own_manifest()
     users = users_task(manifest)  # train_task's: its model and data are user code
     if users is not None and task is None:
         raise RunDirError(f"{run.root} trained a user's Task ({users}): continue it with "

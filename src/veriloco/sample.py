@@ -100,6 +100,10 @@ def sample(run_dir: str | Path, prompt: str = "", tokens: int = 200, temperature
         raise ExportError(f"--temperature must be a number >= 0, got {temperature}")
     if top_k < 0:
         raise ExportError(f"--top-k must be >= 0, got {top_k}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the terminal's encoding could not decode (sys.argv's surrogates)
+        raise ExportError("--prompt is not UTF-8 text") from None
     if not -(1 << 63) <= seed < 1 << 64:  # what torch's generator takes
         raise ExportError(f"--seed must be in [-2^63, 2^64), got {seed}")
     opened = open_round(run_dir, round)
@@ -121,7 +125,9 @@ def sample(run_dir: str | Path, prompt: str = "", tokens: int = 200, temperature
                 if top_k:
                     cut = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                     logits = logits.masked_fill(logits < cut, float("-inf"))
-                nxt = int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen))
+                # less the largest first: a tiny temperature makes inf / inf of the largest, and NaN of softmax
+                scaled = (logits - logits.max()) / temperature
+                nxt = int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen))
             new.append(nxt)
             if stream is not None and (piece := stream.push(new)):
                 on_text(piece)

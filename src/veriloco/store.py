@@ -162,6 +162,8 @@ class LocalStore:
         self.root = Path(root)
         if not create and not self.root.is_dir():
             raise StoreError(f"store {self.root} does not exist")
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"store {self.root} is not a directory")
         self.root.mkdir(parents=True, exist_ok=True)
         self.bytes_written = 0
 
