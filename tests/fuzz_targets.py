@@ -133,8 +133,84 @@ TARGETS = {
 }
 
 
+# values a hostile peer writes into a JSON field: parsing them must not be another exception than the
+# decoder's own (a review found nesting past the stack, ints past Python's 4300 digits and zero-sized shapes
+# with dims past int64 each stopping a worker, none of which a flipped byte makes)
+HOSTILE_VALUES = (
+    "DEEP", "BIGINT", [0, 2**63], [0, 2**62, 4], [1] * 100, [0] * 70, -1, 2**64, 1e308, None, True, "x" * 5000,
+    {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}, [], {}, "",
+)
+
+
+def _hostile(rnd) -> str:
+    """The JSON text of one HOSTILE_VALUES entry."""
+    v = rnd.choice(HOSTILE_VALUES)
+    if v == "DEEP":
+        depth = rnd.choice((100, 5000))
+        return "[" * depth + "]" * depth
+    if v == "BIGINT":
+        return "9" * rnd.choice((20, 5000))
+    return json.dumps(v)
+
+
+def _replace_one(obj, rnd):
+    """`obj` (parsed JSON) as JSON text with one value (of any depth, or a new key) hostile."""
+    paths = []
+
+    def walk(x, path):
+        paths.append(path)
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, (*path, k))
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, (*path, i))
+
+    walk(obj, ())
+    path = rnd.choice(paths)
+    marker = "\u0000HOSTILE\u0000"
+    if path and isinstance(obj, dict) and rnd.random() < 0.2:  # a new key beside the others
+        obj[f"{path[0]}/z"] = marker
+    elif path:
+        parent = obj
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = marker
+    text = json.dumps(obj, separators=(",", ":"))
+    return text.replace(json.dumps(marker), _hostile(rnd)) if path else _hostile(rnd)
+
+
+def mutate_structure(seed: bytes, rnd) -> bytes | None:
+    """`seed` with one field of its JSON made hostile: a safetensors header (and a packet's metadata
+    string inside it), or a whole JSON input (a commitment, an entry, a record line); None if it has
+    neither."""
+    n = int.from_bytes(seed[:8], "little") if len(seed) >= 8 else 0
+    if 2 <= n <= len(seed) - 8:
+        try:
+            header = json.loads(seed[8 : 8 + n])
+        except ValueError:
+            header = None
+        if isinstance(header, dict):
+            meta = header.get("__metadata__", {}).get("veriloco.packet")
+            if isinstance(meta, str) and rnd.random() < 0.4:
+                header["__metadata__"]["veriloco.packet"] = _replace_one(json.loads(meta), rnd)
+                raw = json.dumps(header, separators=(",", ":")).encode()
+            else:
+                raw = _replace_one(header, rnd).encode()
+            raw += b" " * (-len(raw) % 8)
+            return len(raw).to_bytes(8, "little") + raw + seed[8 + n :]
+    try:
+        obj = json.loads(seed)
+    except ValueError:
+        return None
+    return (_replace_one(obj, rnd) + ("\n" if seed.endswith(b"\n") else "")).encode()
+
+
 def mutate(seed: bytes, rnd) -> bytes:
-    """Flip, insert, delete or truncate a few bytes of a valid input (rnd: random.Random)."""
+    """Flip, insert, delete or truncate a few bytes of a valid input (rnd: random.Random), or, one
+    time in three, make one field of its JSON hostile (`mutate_structure`)."""
+    if rnd.random() < 1 / 3 and (structured := mutate_structure(seed, rnd)) is not None:
+        return structured
     b = bytearray(seed)
     for _ in range(rnd.randint(1, 4)):
         op = rnd.randrange(4)

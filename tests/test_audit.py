@@ -25,6 +25,7 @@ from veriloco.hashing import canonical_json, json_hash
 from veriloco.ledger import SqliteLedger
 from veriloco.ledger.entry import ZERO_HASH, entry_hash
 from veriloco.packet import decode_bundle
+from veriloco.records import RunDirError
 from veriloco.run import train
 from veriloco.store import LocalStore
 
@@ -270,9 +271,11 @@ def test_malformed_fields_fail_in_one_line_not_a_traceback(run, what):
     elif what == "threads a string":
         _rehashed_manifest(run, lambda m: m["config"]["train"].update(threads="x"))
         want = "manifest: config does not parse"
-    elif what == "config a list":
+    elif what == "config a list":  # no run directory a run wrote: exit 2 (records.RunDirError), before the audit
         _rehashed_manifest(run, lambda m: m.update(config=[1]))
-        want = "manifest: its config is not an object"
+        with pytest.raises(RunDirError, match="manifest.json has no config"):
+            audit_run(run)
+        return
     else:
         _rehashed_manifest(run, lambda m: m.pop("corpus_root"))
         want = "corpus: Merkle root "

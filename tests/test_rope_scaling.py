@@ -85,7 +85,7 @@ def test_a_llama_3_checkpoint_starts_a_run_as_it_is(tmp_path):
     ('{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "truncate": 1}',
      "truncate must be true or false, got 1"),
     ('{"rope_type": "linear"}', "rope_type 'linear' takes factor; got nothing"),
-    ('{"rope_type": "linear", "factor": -2}', "factor must be a number > 0, got -2"),
+    ('{"rope_type": "linear", "factor": -2}', "factor must be a finite number > 0, got -2"),
     ('{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, '
      '"original_max_position_embeddings": 8192.5}', "original_max_position_embeddings must be an integer > 0"),
     ('["linear"]', "rope_type must be linear, llama3 or yarn"),

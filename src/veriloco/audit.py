@@ -384,7 +384,7 @@ def _parse_records(data: bytes) -> list[dict]:
     for i, line in enumerate(data.splitlines()):
         try:
             obj = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             _fail(f"records: rounds.jsonl line {i + 1} is not valid JSON")
         if not isinstance(obj, dict):
             _fail(f"records: rounds.jsonl line {i + 1} is not a JSON object")

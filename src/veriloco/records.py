@@ -94,6 +94,12 @@ def lock_with_pid(path: Path) -> int:
 def _locked_elsewhere(path: Path) -> bool:
     """Whether a process holds `path`'s flock: a shared lock tried without waiting is refused.
     Where locks cannot be asked (ENOLCK), or the file went, False, as an unlocked file is."""
+    return _lock_state(path) is True
+
+
+def _lock_state(path: Path) -> bool | None:
+    """`_locked_elsewhere`, but None where locks cannot be asked (ENOLCK: an NFS mount without its
+    lock manager), where no lock tells whether a process holds the file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -103,7 +109,7 @@ def _locked_elsewhere(path: Path) -> bool:
     except BlockingIOError:
         return True
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)  # (closing lets go of a lock it got)
     return False
@@ -219,8 +225,9 @@ class RunDir:
         except PermissionError:  # alive, another user's
             pass
         # a live pid alone is not a holder: a lock file a killed launcher left may name a pid reused since, and
-        # one written by hand may name any (pid 1 is always alive), which made `veriloco audit` skip the signature
-        return pid if _locked_elsewhere(self.lock_path) else None
+        # one written by hand may name any (pid 1 is always alive), which made `veriloco audit` skip the signature;
+        # where locks cannot be asked (ENOLCK), the pid is all there is
+        return pid if _lock_state(self.lock_path) is not False else None
 
     def holder_host(self) -> str | None:
         """The machine named in RUN/.lock when it is not this one (a run directory shared between
@@ -254,8 +261,8 @@ class RunDir:
             raise RunDirError(f"{self.root} is not a run directory: no manifest.json")
         try:
             manifest = json.loads(self.manifest_path.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RunDirError(f"{self.manifest_path} is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # not JSON or UTF-8, a 5000-digit int; nested past the stack
+            raise RunDirError(f"{self.manifest_path} is not valid JSON: {str(e)[:100]}") from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
             raise RunDirError(f"{self.manifest_path} has no config")
         if hashes and (problem := scheme_problem(manifest)) is not None:
@@ -298,7 +305,7 @@ class RunDir:
                 continue
             try:
                 obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):  # not JSON or UTF-8, a 5000-digit int; nested past the stack
                 if i == len(lines) - 1:  # no trailing newline: a torn write
                     break
                 raise RunDirError(f"{path.name} line {i + 1} is not valid JSON") from None
@@ -368,7 +375,7 @@ class RoundsFollower:
                 continue
             try:
                 obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, RecursionError):
                 obj = None
             if not isinstance(obj, dict):
                 raise RunDirError(f"{self.path.name} line {len(self._records) + i + 1} is not a JSON object")

@@ -136,7 +136,7 @@ def _read_json(path: Path, notes: list[str]) -> dict[str, Any] | None:
         return None
     try:
         obj = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+    except (ValueError, RecursionError, OSError) as err:  # ValueError: not JSON or UTF-8, a 5000-digit int
         notes.append(f"{path.name} could not be read ({type(err).__name__}); ignored")
         return None
     if not isinstance(obj, dict):
@@ -156,7 +156,7 @@ def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
             continue
         try:
             obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             if i < len(lines) - 1:  # the last line without a newline is a write in progress
                 notes.append(f"{path.name} line {i + 1} is not valid JSON; skipped")
             continue

@@ -59,7 +59,7 @@ def signed_files(data: bytes) -> dict[str, str]:
     ValueError if `data` is not a signed manifest."""
     try:
         files = json.loads(data)["manifest"]["files"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise ValueError(f"{FILE} is not a signed manifest") from None
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         raise ValueError(f"{FILE} is not a signed manifest")
@@ -81,7 +81,7 @@ def check_signed(
         body, sig, pub = signed["manifest"], signed["signature"], signed["public_key"]
         files = dict(body["files"])
         message = DOMAIN + canonical_json(body)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return f"{FILE} is not a signed manifest"
     if pub != recorder_key or not verify_signature(pub, message, sig):
         return f"{FILE}: the signature is not the recorder's"

@@ -140,7 +140,7 @@ class StoredCorpus:
             self.dtype = dtype_of(kind, cfg.data.bin_dtype)
             if merkle_root([bytes.fromhex(h) for h in chunks]).hex() != root:
                 raise StoreError(f"corpus root {root!r:.80} is not the root of the manifest's chunk hashes")
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, RecursionError) as e:
             raise StoreError(f"corpus manifest {manifest_digest} is malformed: {str(e)[:80]}") from None
         self.store, self.kind, self.chunk_hashes, self.root = store, kind, chunks, root
         self.chunk_bytes, self.size = cfg.data.chunk_bytes, n * self.dtype.itemsize
