@@ -516,6 +516,31 @@ def model_delta() -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.parametrize("fraction", [0.005, 0.01, 0.02, 0.2])
+def test_a_packet_the_controller_says_fits_is_within_its_budget_bytes(fraction: float) -> None:
+    """`[compress] budget_bytes` bounds the packet and its signed commitment (round.DeltaEncoder):
+    with a flat 200 bytes of header a tensor, the default GPT's "fitting" packets were 1.4-2.1 KB
+    over it (their header is 300-390 bytes a tensor). Now each tensor is charged its own header."""
+    from veriloco.config import Config, ModelConfig
+    from veriloco.model import build_model
+    from veriloco.round import COMMITMENT_RESERVE_BYTES, DeltaEncoder
+
+    model = build_model(ModelConfig(), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    delta = {k: torch.randn(p.shape, generator=gen) * 0.01 for k, p in model.named_parameters()}
+    budget = int(sum(4 * v.numel() for v in delta.values()) * fraction)
+    cfg = Config()
+    cfg.compress.codec, cfg.compress.budget_bytes, cfg.compress.error_feedback = "adaptive", budget, False
+    encoder = DeltaEncoder(cfg, {k: tuple(v.shape) for k, v in delta.items()}, None, 4)
+    packet, _, log = encoder.encode(delta, 1.0)
+    if fraction == 0.005:  # 17.5 KB: the smallest rungs' headers alone are more; it said it fit, and sent 18.6 KB
+        assert not log["fits"] and log["min_bytes"] > budget - COMMITMENT_RESERVE_BYTES
+        return
+    assert log["fits"] and len({s for s in log["codecs"].values()}) > 1
+    assert len(packet) + COMMITMENT_RESERVE_BYTES <= budget, (len(packet), budget)
+    assert len(packet) >= 0.97 * (budget - COMMITMENT_RESERVE_BYTES)  # and it spends what it has (97.5-99.9%)
+
+
 def test_controller_picks_fp32_when_budget_is_ample() -> None:
     delta = model_delta()
     ctl = AdaptiveController()

@@ -14,6 +14,7 @@ validates a buffer), so a model-sized fp32 packet is copied once, into the delta
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 import warnings
@@ -46,6 +47,22 @@ def encode_packet(delta: dict[str, torch.Tensor], codecs: dict[str, Codec]) -> b
     return save_bytes(tensors, {"veriloco.packet": canonical_json(meta).decode()})
 
 
+def header_share(key: str, codec: Codec, shape: tuple[int, ...], offset_digits: int = 20) -> int:
+    """At most the bytes tensor `key`, encoded with `codec`, adds to a packet beyond its payload:
+    its parts' safetensors header entries (offsets counted at `offset_digits` digits: 20 holds any;
+    the digits of a bound on the packet's payload are enough, `round.DeltaEncoder`), a comma each) and its
+    codec and shape in the metadata (escaped, as the header holds it). The parts are those of a
+    zero tensor of `shape` (a copy of `codec` encodes it: a stateful codec's state is not touched),
+    which have the names, dtypes and shapes any tensor of it has. `HEADER_FIXED_BYTES` plus these
+    bound a packet's bytes beyond `estimate_bytes` (tests/test_compress.py)."""
+    parts = copy.deepcopy(codec).encode(key, torch.zeros(shape))
+    entries = {f"{key}/{part}": {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [10 ** (offset_digits - 1)] * 2}
+               for part, t in parts.items()}
+    n = len(json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()) - 2 + 1
+    meta = canonical_json({key: codec.spec()})[1:-1] + b"," + canonical_json({key: list(shape)})[1:-1] + b","
+    return n + len(json.dumps(meta.decode(), ensure_ascii=False).encode()) - 2
+
+
 # safetensors' dtypes, in the order `safetensors.torch.save` puts tensors in a file (its Dtype enum,
 # last first); tensors of one dtype go by name (tests/test_packet_inplace.py checks it against save)
 SAVE_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
@@ -69,6 +86,12 @@ def save_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)
     return b"".join([len(raw).to_bytes(8, "little"), raw, *views])
+
+
+# a packet's bytes beyond its tensors' header shares: the length, the header's braces and metadata key, and
+# the padding to 8 bytes
+HEADER_FIXED_BYTES = len(save_bytes({}, {"veriloco.packet": canonical_json(
+    {"format": FORMAT, "codecs": {}, "shapes": {}}).decode()})) + 8
 
 
 def _meta(data: bytes | memoryview, header: dict | None = None) -> dict:

@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from statistics import median_high
 from typing import Any
@@ -92,7 +93,15 @@ from .link import Link, pace
 from .membership import GroupComm, PgComm
 from .model import model_from
 from .outer import OuterOptimizer
-from .packet import decode_bundle, decode_packet, encode_bundle, encode_packet, packet_codecs
+from .packet import (
+    HEADER_FIXED_BYTES,
+    decode_bundle,
+    decode_packet,
+    encode_bundle,
+    encode_packet,
+    header_share,
+    packet_codecs,
+)
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, prune_checkpoints
 from .store import LocalStore, mark_peer, seen_peers
@@ -263,7 +272,6 @@ class Sent:
     batch_root: str = ""  # the root of the batches this worker was assigned for the round (the check's for it)
 
 
-HEADER_BYTES_PER_TENSOR = 200  # measured: 150-190 bytes of safetensors header per tensor and codec
 COMMITMENT_RESERVE_BYTES = 4096  # a signed commitment with its trace is 1-3 KB
 
 
@@ -275,9 +283,12 @@ class DeltaEncoder:
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
         if cfg.compress.codec == "adaptive":
             ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
-            # the budget covers the wire, not just the payload: charge each tensor its share of
-            # the safetensors header (names, dtypes, shapes, offsets, codec spec) ...
-            self.controller: AdaptiveController | None = AdaptiveController(ladder, overhead_bytes_per_tensor=HEADER_BYTES_PER_TENSOR)
+            # the budget covers the wire, not just the payload: charge each tensor its share of the
+            # safetensors header (names, dtypes, shapes, offsets, codec spec), as that codec writes it ...
+            # (its offsets have at most the digits of 8 bytes an element: no rung sends more)
+            digits = len(str(8 * sum(math.prod(s) for s in shapes.values())))
+            self.controller: AdaptiveController | None = AdaptiveController(
+                ladder, overhead_bytes_per_tensor=partial(header_share, offset_digits=digits))
             self.codecs: dict[str, Codec] = {}
         else:
             self.controller = None
@@ -291,7 +302,7 @@ class DeltaEncoder:
             return UNLIMITED_BYTES
         else:
             total = round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s, compute_s, self.workers, self.cfg.safety)
-        return max(total - COMMITMENT_RESERVE_BYTES, 0)  # ... and the signed commitment rides along
+        return max(total - COMMITMENT_RESERVE_BYTES - HEADER_FIXED_BYTES, 0)  # ... the header's own, and the signed commitment
 
     def encode(self, delta: dict[str, torch.Tensor], compute_s: float) -> tuple[bytes, dict[str, torch.Tensor], dict]:
         """(packet, what receivers will decode from it, codec log)."""

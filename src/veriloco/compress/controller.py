@@ -24,7 +24,7 @@ import copy
 import heapq
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -171,17 +171,22 @@ class AdaptiveController:
 
     `ladder`: codec specs to choose from (any order; each tensor uses the ones that are not
     dominated for its shape). `overhead_bytes_per_tensor`: bytes to charge per tensor on top of
-    `estimate_bytes` (the packet header's share), 0 to budget payload only. The controller keeps
+    `estimate_bytes` (the packet header's share), 0 to budget payload only; or a function
+    (key, codec, shape) -> those bytes (round.py passes packet.header_share, the header's own
+    bytes for that tensor and codec: a flat figure undercharged, and a "fitting" packet went over
+    its budget), asked once per tensor and rung. The controller keeps
     one codec object per (key, spec) across rounds, so stateful codecs (PowerSGD's warm start)
     carry over while a tensor stays on the same rung.
     """
 
     def __init__(
-        self, ladder: Sequence[str] = DEFAULT_LADDER, overhead_bytes_per_tensor: int = 0
+        self, ladder: Sequence[str] = DEFAULT_LADDER,
+        overhead_bytes_per_tensor: int | Callable[[str, Codec, tuple[int, ...]], int] = 0,
     ) -> None:
         if isinstance(ladder, str) or not ladder:
             raise ValueError(f"ladder must be a non-empty sequence of codec specs, got {ladder!r}")
-        if not isinstance(overhead_bytes_per_tensor, int) or overhead_bytes_per_tensor < 0:
+        if not callable(overhead_bytes_per_tensor) and (
+                not isinstance(overhead_bytes_per_tensor, int) or overhead_bytes_per_tensor < 0):
             raise ValueError(
                 f"overhead_bytes_per_tensor={overhead_bytes_per_tensor!r} must be >= 0"
             )
@@ -193,6 +198,17 @@ class AdaptiveController:
         self.ladder = tuple(specs)
         self.overhead_bytes_per_tensor = overhead_bytes_per_tensor
         self._codecs: dict[tuple[str, str], Codec] = {}
+        self._overheads: dict[tuple[str, str, tuple[int, ...]], int] = {}
+
+    def _bytes(self, key: str, spec: str, shape: tuple[int, ...]) -> int:
+        """A tensor's bytes on rung `spec`: its payload and its share of the packet's header."""
+        codec = self.codec(key, spec)
+        over = self.overhead_bytes_per_tensor
+        if callable(over):
+            if (key, spec, shape) not in self._overheads:
+                self._overheads[(key, spec, shape)] = int(over(key, codec, shape))
+            over = self._overheads[(key, spec, shape)]
+        return codec.estimate_bytes(shape) + over
 
     def kept(self) -> dict[tuple[str, str], Codec]:
         """(tensor, spec) -> every codec object kept so far (some hold sender state)."""
@@ -215,7 +231,7 @@ class AdaptiveController:
         options = []
         for rank, spec in enumerate(self.ladder):
             codec = self.codec(key, spec)
-            size = codec.estimate_bytes(shape) + self.overhead_bytes_per_tensor
+            size = self._bytes(key, spec, shape)
             if measured:
                 # A throwaway copy: measuring must not advance a stateful codec's warm start.
                 probe = copy.deepcopy(codec)
@@ -243,12 +259,11 @@ class AdaptiveController:
         keys = sorted(tensors)
         shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(int(d) for d in v)
                   for k, v in tensors.items()}
-        sizes = {k: self.codec(k, LOSSLESS).estimate_bytes(shapes[k]) + self.overhead_bytes_per_tensor for k in keys}
+        sizes = {k: self._bytes(k, LOSSLESS, shapes[k]) for k in keys}
         total = sum(sizes.values())
         if total > budget_bytes:
             return None
-        smallest = sum(min(self.codec(k, spec).estimate_bytes(shapes[k]) for spec in self.ladder)
-                       + self.overhead_bytes_per_tensor for k in keys)
+        smallest = sum(min(self._bytes(k, spec, shapes[k]) for spec in self.ladder) for k in keys)
         log = {
             "budget_bytes": budget_bytes, "total_bytes": total, "min_bytes": smallest, "max_bytes": total,
             "fits": True, "measured": False,  # nothing to measure: fp32's error is 0
