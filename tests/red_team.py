@@ -135,6 +135,47 @@ class Framer(Adversary):
         return {k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()}
 
 
+class ScoreForger(Adversary):
+    """Trains and audits honestly, but in the collective that spreads the auditors' replay scores
+    (round.replay_audits) it writes a failure, 1e6, into every other audit's slot of what it sends:
+    with a MAX all-reduce every member read that as the auditor's report, replayed, saw the replay
+    pass, and convicted the honest auditor of a false report (a review's find, thirty-eighth session)."""
+
+    kind = "score_forger"
+
+    def __init__(self, worker, seed, **params):
+        super().__init__(worker, seed, **params)
+        import torch
+        import torch.distributed as dist
+
+        from veriloco.membership import GroupComm
+
+        self.mine: set[int] = set()
+        me, all_reduce, all_gather = self, GroupComm.all_reduce, GroupComm.all_gather
+
+        def forged(t):
+            if t.dtype == torch.float64 and t.dim() == 1 and t.numel() == 4:  # the scores: one slot a worker
+                for j in range(t.numel()):
+                    if j != me.worker and j not in me.mine:
+                        t[j] = 1e6
+                me.mine = set()
+
+        def forge_reduce(comm, t, op=dist.ReduceOp.SUM):
+            if op == dist.ReduceOp.MAX:
+                forged(t)
+            return all_reduce(comm, t, op)
+
+        def forge_gather(comm, out, t):
+            forged(t)
+            return all_gather(comm, out, t)
+
+        GroupComm.all_reduce, GroupComm.all_gather = forge_reduce, forge_gather  # this worker's process only
+
+    def audit_report(self, r, worker, score):
+        self.mine.add(worker)
+        return score
+
+
 class StateLiar(Adversary):
     """Trains honestly; as an auditor it always says the start state it was sent in private did not
     hash to the trace (entry 0 at the latest), a report no one can pin on it the first time: it

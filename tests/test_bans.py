@@ -61,6 +61,21 @@ def test_a_false_accuser_is_convicted_and_banned_and_its_victims_are_not(accuser
     assert report.ok, report.first_failure
 
 
+def test_a_worker_cannot_report_for_another_auditor(tmp_path):
+    """Worker 3 (red_team.ScoreForger) writes a failed replay into every audit's slot but its own:
+    honest auditors were convicted of false reports and banned (workers 0 and 2 in round 0, by
+    hand). Only an audit's auditor speaks for it now: every worker is accepted, no one is banned,
+    and the offline audit agrees."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    run, _ = train(tiny(*BASE, "--adversary.3=red_team:ScoreForger"), str(tmp_path / "r"), quiet=True)
+    records = rounds_of(run.root)
+    assert all(rec["verdicts"] == [ACCEPT] * 4 and not rec.get("banned") for rec in records), \
+        [(rec["verdicts"], rec.get("banned")) for rec in records]
+    assert sum("replayed" in e for rec in records for e in rec["evidence"].values()) >= 3  # the audits ran
+    report = audit_run(run.root, replay=100)
+    assert report.ok and report.checked["replays"] >= 3, report.first_failure
+
+
 def test_without_bans_a_convicted_worker_is_judged_again_each_round(tmp_path):
     run, _ = train(tiny(*BASE, "--verify.ban=false", "--adversary.1=lazy:skip=0.5"), str(tmp_path / "b"), quiet=True)
     assert verdicts_of(run.root, 1) == ["replay_mismatch"] * 3

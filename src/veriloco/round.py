@@ -934,9 +934,12 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         if a.auditor == w.worker and G_r is not None:
             mine[a.worker] = replay(a)
             scores[a.worker] = w.adversary.audit_report(r, a.worker, mine[a.worker]) if w.adversary else mine[a.worker]
-    part.comm.all_reduce(scores, op=dist.ReduceOp.MAX)  # the auditor's number reaches everyone
+    # the auditor's number reaches everyone: each member's row is its own, and only the auditor's row counts for
+    # its audit (a MAX all-reduce let any member raise any slot, and framed an honest auditor as a false reporter)
+    rows = [torch.empty_like(scores) for _ in part.members]
+    part.comm.all_gather(rows, scores)
     for a in audits:
-        reported = float(scores[a.worker])
+        reported = float(rows[part.members.index(a.auditor)][a.worker]) if a.auditor in part.members else -1.0
         if not replay_failed(cfg.verify, reported):
             check.evidence.setdefault(a.worker, {})["replayed"] = replay_evidence(cfg.verify, a, reported)
             if a.worker in check.suspects:
