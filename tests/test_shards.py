@@ -45,6 +45,25 @@ def test_the_shards_are_one_corpus_of_their_tokens(tmp_path, max_bytes):
     assert np.array_equal(task.corpus.tokens[0:len(expected)], expected)  # what the workers read from the store
 
 
+def test_a_corpus_of_more_chunks_than_a_manifest_holds_is_refused_before_it_is_stored(tmp_path, monkeypatch):
+    """Workers and the audit read a corpus manifest of at most MAX_CORPUS_MANIFEST bytes (about a
+    million 64 KiB chunks, 61 GiB): a larger corpus prepared, then none of them opened it. Shown
+    here with the limit lowered to 20 chunks' worth."""
+    from veriloco import data
+
+    d, tokens = _shards(tmp_path)
+    monkeypatch.setattr(data, "MAX_CORPUS_MANIFEST", 20 * data.MANIFEST_BYTES_PER_CHUNK + 4096)
+    cfg = tiny(f"--data.source={d}", "--data.chunk_bytes=1024")  # 30,002 bytes: 30 chunks
+    with pytest.raises(DataError, match=r"makes 30 chunks of data.chunk_bytes = 1024, more than a corpus manifest "
+                                        r"holds: set data.chunk_bytes >= 2048"):
+        prepare_corpus(cfg.data, 256, 32)
+    assert prepare_corpus(tiny(f"--data.source={d}", "--data.chunk_bytes=2048").data, 256, 32).root
+    text = tmp_path / "t.txt"  # a text source's chunks are counted as they are hashed, before any is stored
+    text.write_bytes(b"some text\n" * 3000)
+    with pytest.raises(DataError, match="makes 30 chunks"):
+        prepare_corpus(tiny(f"--data.source={text}", "--data.chunk_bytes=1024").data, 256, 32)
+
+
 def test_a_run_trains_on_shards(tmp_path, monkeypatch, capsys):
     d, _ = _shards(tmp_path)
     code, lines, out = cli(monkeypatch, capsys, "train", "configs/tiny.toml", f"--data.source={d}", "--train.rounds=1",
@@ -66,6 +85,10 @@ def test_shards_that_do_not_add_up_are_one_line(tmp_path, monkeypatch, capsys):
     short = tmp_path / "short.bin"
     llmc_shard(short, np.arange(100, dtype=np.uint16), count=101)
     bad["its llm.c header says 101 tokens, the file holds 100"] = [f"--data.source={short}"]
+    other = tmp_path / "v2.bin"  # llm.c's magic, another version: its 1024 header bytes were read as 512 tokens
+    llmc_shard(other, np.arange(100, dtype=np.uint16), version=2)
+    bad["its llm.c header \\(magic 20240520\\) has version 2, not 1: a layout veriloco does not read"] = \
+        [f"--data.source={other}"]
     odd = tmp_path / "odd" / "a.bin"
     odd.parent.mkdir()
     odd.write_bytes(b"\0" * 4097)

@@ -136,6 +136,41 @@ def test_bad_tokenizer_input_is_one_line(tmp_path, tokenizer_file, monkeypatch, 
     assert not (tmp_path / "w.bin").exists()
 
 
+def test_ids_past_uint16_are_written_and_read_as_uint32(tmp_path, monkeypatch, capsys):
+    """`veriloco tokenize` chose uint16 by the vocabulary's size (3 here), so the id 70000 wrapped to
+    4464; and a uint32 .bin read with the default bin_dtype = uint16 trained on twice its tokens,
+    every other one a high half-word. Now the dtype follows the largest id, and the run refuses the
+    uint16 read in one line."""
+    tok = tmp_path / "wide.json"
+    tok.write_text(json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+                               "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+                               "decoder": None, "model": {"type": "WordLevel", "unk_token": "[UNK]",
+                                                          "vocab": {"[UNK]": 0, "hello": 1, "world": 70000}}}))
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 400)
+    out = tmp_path / "t.bin"
+    code, lines, stdout = cli(monkeypatch, capsys, "tokenize", str(text), "--tokenizer", str(tok), "--out", str(out))
+    assert code == 0, lines
+    assert np.fromfile(out, dtype=np.uint32)[:4].tolist() == [1, 70000, 1, 70000]
+    with pytest.raises(DataError, match="data.tokenizer has ids up to 70000, past uint16, but data.bin_dtype = uint16"):
+        load_corpus(tiny(f"--data.source={out}", f"--data.tokenizer={tok}", "--model.vocab_size=70001").data, 70001, 32)
+    corpus = load_corpus(tiny(f"--data.source={out}", f"--data.tokenizer={tok}", "--data.bin_dtype=uint32",
+                              "--model.vocab_size=70001").data, 70001, 32)
+    assert len(corpus.tokens) == 800
+
+
+def test_a_text_without_newlines_is_tokenized_in_bounded_pieces(monkeypatch):
+    """Pieces were cut only after a newline, so a one-line text (a minified dump) was one piece,
+    and its encoding held about 70 times its size (548 MB for 8 MB, against 78 MB with newlines)."""
+    from veriloco import data
+
+    one_line = ("word " * 400_000).encode()  # 2 MB, no newline
+    pieces = data._pieces(one_line)
+    assert len(pieces) >= len(one_line) // data.MAX_PIECE
+    assert max(len(p.encode()) for p in pieces) <= data.MAX_PIECE and all(p.endswith(" ") for p in pieces[:-1])
+    assert "".join(pieces).encode() == one_line
+
+
 def test_a_stored_corpus_of_an_unknown_kind_is_refused():
     from veriloco.data import corpus_from_raw
 
@@ -181,13 +216,23 @@ def test_a_big_text_source_is_tokenized_a_document_at_a_time_into_a_bin(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".txt")) == ["docs.bin"]
 
 
-def _pieces_cut_whole(text: bytes, piece: int) -> list[str]:
-    """How the text was cut for the tokenizer when it was held whole: after the first newline past
-    every `piece` bytes."""
+def _pieces_cut_whole(text: bytes, piece: int, most: int) -> list[str]:
+    """How the text is cut for the tokenizer, held whole: after the first newline past `piece`
+    bytes of a piece, if one comes before `most` bytes; else after the last space before `most`,
+    else before the UTF-8 character that would cross `most` (data._pieces' rule, written out)."""
     out, start = [], 0
     while start < len(text):
-        cut = text.find(b"\n", start + piece)
-        end = len(text) if cut < 0 else cut + 1
+        cut = text.find(b"\n", start + piece, start + most)
+        if cut >= 0:
+            end = cut + 1
+        elif len(text) - start <= most:
+            end = len(text)
+        elif (space := text.rfind(b" ", start + piece, start + most)) >= 0:
+            end = space + 1
+        else:
+            end = start + most
+            while end > start + piece and text[end] & 0xC0 == 0x80:
+                end -= 1
         out.append(text[start:end].decode("utf-8", errors="replace"))
         start = end
     return out
@@ -199,12 +244,18 @@ def test_text_read_in_blocks_is_cut_into_the_pieces_of_the_whole(monkeypatch):
     from veriloco import data
 
     monkeypatch.setattr(data, "TOKENIZE_PIECE", 50)
+    monkeypatch.setattr(data, "MAX_PIECE", 200)
     rng = np.random.default_rng(0)
-    for _ in range(200):
-        text = bytes(rng.choice(np.frombuffer(b"ab \n\xc3\xa9", dtype=np.uint8), int(rng.integers(0, 700))))
+    longest = 0
+    for i in range(400):  # some texts with newlines and spaces, some with only one of them, some with neither
+        alphabet = [b"ab \n\xc3\xa9", b"ab \xc3\xa9", b"ab\n\xc3\xa9", b"ab\xc3\xa9", b"\xe2\x82\xac"][i % 5]
+        text = bytes(rng.choice(np.frombuffer(alphabet, dtype=np.uint8), int(rng.integers(0, 900))))
         cuts = sorted(rng.integers(0, len(text) + 1, int(rng.integers(0, 12))))
         blocks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        assert list(data._pieces_of(blocks)) == _pieces_cut_whole(text, 50)
+        pieces = list(data._pieces_of(blocks))
+        assert pieces == _pieces_cut_whole(text, 50, 200)
+        longest = max(longest, *(len(p.encode()) for p in pieces), 0)
+    assert longest <= 200 * 3  # U+FFFD of a stray byte is 3 bytes: never a piece as long as the text
 
 
 @pytest.mark.parametrize("max_bytes", [0, 5001])
@@ -233,7 +284,7 @@ def test_text_is_prepared_as_a_stream_as_if_read_whole(tmp_path, tokenizer_file,
     tok, names = tokenizers.Tokenizer.from_file(str(tokenizer_file)), sorted(files)
 
     def ids_of(text: bytes) -> list[int]:
-        return [i for e in tok.encode_batch(_pieces_cut_whole(text, 97), add_special_tokens=False) for i in e.ids]
+        return [i for e in tok.encode_batch(_pieces_cut_whole(text, 97, data.MAX_PIECE), add_special_tokens=False) for i in e.ids]
 
     if mode == "eos":  # each document, cut to max_bytes in all, then the eos token
         ids, left = [], max_bytes or sum(map(len, files.values()))

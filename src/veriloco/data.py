@@ -103,6 +103,21 @@ def corpus_manifest(kind: str, dtype: str, chunk_bytes: int, eval_fraction: floa
             "chunks": chunk_hashes, "root": root, "tokens": int(tokens)}
 
 
+MAX_CORPUS_MANIFEST = 64 << 20  # bytes of a stored corpus manifest that a worker and the audit read (task.py)
+MANIFEST_BYTES_PER_CHUNK = 67  # a chunk's hash in it: 64 hex digits, quotes and a comma
+
+
+def check_chunk_count(chunks: int, cfg: DataConfig) -> None:
+    """DataError when a corpus of `chunks` chunks makes a manifest larger than the workers read
+    (MAX_CORPUS_MANIFEST: about a million chunks, 61 GiB at the default 64 KiB chunks), naming a
+    chunk_bytes that fits: before, such a corpus prepared, then no worker (nor the audit) opened it."""
+    if chunks * MANIFEST_BYTES_PER_CHUNK + 4096 > MAX_CORPUS_MANIFEST:
+        size = chunks * cfg.chunk_bytes
+        fits = 1 << (-(-size * MANIFEST_BYTES_PER_CHUNK // (MAX_CORPUS_MANIFEST - 4096)) - 1).bit_length()
+        raise DataError(f"the corpus ({size / 2**30:.1f} GiB) makes {chunks} chunks of data.chunk_bytes = "
+                        f"{cfg.chunk_bytes}, more than a corpus manifest holds: set data.chunk_bytes >= {fits}")
+
+
 def eval_start_of(n_tokens: int, eval_fraction: float, ctx: int) -> int:
     """Where a corpus of `n_tokens` starts its held-out tail; DataError when it is too small for `ctx`."""
     start = int(n_tokens * (1 - eval_fraction))
@@ -213,7 +228,10 @@ def _shard(path: Path, bin_dtype: str) -> Shard:
         head = f.read(12)
     magic, version, count = (int.from_bytes(head[i:i + 4], "little", signed=True) for i in (0, 4, 8)) \
         if len(head) == 12 else (None, None, None)
-    if magic in LLMC_HEADERS and version == LLMC_HEADERS[magic][0]:
+    if magic in LLMC_HEADERS and version != LLMC_HEADERS[magic][0]:  # its header would be read as tokens
+        raise DataError(f"{path}: its llm.c header (magic {magic}) has version {version}, not "
+                        f"{LLMC_HEADERS[magic][0]}: a layout veriloco does not read")
+    if magic in LLMC_HEADERS:
         dtype = LLMC_HEADERS[magic][1]
         if dtype != bin_dtype:
             raise DataError(f"{path} holds {dtype} tokens (its llm.c header says so) but data.bin_dtype = {bin_dtype}: "
@@ -273,12 +291,25 @@ def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
     return tokenizer_json
 
 
+def check_bin_tokenizer(cfg: DataConfig, tokenizer_json: bytes | None) -> None:
+    """DataError when a .bin source's tokenizer has ids past uint16 and data.bin_dtype is uint16:
+    `veriloco tokenize` wrote uint32 for it, and read as uint16 every id became two (the corpus
+    twice as long, every other token the high half of one)."""
+    if tokenizer_json is None or cfg.bin_dtype != "uint16":
+        return
+    top = max(load_tokenizer(tokenizer_json).get_vocab(with_added_tokens=True).values(), default=0)
+    if top >= 1 << 16:
+        raise DataError(f"data.tokenizer has ids up to {top}, past uint16, but data.bin_dtype = uint16: a .bin of its "
+                        "ids holds uint32 (as veriloco tokenize writes it): set data.bin_dtype = uint32")
+
+
 def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Read the corpus named by `cfg.source` whole and check it fits the model (the prepare step
     streams it instead, to the same chunks: `prepare_corpus`)."""
     shards = token_shards(cfg)
     tokenizer_json = read_tokenizer(cfg, vocab_size)
     if shards is not None:  # a .bin's tokenizer is what made its ids: kept, not rerun
+        check_bin_tokenizer(cfg, tokenizer_json)
         size = used_bytes(shards, cfg)  # read no more than is used
         raw, kind = b"".join(read_shards(shards, size, max(size, 1))), "bin"
     elif tokenizer_json is None:
@@ -359,6 +390,7 @@ def document_ids(tok, docs: list[tuple[str, Path]], eos_id: int | None, max_byte
 
 
 TOKENIZE_PIECE = 1 << 18  # the text is tokenized in pieces of about this many bytes, cut after a newline
+MAX_PIECE = 4 * TOKENIZE_PIECE  # ... and never more: text without a newline is cut after a space (or a character)
 
 
 def load_tokenizer(tokenizer_json: bytes, vocab_size: int | None = None, what: str = "data.tokenizer"):
@@ -380,20 +412,40 @@ def load_tokenizer(tokenizer_json: bytes, vocab_size: int | None = None, what: s
 
 
 def _pieces(text: bytes) -> list[str]:
-    """`text` cut after the first newline past every TOKENIZE_PIECE bytes, each piece decoded
-    (UTF-8; undecodable bytes become U+FFFD)."""
+    """`text` cut into pieces, each decoded (UTF-8; undecodable bytes become U+FFFD): a piece ends
+    after its first newline past TOKENIZE_PIECE bytes; where none comes before MAX_PIECE bytes,
+    after its last space before MAX_PIECE, else before the UTF-8 character that would cross it. A
+    pure function of the bytes, so pieces (and ids) do not depend on how the text is read."""
     return list(_pieces_of([text]))
+
+
+def _piece_end(buf: bytearray) -> int:
+    """Where a piece of MAX_PIECE bytes or more without a newline past TOKENIZE_PIECE ends."""
+    space = buf.rfind(b" ", TOKENIZE_PIECE, MAX_PIECE)
+    if space >= 0:
+        return space + 1
+    end = MAX_PIECE
+    while end > TOKENIZE_PIECE and buf[end] & 0xC0 == 0x80:  # not inside a character's bytes
+        end -= 1
+    return end
 
 
 def _pieces_of(blocks: Iterable[bytes]) -> Iterator[str]:
     """`_pieces` of the bytes `blocks` make one after another, as they come: it holds one piece
-    (and the block that ends it), not the text."""
+    (and the block that ends it), not the text. Before MAX_PIECE, a text without newlines (a
+    one-line dump) was one piece, and its encoding held about 70 times its size."""
     buf, scanned = bytearray(), TOKENIZE_PIECE
     for block in blocks:
         buf += block
-        while (cut := buf.find(b"\n", scanned)) >= 0:
-            yield buf[: cut + 1].decode("utf-8", errors="replace")
-            del buf[: cut + 1]
+        while True:
+            if (cut := buf.find(b"\n", scanned, MAX_PIECE)) >= 0:
+                end = cut + 1
+            elif len(buf) > MAX_PIECE:
+                end = _piece_end(buf)
+            else:
+                break
+            yield buf[:end].decode("utf-8", errors="replace")
+            del buf[:end]
             scanned = TOKENIZE_PIECE
         scanned = max(TOKENIZE_PIECE, len(buf))
     if buf:
@@ -443,7 +495,8 @@ def tokenize_to_bin(source: str, tokenizer: str | Path, out: str | Path, eos: st
     eos_id = tok.token_to_id(eos) if eos else None
     if eos and eos_id is None:
         raise DataError(f"eos {eos!r:.60} is not a token of {tokenizer}")
-    dtype = "uint16" if tok.get_vocab_size() <= 1 << 16 else "uint32"
+    # by the largest id, not the vocabulary's size: ids need not be dense (70000 in a vocabulary of 3 wrapped)
+    dtype = "uint16" if max(tok.get_vocab(with_added_tokens=True).values(), default=0) < 1 << 16 else "uint32"
     docs = documents(source)
     try:
         made = make_dirs(out.parent)
@@ -517,6 +570,8 @@ def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int, scratch: str | os
     if shards is not None:
         size = used_bytes(shards, cfg)
         eval_start_of(size // np.dtype(cfg.bin_dtype).itemsize, cfg.eval_fraction, ctx)  # before reading it all
+        check_chunk_count(-(-size // cfg.chunk_bytes), cfg)
+        check_bin_tokenizer(cfg, tokenizer_json)
         return _prepared("bin", cfg, vocab_size, ctx, tokenizer_json, lambda: read_shards(shards, size, cfg.chunk_bytes))
     if tokenizer_json is None:
         return _prepared("text", cfg, vocab_size, ctx, None, lambda: _rechunk(text_blocks(cfg.source, cfg.max_bytes),
@@ -550,6 +605,7 @@ def _prepared(kind: str, cfg: DataConfig, vocab_size: int, ctx: int, tokenizer_j
             carry = data[whole:]
     check_ids(kind, top if kind != "text" else None, vocab_size)
     eval_start_of(size // dtype.itemsize, cfg.eval_fraction, ctx)
+    check_chunk_count(len(hashes), cfg)  # (a .bin's was checked before it was read)
     root = merkle_root([bytes.fromhex(h) for h in hashes]).hex()
     manifest = corpus_manifest(kind, str(dtype), cfg.chunk_bytes, cfg.eval_fraction, hashes, root, size // dtype.itemsize)
     return PreparedCorpus(root, manifest, tokenizer_json, chunks, close)

@@ -20,7 +20,16 @@ import torch
 from torch import nn
 
 from .config import Config
-from .data import Corpus, batch, check_ids, corpus_from_raw, dtype_of, eval_batches, eval_start_of
+from .data import (
+    MAX_CORPUS_MANIFEST,
+    Corpus,
+    batch,
+    check_ids,
+    corpus_from_raw,
+    dtype_of,
+    eval_batches,
+    eval_start_of,
+)
 from .ledger.merkle import root as merkle_root
 from .model import build_model, lm_loss, load_params, model_from
 from .store import LocalStore, StoreError
@@ -115,7 +124,7 @@ def _gpt_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
 
 def load_stored_corpus(store: LocalStore, manifest_digest: str, cfg: Config) -> Corpus:
     """Rebuild the corpus from the run's store, checking every chunk and the Merkle root."""
-    man = json.loads(store.get(manifest_digest, max_bytes=64 << 20))
+    man = json.loads(store.get(manifest_digest, max_bytes=MAX_CORPUS_MANIFEST))
     raw = b"".join(store.get(h) for h in man["chunks"])
     corpus = corpus_from_raw(raw, man["kind"], cfg.data, cfg.model.vocab_size, cfg.model.ctx)
     if corpus.root != man["root"]:
@@ -133,7 +142,7 @@ class StoredCorpus:
     `data.eval_batches` read, as of a `Corpus`; the batches are the same tokens bit for bit."""
 
     def __init__(self, store: LocalStore, manifest_digest: str, cfg: Config, cache_chunks: int = 256) -> None:
-        raw = store.get(manifest_digest, max_bytes=64 << 20)
+        raw = store.get(manifest_digest, max_bytes=MAX_CORPUS_MANIFEST)
         try:
             man = json.loads(raw)
             kind, chunks, n, root = man["kind"], list(man["chunks"]), int(man["tokens"]), man["root"]
