@@ -130,3 +130,84 @@ def test_packet_round_trip_and_rejections():
     bad = encode_packet({"a.weight": torch.full((3, 4), float("nan")), "b": torch.zeros(5)}, {k: codec for k in delta})
     with pytest.raises(PacketError, match="non-finite"):
         decode_packet(bad, shapes, 1 << 20)
+
+
+def test_a_store_entry_that_is_no_regular_file_is_a_store_error(tmp_path):
+    """A FIFO where a blob goes hung the audit (its size, 0, passed the limit, then its read waited
+    forever); a directory was an IsADirectoryError (exit 2, not a failed audit). Both are now a
+    StoreError, as a missing or corrupt blob is; so is a ref that is a directory."""
+    import os
+
+    store = LocalStore(tmp_path / "s")
+    digest = store.put(b"blob")
+    store.path_of(digest).unlink()
+    os.mkfifo(store.path_of(digest))
+    with pytest.raises(StoreError, match="is not a regular file"):
+        store.get(digest, max_bytes=1 << 20)
+    with pytest.raises(StoreError, match="is not a regular file"):
+        store.verify(digest)
+    store.path_of(digest).unlink()
+    store.path_of(digest).mkdir()
+    with pytest.raises(StoreError, match="is not a regular file"):
+        store.get(digest)
+    (tmp_path / "s" / "refs" / "runs" / "x.sig.json").mkdir(parents=True)
+    with pytest.raises(StoreError, match="is not a regular file"):
+        store.get_ref("runs/x.sig.json")
+    big = store.put(b"x" * 100)
+    with pytest.raises(StoreError, match="over the limit 99"):
+        store.get(big, max_bytes=99)
+
+
+def test_a_staged_blob_stays_locked_until_it_is_adopted(tmp_path, monkeypatch):
+    """prepare_run closes G_0's staged file for its digest long before it adopts it (it stores the
+    corpus meanwhile): closing let go of the lock, and the next StagedBlob in the directory deleted
+    it as a killed process's leftover once it was a minute old."""
+    import os
+
+    from veriloco.store import StagedBlob
+
+    with StagedBlob(tmp_path) as g0:
+        g0.write(b"G_0 bytes")
+        digest = g0.close()
+        os.utime(g0.path, (0, 0))  # written long ago
+        with StagedBlob(tmp_path):  # another launcher's, in the same directory
+            pass
+        assert g0.path.exists()
+        assert LocalStore(tmp_path / "store").adopt(g0) == digest
+    assert LocalStore(tmp_path / "store").get(digest) == b"G_0 bytes"
+
+
+def test_a_staged_blob_adopted_across_filesystems_is_whole_or_absent(tmp_path, monkeypatch):
+    """Across filesystems (--out a mount point) the move was a copy straight to the blob's name: a
+    full disk left a partial blob there, which every later run then failed on as corrupt."""
+    import errno
+    import os
+    import shutil
+
+    from veriloco import store as store_mod
+    from veriloco.store import StagedBlob
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(store_mod.os, "rename", cross_device)
+    store = LocalStore(tmp_path / "store")
+    copy = shutil.copyfileobj
+
+    def disk_full(src, dst, length=0):
+        dst.write(src.read(3))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with StagedBlob(tmp_path) as blob:
+        blob.write(b"G_0 bytes" * 100)
+        monkeypatch.setattr(store_mod.shutil, "copyfileobj", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            store.adopt(blob)
+        digest = blob.digest
+    assert not store.has(digest) and not any(p.name.startswith(".tmp") for p in store.path_of(digest).parent.iterdir())
+    monkeypatch.setattr(store_mod.shutil, "copyfileobj", copy)
+    with StagedBlob(tmp_path) as blob:
+        blob.write(b"G_0 bytes" * 100)
+        assert store.adopt(blob) == digest
+    assert store.get(digest) == b"G_0 bytes" * 100 and not blob.path.exists()
+    assert oct(os.stat(store.path_of(digest)).st_mode & 0o777) == "0o644"

@@ -97,7 +97,7 @@ from .round import (
     trace_entries,
 )
 from .signing import FILE as SIGNED_FILE
-from .signing import check_signed, signed_files
+from .signing import check_signed, read_listed, signed_files
 from .store import LocalStore, StoreError, check_digest, open_store, run_ref
 from .task import (
     CorpusTask,
@@ -227,7 +227,7 @@ class DirSources(Sources):
         self.run = RunDir(run_dir)
         self.manifest = self.run.read_manifest()  # RunDirError: not a run directory
         self.description = str(self.run.root)
-        self.store = LocalStore(self.run.store_dir)
+        self.store = LocalStore(self.run.store_dir, create=False)  # (an audit made an empty store/ in a run without one)
 
     def load(self) -> Loaded:
         live = self.run.holder()  # before the records: a run that ends meanwhile is audited as in progress
@@ -254,8 +254,7 @@ class DirSources(Sources):
         return SqliteLedger(self.run.root / "ledger.sqlite")
 
     def read(self, name: str, digest: str) -> bytes | None:
-        p = self.run.root / name
-        return p.read_bytes() if ".." not in Path(name).parts and p.is_file() else None
+        return read_listed(self.run.root, name)
 
 
 class StoreSources(Sources):

@@ -527,15 +527,25 @@ def restore(w: Worker, next_round: int) -> None:
                  for j, x in rounds.items()}
 
 
-def state_history(path: Path, workers: int, next_round: int) -> dict[int, int]:
+def state_history(path: Path, workers: int, next_round: int, run_id: str | None = None,
+                  process: int | None = None) -> dict[int, int]:
     """worker -> the round of its newest decoded delta, from a private state file's metadata
-    (finish_round); ValueError naming the file when it is not that (run.resume checks it first)."""
+    (finish_round); ValueError naming the file when it is not that (run.resume checks it first):
+    with `run_id` and `process`, also when its metadata names another run, process or round (files
+    written before the thirty-eighth session name none)."""
     try:
         with safe_open(str(path), "pt") as f:
-            raw = (f.metadata() or {}).get("history", "{}")
+            meta = f.metadata() or {}
+        raw = meta.get("history", "{}")
         rounds = {int(j): int(x) for j, x in json.loads(raw).items()}
     except Exception as e:  # a torn or foreign file: say which, in one line
         raise ValueError(f"{path} is not a private state file veriloco wrote ({type(e).__name__})") from None
+    if run_id is not None and "run_id" in meta:
+        want = {"run_id": run_id, "process": str(process), "round": str(next_round - 1)}
+        got = {k: meta.get(k) for k in want}
+        if got != want:
+            raise ValueError(f"{path} is the private state of run {str(got['run_id'])[:16]}, process {got['process']:.8}, "
+                             f"round {got['round']:.8}, not of run {run_id[:16]}, process {process}, round {next_round - 1}")
     if any(not (0 <= j < workers and 0 <= x < next_round) for j, x in rounds.items()):
         raise ValueError(f"{path}: its 'history' metadata is not a map of worker -> earlier round: {raw[:80]!r}")
     return rounds
@@ -1294,10 +1304,13 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         return tensors_digest(ckpt, {"round": str(r)}) if w.worker == 0 else None
 
     # the private state is written (and synced) on a thread while the checkpoint is hashed and written here
-    ckpt_digest, _ = alongside(checkpoint, lambda: write_tensors_file(state_dir / f"state-{r}.safetensors", state,
-                                                                      {"history": history}))
+    whose = {"history": history, "run_id": w.identity.run_id, "process": str(w.rank), "round": str(r)}  # (resume checks)
+    ckpt_digest, _ = alongside(checkpoint, lambda: write_tensors_file(state_dir / f"state-{r}.safetensors", state, whose))
     params_hash = w.outer.params_hash()
-    stale = state_dir / f"state-{r - 2}.safetensors"  # keep two: the record of r may not exist yet
+    # keep two (the record of r may not exist yet), and a process other than the recorder three: it can reach round
+    # r's finish while the records end at r - 2 (with delay 1, a recorder slow to write them; then a kill), and a
+    # resume from there needs state r - 2 of every process
+    stale = state_dir / f"state-{r - 2 - (not w.is_recorder)}.safetensors"
     if stale.exists():
         stale.unlink()
     commitments = [check.commitments.get(j) for j in range(W)]
@@ -1699,7 +1712,8 @@ def train_worker(
         if keep and (w.writes_checkpoints or w.is_recorder):  # after the record that names the newer ones is written
             prune_checkpoints(w.store, recent, keep)
 
-    for r in range(start_round, end + cfg.outer.delay):
+    # (a resume with nothing left to run, --stop-after at the rounds recorded, runs no round: with delay 1 it ran one)
+    for r in range(start_round, end + cfg.outer.delay if end > start_round else start_round):
         if r < end:
             sent = run_inner_and_send(w, r, land if cfg.outer.overlap_steps else None, poll if defer else None)
         if cfg.outer.delay == 0:

@@ -521,7 +521,7 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
         if not state.exists():
             raise RunDirError(f"process {rank} has no saved state for round {done - 1} in {run.root}")
         try:
-            state_history(state, cfg.topology.workers, done)
+            state_history(state, cfg.topology.workers, done, manifest["run_id"], rank)
         except ValueError as e:
             raise RunDirError(str(e)) from None
     if done and cfg.ledger.backend == "sqlite":
@@ -548,7 +548,11 @@ def _sign_recorded(run: RunDir, cfg: Config, records: list[dict]) -> dict:
     from .round import open_ledger
     from .signing import FILE
 
-    if (run.root / FILE).is_file():
+    try:
+        finished = json.loads(run.summary_path.read_text()).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        finished = False
+    if finished and (run.root / FILE).is_file():  # else its last act stopped part way (signed, not published): redone
         raise RunDirError(f"{run.root} is already complete ({len(records)}/{cfg.train.rounds} rounds)")
     if cfg.ledger.backend == "sqlite":
         check_ledger(run, records)
@@ -601,6 +605,14 @@ def check_ledger(run: RunDir, records: list[dict]) -> None:
         raise RunDirError(f"{path} holds {held} entries for the run's {done} recorded rounds")
     if records[-1].get("entry") not in (None, last):
         raise RunDirError(f"{path}: entry {done - 1} is not the one round {done - 1}'s record names")
+    from .ledger.entry import parse_entry
+
+    with SqliteLedger(path) as ledger:  # what a resume starts from (the newest two rounds, with delay 1) is the ledger's
+        for r in range(max(0, done - 2), done):
+            entry = parse_entry(ledger.entry_bytes(r))
+            claimed = (entry["subject"][0]["digest"]["sha256"], entry["predicate"].get("params_hash"))
+            if (records[r].get("checkpoint"), records[r].get("params_hash") if claimed[1] else None) != claimed:
+                raise RunDirError(f"{run.rounds_path}: round {r}'s checkpoint or params hash is not its ledger entry's")
 
 
 def check_chain(cfg: Config) -> None:

@@ -46,12 +46,22 @@ def check_signed_manifest(run: RunDir, recorder_key: str, checkpoint: str) -> st
     """None when RUN/checkpoint.sig.json is signed by `recorder_key`, names `checkpoint`, and
     every file it lists hashes to its digest; otherwise what is wrong, in one line."""
     path = run.root / FILE
+    return check_signed(path.read_bytes() if path.is_file() else None, recorder_key, checkpoint,
+                        lambda name, digest: read_listed(run.root, name))
 
-    def read(name: str, digest: str) -> bytes | None:
-        p = run.root / name
-        return p.read_bytes() if ".." not in Path(name).parts and p.is_file() else None
 
-    return check_signed(path.read_bytes() if path.is_file() else None, recorder_key, checkpoint, read)
+def read_listed(root: Path, name: str) -> bytes | None:
+    """The bytes of file `name` that a signed manifest lists, read under the run directory `root`
+    only (None for a name that leaves it, absolute or through `..`, or that is not a file; the run
+    directory's own links, a store on another disk, are followed). The recorder writes the list,
+    and an absolute name made the audit read, and hash, any file of the auditor's machine."""
+    if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+        return None
+    p = root / name
+    try:
+        return p.read_bytes() if p.is_file() else None
+    except OSError:
+        return None
 
 
 def signed_files(data: bytes) -> dict[str, str]:

@@ -13,11 +13,13 @@ one checks what it says (a signature, the digests it lists) before trusting it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -100,13 +102,18 @@ class StagedBlob:
         return self._f.write(data)
 
     def close(self) -> str:
-        """Flush and fsync the file; its sha256."""
-        if not self._f.closed:
+        """Flush and fsync the file; its sha256. The file stays open, and so locked, until it is
+        adopted or the blob is left: closing it here let the next StagedBlob in the directory
+        delete a G_0 whose run was still preparing (storing the corpus) as a killed process's."""
+        if not self.digest:
             self._f.flush()
             os.fsync(self._f.fileno())
-            self._f.close()
             self.digest = self._h.hexdigest()
         return self.digest
+
+    def release(self) -> None:
+        """Let go of the file (and its lock): once it is adopted, or dropped."""
+        self._f.close()
 
     def __enter__(self) -> StagedBlob:
         return self
@@ -118,6 +125,31 @@ class StagedBlob:
 
 class StoreError(Exception):
     """A blob is missing, corrupt, or a name is not a sha256 hex digest."""
+
+
+def _open_regular(path: Path, what: str) -> int:
+    """A read-only fd of `path`; StoreError unless it is a regular file. O_NONBLOCK: opening a FIFO
+    for reading waits for a writer otherwise (forever)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StoreError(f"{what} at {path} is not a regular file")
+    return fd
+
+
+def _read_regular(path: Path, max_bytes: int | None, what: str) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes` of them (StoreError past that, or
+    for anything else at the path: a FIFO's read waited forever and /dev/zero's never ended, both
+    of size 0; a directory was an IsADirectoryError). FileNotFoundError passes through."""
+    fd = _open_regular(path, what)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise StoreError(f"{what} is {st.st_size} bytes, over the limit {max_bytes}")
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:  # grown since its size was read
+        raise StoreError(f"{what} is over the limit {max_bytes} bytes")
+    return data
 
 
 def check_ref(name: str) -> str:
@@ -183,15 +215,13 @@ class LocalStore:
         return digest
 
     def get(self, digest: str, max_bytes: int | None = None) -> bytes:
-        """Bytes of blob `digest`; StoreError if missing, larger than `max_bytes`, or corrupt."""
+        """Bytes of blob `digest`; StoreError if missing, not a regular file, larger than
+        `max_bytes`, or corrupt."""
         path = self._path(digest)
         try:
-            size = path.stat().st_size
+            data = _read_regular(path, max_bytes, f"blob {digest}")
         except FileNotFoundError:
             raise StoreError(f"blob {digest} is missing from {self.root}") from None
-        if max_bytes is not None and size > max_bytes:
-            raise StoreError(f"blob {digest} is {size} bytes, over the limit {max_bytes}")
-        data = path.read_bytes()
         if sha256_hex(data) != digest:
             raise StoreError(f"blob {digest} is corrupt: its bytes hash to {sha256_hex(data)}")
         return data
@@ -206,7 +236,7 @@ class LocalStore:
         A process hashes a blob once, and again if its file was written since (size or mtime)."""
         path = self._path(digest)
         try:
-            with path.open("rb") as f:
+            with os.fdopen(_open_regular(path, f"blob {digest}"), "rb") as f:
                 st = os.fstat(f.fileno())
                 seen = (str(path), digest, st.st_size, st.st_mtime_ns)
                 if seen in _VERIFIED:
@@ -240,12 +270,24 @@ class LocalStore:
         digest = blob.close()
         path = self._path(digest)
         self.bytes_written += blob.path.stat().st_size  # written, if only to be dropped
-        if path.exists():
-            blob.path.unlink()
-            return digest
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(blob.path, 0o644)
-        shutil.move(blob.path, path)  # os.rename where it can, a copy across filesystems
+        try:
+            if path.exists():
+                blob.path.unlink()
+                return digest
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(blob.path, 0o644)
+            try:
+                os.rename(blob.path, path)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                # another filesystem (--out a mount point): copied under a temporary name and renamed, as
+                # `put` writes, so a full disk or a kill mid-copy leaves no partial blob under its name
+                with blob.path.open("rb") as src:
+                    atomic_write(path, lambda f: shutil.copyfileobj(src, f, 1 << 20), mode=0o644)
+                blob.path.unlink()
+        finally:
+            blob.release()
         return digest
 
     def put_ref(self, name: str, data: bytes) -> None:
@@ -259,9 +301,7 @@ class LocalStore:
         """What ref `name` holds; StoreError if it is missing or over MAX_REF_BYTES."""
         path = self.root / "refs" / check_ref(name)
         try:
-            if path.stat().st_size > MAX_REF_BYTES:
-                raise StoreError(f"ref {name} is over the limit {MAX_REF_BYTES} bytes")
-            return path.read_bytes()
+            return _read_regular(path, MAX_REF_BYTES, f"ref {name}")
         except (FileNotFoundError, NotADirectoryError):
             raise StoreError(f"ref {name} is missing from {self.root}") from None
 

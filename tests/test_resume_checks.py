@@ -1,0 +1,83 @@
+"""What `veriloco train --resume` refuses, and what it finishes, found by a review that killed and
+edited stopped runs (thirty-eighth session): each case here went wrong before."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import cli, rounds_of, tiny
+
+from veriloco.run import train
+
+ROUNDS = 4
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> Path:
+    """A delay-1 run of 4 rounds stopped after 2 (never modified)."""
+    d = tmp_path_factory.mktemp("resume") / "run"
+    train(tiny(f"--train.rounds={ROUNDS}", "--outer.delay=1"), str(d), quiet=True, stop_after=2)
+    return d
+
+
+@pytest.fixture
+def run(stopped, tmp_path) -> Path:
+    return Path(shutil.copytree(stopped, tmp_path / "run"))
+
+
+def test_a_resume_with_no_round_left_to_run_does_nothing(run, monkeypatch, capsys):
+    """`--stop-after 2` of a run with 2 rounds recorded: with delay 1 its workers ran one round
+    anyway and failed (UnboundLocalError, exit 1)."""
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet", "--stop-after", "2")
+    assert code == 0, lines
+    assert len(rounds_of(run)) == 2
+
+
+def test_a_foreign_private_state_is_refused_before_anything_starts(run, monkeypatch, capsys):
+    """Worker 0's state put where worker 1's goes (an operator's copy): the resume ran on it and
+    its run differed from the uninterrupted one from then on, and the audit passed."""
+    shutil.copy(run / "workers" / "0" / "state-1.safetensors", run / "workers" / "1" / "state-1.safetensors")
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 2 and len(lines) == 1, lines
+    assert "is the private state of run" in lines[0] and "process 0, round 1, not of run" in lines[0]
+    assert "process 1, round 1" in lines[0] and len(rounds_of(run)) == 2
+
+
+def test_records_that_are_not_the_ledgers_are_refused(run, monkeypatch, capsys):
+    """The last record given the round before's checkpoint and params hash: the resume started
+    from them (and the audit then failed); the ledger holds what each round made."""
+    records = rounds_of(run)
+    records[-1]["checkpoint"], records[-1]["params_hash"] = records[-2]["checkpoint"], records[-2]["params_hash"]
+    (run / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 2 and lines == [f"veriloco: error: {run}/rounds.jsonl: round 1's checkpoint or params hash is not "
+                                   "its ledger entry's"], lines
+
+
+def test_every_process_keeps_the_states_a_resume_needs(run, monkeypatch, capsys):
+    """With delay 1 a process other than the recorder can finish round r while the records end at
+    r - 2 (a recorder slow to write them), and it deleted state r - 2, which a resume after a kill
+    then needs ("process 1 has no saved state for round ..."): it keeps three, the recorder two."""
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 0, lines
+    kept = {p: sorted(f.name for f in (run / "workers" / p).iterdir()) for p in ("0", "1")}
+    assert kept == {"0": ["state-2.safetensors", "state-3.safetensors"],
+                    "1": ["state-1.safetensors", "state-2.safetensors", "state-3.safetensors"]}, kept
+
+
+def test_a_run_stopped_after_its_signature_is_finished_by_resume(run, monkeypatch, capsys):
+    """Killed between the signed manifest and the summary (its last act's last steps): the resume
+    said the run was complete, and the run stayed unpublished (an audit from its store failed)."""
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 0, lines
+    (run / "summary.json").unlink()
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 0, lines
+    assert json.loads((run / "summary.json").read_text())["complete"] is True
+    code, lines, out = cli(monkeypatch, capsys, "audit", "--ledger", str(run / "ledger.sqlite"), "--store", str(run / "store"))
+    assert code == 0 and out.startswith(f"audit ok: {ROUNDS} rounds"), (lines, out)
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 2 and lines == [f"veriloco: error: {run} is already complete ({ROUNDS}/{ROUNDS} rounds)"]
