@@ -701,3 +701,24 @@ def test_a_lock_file_that_names_no_live_process_is_no_run_in_progress(tmp_path):
         assert RunDir(run).holder() is None, text
         report = audit_run(run)
         assert report.ok and report.in_progress is None, text
+
+
+def test_what_was_given_stays_an_input_error_beside_the_malformed_backstop(run, monkeypatch):
+    """The audit turns a record's or manifest's malformed field (KeyError, TypeError, ValueError...)
+    into a failure; AuditInputError (a chain that cannot be reached: exit 2) is a ValueError too and
+    must not become one."""
+    import veriloco.audit as audit_mod
+
+    def unreachable(*args, **kwargs):
+        raise audit_mod.AuditInputError("chain at http://127.0.0.1:9 does not answer")
+
+    monkeypatch.setattr(audit_mod, "_audit", unreachable)
+    with pytest.raises(audit_mod.AuditInputError, match="does not answer"):
+        audit_run(run)
+
+    def malformed(*args, **kwargs):
+        raise KeyError("corpus_root")
+
+    monkeypatch.setattr(audit_mod, "_audit", malformed)
+    report = audit_run(run)
+    assert not report.ok and report.first_failure == "the run's files are malformed (KeyError: 'corpus_root')"

@@ -433,6 +433,8 @@ def audit_sources(src: Sources, replay: int = 0, device: str = "cpu", user_task:
         report.first_failure = str(e)
     except (StoreError, LedgerError, RunDirError) as e:  # RunDirError here: a corrupt record
         report.first_failure = str(e).splitlines()[0]
+    except AuditInputError:  # (a ValueError) a chain that cannot be reached: what was given, exit 2
+        raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a field of a record or manifest
         # of another type or missing, which no check above named: the run's files are not what a run writes
         report.first_failure = f"the run's files are malformed ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"

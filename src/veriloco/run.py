@@ -541,9 +541,10 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
 
 
 def _sign_recorded(run: RunDir, cfg: Config, records: list[dict]) -> dict:
-    """The summary of a run whose every round is recorded: RunDirError when it is signed already;
-    else its launcher stopped after the last record and before its last act (`_finish`), which
-    this does now, so that `veriloco audit` finds the signed checkpoint manifest a complete run has."""
+    """The summary of a run whose every round is recorded: RunDirError when it is finished already
+    (signed, and its summary says complete); else its launcher stopped after the last record and
+    before or during its last act (`_finish`: sign, publish, summary), which this does now, so that
+    `veriloco audit` finds the signed checkpoint manifest, and the published run, a complete run has."""
     from .elastic import summarize
     from .round import open_ledger
     from .signing import FILE
