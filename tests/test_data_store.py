@@ -211,3 +211,15 @@ def test_a_staged_blob_adopted_across_filesystems_is_whole_or_absent(tmp_path, m
         assert store.adopt(blob) == digest
     assert store.get(digest) == b"G_0 bytes" * 100 and not blob.path.exists()
     assert oct(os.stat(store.path_of(digest)).st_mode & 0o777) == "0o644"
+
+
+def test_a_name_with_a_trailing_newline_is_no_digest_nor_ref():
+    """`$` matches before a final newline: the store took "<64 hex>\\n" as a digest (and made a
+    path with a newline of it) and "runs/x\\n" as a ref name."""
+    from veriloco.store import check_digest, check_ref
+
+    with pytest.raises(StoreError, match="not a sha256 digest"):
+        check_digest("a" * 64 + "\n")
+    with pytest.raises(StoreError, match="not a ref name"):
+        check_ref("runs/x\n")
+    assert check_digest("a" * 64) == "a" * 64 and check_ref("runs/x.sig.json") == "runs/x.sig.json"

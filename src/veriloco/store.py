@@ -154,7 +154,7 @@ def _read_regular(path: Path, max_bytes: int | None, what: str) -> bytes:
 
 def check_ref(name: str) -> str:
     """Return `name` if it is a ref name (lowercase path segments, no `..`), else StoreError."""
-    if not isinstance(name, str) or not _REF.match(name) or ".." in name:
+    if not isinstance(name, str) or not _REF.fullmatch(name) or ".." in name:
         raise StoreError(f"not a ref name: {name!r:.80}")
     return name
 
@@ -166,7 +166,7 @@ def run_ref(run_id: str) -> str:
 
 def check_digest(digest: str) -> str:
     """Return `digest` if it is a lowercase 64-char sha256 hex string, else raise StoreError."""
-    if not isinstance(digest, str) or not _HEX64.match(digest):
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
         raise StoreError(f"not a sha256 digest: {digest!r:.80}")
     return digest
 
@@ -321,7 +321,7 @@ _TOKEN = re.compile(r"^[0-9a-f]{32}$")
 def mark_peer(store: LocalStore, token: str) -> Path:
     """Leave an empty marker named `token` (32 hex digits) in `store`, for `seen_peers` in the
     processes it shares the store with; its path (the caller removes it)."""
-    if not _TOKEN.match(token):
+    if not _TOKEN.fullmatch(token):
         raise StoreError(f"not a peer token: {token!r:.40}")
     path = store.root / PEERS_DIR / token
     path.parent.mkdir(exist_ok=True)
@@ -333,7 +333,7 @@ def seen_peers(store: LocalStore, tokens: list[str]) -> list[int]:
     """Which of `tokens` (every process's, in its group's order; from peers: checked here, a
     malformed one is not seen) have a marker in `store`: the processes that write into the same
     directory, be it on one machine or on a file system they share."""
-    return [i for i, t in enumerate(tokens) if isinstance(t, str) and _TOKEN.match(t)
+    return [i for i, t in enumerate(tokens) if isinstance(t, str) and _TOKEN.fullmatch(t)
             and (store.root / PEERS_DIR / t).exists()]
 
 
@@ -478,7 +478,7 @@ class FsspecStore:
         out = []
         for p in self.fs.find(self.root):
             sub, _, name = self.fs._strip_protocol(p)[len(self.root) + 1 :].partition("/")
-            if len(sub) == 2 and _HEX64.match(sub + name):
+            if len(sub) == 2 and _HEX64.fullmatch(sub + name):
                 out.append(sub + name)
         return sorted(out)
 
