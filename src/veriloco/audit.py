@@ -85,6 +85,7 @@ from .round import (
     base_lag,
     batch_root,
     codec_summary,
+    evaluates,
     hide_steps,
     lookahead_momentum,
     loss_gain_action,
@@ -486,6 +487,7 @@ class _AuditTask:
         self.computed = on_device(self.as_task(), self.device, precision)
         self._model: torch.nn.Module | None = None
         self._eval: list | None = None
+        self._emu: EmulatedPipeline | None = None
 
     def as_task(self) -> Task:
         return self.task if isinstance(self.task, Task) else self.task.as_task()
@@ -495,6 +497,14 @@ class _AuditTask:
         if self._eval is None:
             self._eval = self.computed.eval_batches()
         return self._eval
+
+    def eval_pipeline(self, cfg, stages: int) -> EmulatedPipeline:
+        """The emulated pipeline the eval losses of a pipelined run are computed through, built once
+        (its params are copied in for each round)."""
+        if self._emu is None:
+            self._emu = EmulatedPipeline([stage_model(cfg, s, stages) for s in range(stages)], cfg.train, 1,
+                                         microbatches=cfg.topology.microbatches)
+        return self._emu
 
     def gain_model(self, G0: torch.nn.Module) -> torch.nn.Module:
         """A model for the loss gains, on the device (G0 itself on the CPU: they load their params)."""
@@ -626,7 +636,6 @@ def _audit_rounds(src: Sources, report: AuditReport, loaded: Loaded, cfg: Config
         slices.append(_Slice(OuterOptimizer(params, cfg.outer), {k: v.detach().clone() for k, v in params.items()},
                              EquivocationDetector(admitted)))
     counts.update(signatures=0, bundles=0, checkpoints=0, checkpoints_stored=0, checkpoints_pruned=0, replays=0)
-
     schedule = _step_schedule(cfg, records)
     stored_states = _stored_states(store, manifest["run_id"], stage_models)  # replay_extent "state": what auditors replayed from
     base_cfg = cfg
@@ -726,8 +735,7 @@ def _check_eval(cfg, task: _AuditTask, G0: torch.nn.Module, slices: list[_Slice]
     task's eval batches, as the workers computed it (round.eval_sums; with stages, each worker's
     share through its pipeline: the emulated one), to LOSS_TOLERANCE; a round the schedule does not
     evaluate claims none. The loss is the run's headline result: unchecked, a recorder could claim any."""
-    evaluating = (r + 1) % cfg.train.eval_every == 0 or r == cfg.train.rounds - 1
-    if not evaluating:
+    if not evaluates(cfg, r):
         if claimed is not None:
             _fail(f"round {r}: the entry claims an eval loss for a round that [train] eval_every does not evaluate")
         return
@@ -760,8 +768,7 @@ def _eval_loss(cfg, task: _AuditTask, G0: torch.nn.Module, params: dict, stages:
                 total += float(task.computed.loss(model, x, y)) * y.numel()
                 tokens += y.numel()
     else:
-        emu = EmulatedPipeline([stage_model(cfg, s, stages) for s in range(stages)], cfg.train, 1,
-                               microbatches=cfg.topology.microbatches)
+        emu = task.eval_pipeline(cfg, stages)
         with torch.no_grad():
             for k, q in emu.named_parameters():
                 q.copy_(params[k])
@@ -882,6 +889,16 @@ def _check_slice(
     if not (isinstance(listed, list) and len(listed) == cfg.topology.workers
             and all(d is None or isinstance(d, str) for d in listed)):
         _fail(f"{where}the record's bundles are not a list of {cfg.topology.workers} digests (or nulls): {listed!r:.60}")
+    if cfg.run.membership == "static":  # every worker sends, or the run stops: no one is left out of a round
+        out = [c for c in recorded if verdict_reason(c) in (ABSENT, LATE) and c.get("bundle_sha256") is None]
+        if out:
+            _fail(f"{where}worker {out[0]['worker']} is recorded as {verdict_reason(out[0])} without a bundle, which "
+                  "only an elastic run records (a static run stops when a worker is missing)")
+    else:  # the round's quorum: its members are all but the absent, and at least min_workers
+        members = sum(verdict_reason(c) != ABSENT for c in recorded)
+        least = cfg.run.min_workers or cfg.topology.workers // 2 + 1
+        if members < least:
+            _fail(f"{where}the round's quorum has {members} members, fewer than min_workers = {least}")
     # worker -> its bundle's digest (what store.get checks it against); a worker absent or late (elastic) has none
     digests = {j: digest for j, digest in enumerate(listed)
                if not (digest is None and part.get("verdicts", [None] * (j + 1))[j] in (ABSENT, LATE))}
@@ -896,16 +913,6 @@ def _check_slice(
         except PacketError:  # check_bundles says what is wrong with it
             return data, None
 
-    if cfg.run.membership == "static":  # every worker sends, or the run stops: no one is left out of a round
-        out = [c for c in recorded if verdict_reason(c) in (ABSENT, LATE) and c.get("bundle_sha256") is None]
-        if out:
-            _fail(f"{where}worker {out[0]['worker']} is recorded as {verdict_reason(out[0])} without a bundle, which "
-                  "only an elastic run records (a static run stops when a worker is missing)")
-    else:  # the round's quorum: its members are all but the absent, and at least min_workers
-        members = sum(verdict_reason(c) != ABSENT for c in recorded)
-        least = cfg.run.min_workers or cfg.topology.workers // 2 + 1
-        if members < least:
-            _fail(f"{where}the round's quorum has {members} members, fewer than min_workers = {least}")
     fetched = dict(zip(digests, in_threads(fetch, digests), strict=True))
     bundles = {j: data for j, (data, _) in fetched.items()}
     packet_hashes = {j: h for j, (_, h) in fetched.items() if h is not None}

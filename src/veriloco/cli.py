@@ -461,12 +461,11 @@ def keygen(
     try:
         for w in ids:
             private, _ = generate_key()
-            for path in (d / f"worker-{w}.key", d / f"worker-{w}.pub"):
-                written.append(path)
-                if path.suffix == ".key":
-                    save_private_key(path, private)
-                else:
-                    path.write_text(public_key_hex(private) + "\n")
+            key, pub = d / f"worker-{w}.key", d / f"worker-{w}.pub"
+            written.append(key)
+            save_private_key(key, private)
+            written.append(pub)
+            pub.write_text(public_key_hex(private) + "\n")
     except (IdentityError, OSError) as e:  # all the keys or none: the ones written go again
         for path in written:
             path.unlink(missing_ok=True)

@@ -30,7 +30,7 @@ def _f(default: Any, doc: str) -> Any:
 
 HF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "smollm3")  # [model] arch, besides gpt: hf.py
 TRANSFORMERS_NEEDED = "transformers>=5,<6"
-MAX_THREADS = 1024  # train.threads at most (a number past int64 overflowed in torch, 100000 exhausted the OS)
+MAX_TRAIN_THREADS = 1024  # train.threads at most (a number past int64 overflowed in torch, 100000 exhausted the OS)
 MAX_TIMEOUT_S = 604800.0  # run.timeout_s at most, a week: torch.distributed holds it as int milliseconds
 
 
@@ -576,7 +576,7 @@ def validate(cfg: Config) -> None:
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
     need(t.eval_every >= 1, f"train.eval_every must be >= 1, got {t.eval_every}")
-    need(1 <= t.threads <= MAX_THREADS, f"train.threads must be in [1, {MAX_THREADS}], got {t.threads}")
+    need(1 <= t.threads <= MAX_TRAIN_THREADS, f"train.threads must be in [1, {MAX_TRAIN_THREADS}], got {t.threads}")
     need(t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}")
     need(t.batch_size % t.grad_accum == 0,
          f"train.batch_size ({t.batch_size}) must split into train.grad_accum ({t.grad_accum}) equal parts")

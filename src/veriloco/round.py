@@ -1340,8 +1340,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         for j, c in enumerate(commitments)
     ]
     res = sent.result
-    is_last = r == cfg.train.rounds - 1
-    evaluating = (r + 1) % cfg.train.eval_every == 0 or is_last
+    evaluating = evaluates(cfg, r)
     # the eval's sums ride on the figures' gather too (each stage sums the same numbers)
     sums = eval_sums(w, part).tolist() if evaluating else [0.0, 0.0]
     mine = torch.tensor(
@@ -1440,6 +1439,11 @@ def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, g
     elif w.ledger is not None:
         record["entry"] = append_entry(w, record, entry_commitments)
     return record
+
+
+def evaluates(cfg: Config, r: int) -> bool:
+    """Whether round r's record holds an eval loss: every `[train] eval_every` rounds, and the last."""
+    return (r + 1) % cfg.train.eval_every == 0 or r == cfg.train.rounds - 1
 
 
 def hide_steps(link: Link | None, rec: dict, steps: int, safety: float) -> int | None:

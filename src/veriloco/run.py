@@ -589,7 +589,7 @@ def check_ledger(run: RunDir, records: list[dict]) -> None:
     import sqlite3
 
     from .ledger import SqliteLedger
-    from .ledger.entry import LedgerError
+    from .ledger.entry import LedgerError, parse_entry
 
     path, done = run.root / "ledger.sqlite", len(records)
     if not path.is_file():
@@ -598,6 +598,8 @@ def check_ledger(run: RunDir, records: list[dict]) -> None:
         with SqliteLedger(path) as ledger:
             held = ledger.size()
             last = ledger.entry_hash(done - 1) if held >= done else None
+            # what a resume starts from (the newest two rounds, with delay 1) is the ledger's
+            newest = {r: parse_entry(ledger.entry_bytes(r)) for r in range(max(0, done - 2), min(done, held))}
     except LedgerError as e:  # names the file
         raise RunDirError(str(e).splitlines()[0]) from None
     except sqlite3.Error as e:
@@ -606,14 +608,10 @@ def check_ledger(run: RunDir, records: list[dict]) -> None:
         raise RunDirError(f"{path} holds {held} entries for the run's {done} recorded rounds")
     if records[-1].get("entry") not in (None, last):
         raise RunDirError(f"{path}: entry {done - 1} is not the one round {done - 1}'s record names")
-    from .ledger.entry import parse_entry
-
-    with SqliteLedger(path) as ledger:  # what a resume starts from (the newest two rounds, with delay 1) is the ledger's
-        for r in range(max(0, done - 2), done):
-            entry = parse_entry(ledger.entry_bytes(r))
-            claimed = (entry["subject"][0]["digest"]["sha256"], entry["predicate"].get("params_hash"))
-            if (records[r].get("checkpoint"), records[r].get("params_hash") if claimed[1] else None) != claimed:
-                raise RunDirError(f"{run.rounds_path}: round {r}'s checkpoint or params hash is not its ledger entry's")
+    for r, entry in newest.items():
+        claimed = (entry["subject"][0]["digest"]["sha256"], entry["predicate"].get("params_hash"))
+        if (records[r].get("checkpoint"), records[r].get("params_hash") if claimed[1] else None) != claimed:
+            raise RunDirError(f"{run.rounds_path}: round {r}'s checkpoint or params hash is not its ledger entry's")
 
 
 def check_chain(cfg: Config) -> None:

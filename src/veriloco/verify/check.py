@@ -139,6 +139,7 @@ def check_bundles(
     decoded: dict[int, dict[str, torch.Tensor]] = {}
     evidence: dict[int, Any] = {}
     order = list(bundles) if isinstance(bundles, dict) else range(len(bundles))  # the keys, before any is taken out
+    limit = header_limit(shapes)  # the most packet header bytes read, before any is parsed
     for w in order:
         data = bundles.pop(w) if consume and isinstance(bundles, dict) else bundles[w]
         commitments[w] = None
@@ -163,7 +164,7 @@ def check_bundles(
         reason = check_commitment(signed, admitted_keys, run_id=run_id, round=round, base_hash=base_hash)
         if reason is None and c.worker != w:
             reason = KEY_MISMATCH
-        reason = reason or check_packet(signed, packet, packet_hashes[w], header_limit(shapes))
+        reason = reason or check_packet(signed, packet, packet_hashes[w], limit)
         if reason is None and c.batch_root != batch_root_of(w):
             reason, evidence[w] = WRONG_DATA, {"committed": c.batch_root, "assigned": batch_root_of(w)}
         if reason is None and (not c.trace or c.trace_root != hex_root(list(c.trace))):
@@ -186,7 +187,7 @@ def check_bundles(
                 reason, evidence[w] = MALFORMED, {"error": str(e)[:200]}
         verdicts[w] = reason or ACCEPT
     for w in list(decoded):  # proven by a bundle checked after its own
-        proof = equivocation.observe(commitments[w])
+        proof = equivocation.proof(run_id, round, w)
         if proof is not None:
             verdicts[w], evidence[w] = EQUIVOCATION, proof
             del decoded[w]

@@ -421,6 +421,11 @@ class EquivocationDetector:
         self._evidence[key] = evidence
         return evidence
 
+    def proof(self, run_id: str, round: int, worker: int) -> dict[str, Any] | None:
+        """The evidence that `worker` equivocated in (run_id, round), or None: a lookup, with no
+        signature checked again (`observe` checked them as they came)."""
+        return self._evidence.get((run_id, round, worker))
+
     def equivocators(self, run_id: str, round: int) -> list[int]:
         """Workers caught equivocating in (run_id, round), ascending."""
         return sorted(w for (r_id, r, w) in self._evidence if r_id == run_id and r == round)
