@@ -1,6 +1,6 @@
 """A user-defined attacker loaded by import path in tests (`--adversary.2=red_team:Halve`)."""
 
-from veriloco.verify.adversary import Adversary, FalseAccuser
+from veriloco.verify.adversary import Adversary, FalseAccuser, Skim
 from veriloco.verify.screen import LossGain
 
 
@@ -235,3 +235,67 @@ class SlowRounds(Adversary):
 
             time.sleep(float(self.params.get("seconds", "1")))
         return inputs, targets
+
+
+class GrindSkim(Skim):
+    """`skim` (trains on half of each batch: only a replay catches it) that also grinds the replay
+    sample, an open weakness (README, "Known open weaknesses"): its exchange receives every other
+    bundle before it sends its own (nothing orders the exchange), then re-signs its commitment with
+    its last loss nudged (no check reads it) until the round's seed, the base and every
+    commitment's digest, draws no replay of it. It signs one commitment a round, so it does not
+    equivocate. Params: p (the run's replay_probability), segments, workers."""
+
+    kind = "grind_skim"
+    PARAMS = None  # any: p, segments and workers, as floats and ints
+
+    def batch(self, r, step, inputs, targets):
+        if not getattr(GrindSkim, "_patched", False):
+            self._patch()
+        return super().batch(r, step, inputs, targets)
+
+    def _patch(self):
+        import struct
+
+        import torch
+        import torch.distributed as dist
+
+        from veriloco import exchange, round
+        from veriloco.hashing import canonical_json
+        from veriloco.verify.commitment import Commitment, parse_signed_commitment, sign_commitment
+        from veriloco.verify.replay import plan_audits
+
+        GrindSkim._patched = True
+        me, p = self, float(self.params["p"])
+        segments, workers = int(self.params["segments"]), int(self.params["workers"])
+        keys, sign = {}, round.sign_commitment
+
+        def keep_key(c, key):  # its own key, which signs its commitment anyway
+            keys["mine"] = key
+            return sign(c, key)
+
+        def commitment_of(data: bytes) -> tuple[bytes, int]:
+            (n,) = struct.unpack(">I", data[4:8])
+            return bytes(data[8:8 + n]), n
+
+        def transfer(ex, own, bufs):
+            ops = [dist.P2POp(dist.irecv, buf, ex._ranks[r], group=ex.group) for r, buf in bufs.items()]
+            for w in dist.batch_isend_irecv(ops) if ops else []:  # everyone's bundle first
+                w.wait()
+            others = [parse_signed_commitment(commitment_of(bytes(b.numpy()))[0]).digest for b in bufs.values()]
+            raw, n = commitment_of(bytes(own.numpy()))
+            d = parse_signed_commitment(raw).commitment.to_dict()
+            for nonce in range(1, 100000):
+                d2 = {**d, "losses": [*d["losses"][:-1], float(d["losses"][-1]) * (1 + nonce * 1e-12)]}
+                new = canonical_json(sign_commitment(Commitment.from_dict(d2), keys["mine"]))
+                if len(new) != n:
+                    continue
+                seed = d["base_hash"] + "".join(sorted([*others, parse_signed_commitment(new).digest]))
+                if me.worker not in [a.worker for a in plan_audits(seed, list(range(workers)), list(range(workers)),
+                                                                  segments, p)]:
+                    own[8:8 + n] = torch.frombuffer(bytearray(new), dtype=torch.uint8)  # its own copy too
+                    break
+            ops = [dist.P2POp(dist.isend, own, ex._ranks[r], group=ex.group) for r in range(ex.size) if r != ex.rank]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        round.sign_commitment, exchange.Exchange._transfer = keep_key, transfer  # this worker's process only

@@ -536,6 +536,8 @@ def test_a_packet_the_controller_says_fits_is_within_its_budget_bytes(fraction: 
     if fraction == 0.005:  # 17.5 KB: the smallest rungs' headers alone are more; it said it fit, and sent 18.6 KB
         assert not log["fits"] and log["min_bytes"] > budget - COMMITMENT_RESERVE_BYTES
         return
+    print(f"budget {budget}: packet {len(packet)} + reserve {COMMITMENT_RESERVE_BYTES}, "
+          f"{len(packet) / (budget - COMMITMENT_RESERVE_BYTES):.3f} of what it may take")  # pytest -s shows it
     assert log["fits"] and len({s for s in log["codecs"].values()}) > 1
     assert len(packet) + COMMITMENT_RESERVE_BYTES <= budget, (len(packet), budget)
     assert len(packet) >= 0.97 * (budget - COMMITMENT_RESERVE_BYTES)  # and it spends what it has (97.5-99.9%)
