@@ -13,9 +13,10 @@ interpreter; every audit must pass. Prints each audit's peak resident memory (`r
 seconds; the memory added per round is the slope between the two lengths.
 
 An audit checks a run's tensor hashes the way the run made them (the manifest's `tensor_hash`),
-so where `--old` hashes tensors another way (a revision before the sha256 tree, 37f07f7), the
-old side audits the same two runs trained by itself: the same config, so the same rounds, only
-hashed its way.
+and its commitments as that revision writes them, so where `--old` hashes tensors another way
+(a revision before the sha256 tree, 37f07f7) or signs commitments without a `salt_hash` (before
+the commit-reveal, thirty-ninth session), the old side audits the same two runs trained by
+itself: the same config, so the same rounds, only hashed and signed its way.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def veriloco(src: Path, *argv: str, path: tuple[Path, ...] = ()) -> tuple[subpro
 
 
 TREE = 'TENSOR_HASH = "sha256-tree/1MiB"'  # the scheme's line in hashing.py
+SALT = '"salt_hash",'  # a commitment field since the commit-reveal (verify/commitment.py's FIELDS)
 
 
 def train_both(src: Path, config: str, lengths: list[int], overrides: list[str], into: Path) -> dict[int, Path]:
@@ -92,7 +94,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "old").mkdir()
         sides = {"old": source_of(args.old, Path(tmp) / "old"), "new": ROOT / "src"}
-        same_hash = TREE in (sides["old"] / "veriloco" / "hashing.py").read_text()
+        same_hash = (TREE in (sides["old"] / "veriloco" / "hashing.py").read_text()
+                     and SALT in (sides["old"] / "veriloco" / "verify" / "commitment.py").read_text())
         trained = {side: train_both(src, args.config, lengths, overrides, Path(tmp) / f"runs-{side}")
                    for side, src in sides.items() if side == "new" or not same_hash}
         for n in lengths:

@@ -90,7 +90,7 @@ def bundle(
         run_id=RUN, round=1, worker=worker, base_hash=BASE,
         batch_root=sha256_hex(b"batches %d" % worker), trace_root=hex_root(list(trace)),
         trace=trace, losses=(2.5,), packet_hash=sha256_hex(packet), packet_bytes=len(packet),
-        codec="fp32",
+        codec="fp32", salt_hash=sha256_hex(b"salt %d" % worker),
     )  # fmt: skip
     signed = canonical_json(sign_commitment(c, derive_worker_key(0, worker)))
     return encode_bundle(signed, packet)

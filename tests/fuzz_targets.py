@@ -47,7 +47,7 @@ def valid_packets() -> list[bytes]:
 def valid_commitment() -> bytes:
     c = Commitment(run_id="ab" * 32, round=3, worker=1, base_hash="cd" * 32, batch_root="ef" * 32,
                    trace_root="01" * 32, trace=("23" * 32,), losses=(2.5,), packet_hash="45" * 32,
-                   packet_bytes=100, codec="fp32")
+                   packet_bytes=100, codec="fp32", salt_hash="67" * 32)
     return canonical_json(sign_commitment(c, derive_worker_key(0, 1)))
 
 

@@ -1,6 +1,6 @@
 """A user-defined attacker loaded by import path in tests (`--adversary.2=red_team:Halve`)."""
 
-from veriloco.verify.adversary import Adversary, FalseAccuser, Skim
+from veriloco.verify.adversary import Adversary, FalseAccuser, Skim, real
 from veriloco.verify.screen import LossGain
 
 
@@ -237,13 +237,26 @@ class SlowRounds(Adversary):
         return inputs, targets
 
 
+class WrongSalt(Adversary):
+    """Honest but for the salt it reveals in round `round` (all ones, not the one its commitment
+    hashed): what a worker that withholds its reveal to dodge the round's draw can do at best."""
+
+    kind = "wrong_salt"
+    PARAMS = {"round": real(lambda x: x >= 0 and x == int(x), "a round")}
+
+    def reveal(self, r, salt):
+        return b"\xff" * len(salt) if r == int(self.param("round", 0)) else salt
+
+
 class GrindSkim(Skim):
-    """`skim` (trains on half of each batch: only a replay catches it) that also grinds the replay
-    sample, an open weakness (README, "Known open weaknesses"): its exchange receives every other
-    bundle before it sends its own (nothing orders the exchange), then re-signs its commitment with
-    its last loss nudged (no check reads it) until the round's seed, the base and every
-    commitment's digest, draws no replay of it. It signs one commitment a round, so it does not
-    equivocate. Params: p (the run's replay_probability), segments, workers."""
+    """`skim` (trains on half of each batch: only a replay catches it) that also tries to grind the
+    replay sample: its exchange receives every other bundle before it sends its own (nothing
+    orders the exchange), then re-signs its commitment with its last loss nudged (no check reads
+    it) until the base and every commitment's digest draw no replay of it. It signs one commitment
+    a round, so it does not equivocate. Before the commit-reveal that was the round's whole seed
+    and it was never sampled; now the seed also holds every worker's salt, which no one reveals
+    before it holds every bundle, so its grinding predicts nothing (tests/test_bans.py). Params:
+    p (the run's replay_probability), segments, workers."""
 
     kind = "grind_skim"
     PARAMS = None  # any: p, segments and workers, as floats and ints
@@ -261,8 +274,11 @@ class GrindSkim(Skim):
 
         from veriloco import exchange, round
         from veriloco.hashing import canonical_json
+        from veriloco.verify import commitment
         from veriloco.verify.commitment import Commitment, parse_signed_commitment, sign_commitment
         from veriloco.verify.replay import plan_audits
+
+        salt_bytes = getattr(commitment, "SALT_BYTES", None)  # None: a revision before the commit-reveal (bench/grind.py)
 
         GrindSkim._patched = True
         me, p = self, float(self.params["p"])
@@ -277,7 +293,11 @@ class GrindSkim(Skim):
             (n,) = struct.unpack(">I", data[4:8])
             return bytes(data[8:8 + n]), n
 
+        original = exchange.Exchange._transfer
+
         def transfer(ex, own, bufs):
+            if own is not None and own.numel() == salt_bytes:  # the reveal: the others' salts come only now
+                return original(ex, own, bufs)
             ops = [dist.P2POp(dist.irecv, buf, ex._ranks[r], group=ex.group) for r, buf in bufs.items()]
             for w in dist.batch_isend_irecv(ops) if ops else []:  # everyone's bundle first
                 w.wait()

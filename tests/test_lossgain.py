@@ -148,25 +148,29 @@ def test_every_worker_computes_every_gain_with_zero_checkers(tmp_path):
 
 
 def test_a_checker_that_fails_honest_deltas_is_convicted_and_one_that_stays_mute_costs_nothing(tmp_path):
-    run, _ = train(tiny(*LG, "--train.rounds=4", "--adversary.2=false_accuser", "--adversary.3=red_team:Mute"),
+    # 5 rounds: worker 2 is drawn to check no packet of a round with probability (2/3)^3; with the
+    # salts in the seed (the commit-reveal), 4 rounds drew it none
+    run, _ = train(tiny(*LG, "--train.rounds=5", "--adversary.2=false_accuser", "--adversary.3=red_team:Mute"),
                    str(tmp_path / "a"), quiet=True)
     recs = rounds_of(run.root)
-    # the first round whose draw gives worker 2 a packet to check (the draw mixes the run id, so it
-    # moves whenever the manifest does): convicted there, banned from the next round on
+    # the first round whose draw gives worker 2 a packet to check (the draw mixes the run id and the
+    # salts, so it moves whenever the manifest does): convicted there, banned from the next round on
     drawn = [r for r, rec in enumerate(recs) if any(rows[0][0] == 2 for rows in rec["loss_gain_reports"].values())]
     assert drawn, [rec["loss_gain_reports"] for rec in recs]
     first = drawn[0]
-    assert [rec["verdicts"][2] for rec in recs] == ["accept"] * first + ["false_report"] + ["banned"] * (3 - first)
+    assert [rec["verdicts"][2] for rec in recs] == ["accept"] * first + ["false_report"] + ["banned"] * (4 - first)
     assert "loss_gain" in recs[first]["evidence"]["2"]
     for j in (0, 1, 3):
-        assert [r["verdicts"][j] for r in recs] == ["accept"] * 4
+        assert [r["verdicts"][j] for r in recs] == ["accept"] * 5
     assert any(rows[0][0] == 3 and len(rows[0]) == 1 for r in recs for rows in r["loss_gain_reports"].values())
     assert audit_run(run.root, replay=100).ok
 
 
 def test_the_audit_names_a_checker_that_vouched_for_a_number_that_does_not_reproduce(tmp_path):
-    run, _ = train(tiny(*LG, "--adversary.0=red_team:Vouch"), str(tmp_path / "a"), quiet=True)
+    # 4 rounds: in 3 the draw (with the commit-reveal's salts) gave worker 0 no packet to check
+    run, _ = train(tiny(*LG, "--train.rounds=4", "--adversary.0=red_team:Vouch"), str(tmp_path / "a"), quiet=True)
     recs = rounds_of(run.root)
+    assert any(rows[0][0] == 0 for r in recs for rows in r["loss_gain_reports"].values())
     assert all(v == "accept" for r in recs for v in r["verdicts"])  # the round cannot see it
     report = audit_run(run.root, replay=100)
     assert not report.ok

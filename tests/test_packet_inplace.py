@@ -246,7 +246,7 @@ def test_check_round_consumes_the_bundles_one_at_a_time(monkeypatch: pytest.Monk
         c = Commitment(run_id=run, round=1, worker=w, base_hash=base, batch_root=sha256_hex(b"%d" % w),
                        trace_root=check.hex_root(["ef" * 32]), trace=("ef" * 32,), losses=(2.5,),
                        packet_hash=sha256_hex(packet), packet_bytes=len(packet),
-                       codec=packet_codecs(packet)["a.weight"])
+                       codec=packet_codecs(packet)["a.weight"], salt_hash=sha256_hex(b"salt %d" % w))
         return encode_bundle(canonical_json(sign_commitment(c, derive_worker_key(0, w))), packet)
 
     bundles = {w: bundle(w) for w in (2, 0, 3, 1)}  # an elastic round's members need not come sorted

@@ -56,6 +56,7 @@ def make(worker: int = 0, **overrides) -> Commitment:
         packet_hash=sha256_hex(b"packet %d" % worker),
         packet_bytes=1234,
         codec="fp32",
+        salt_hash=sha256_hex(b"salt %d" % worker),
     )
     fields.update(overrides)
     return Commitment(**fields)

@@ -133,6 +133,7 @@ from .verify.replay import (
     plain_replayer,
     replay_failed,
     replay_run,
+    reveals_salts,
     slice_result,
     state_from_bytes,
     state_layout,
@@ -795,7 +796,7 @@ def _step_schedule(cfg, records: list[dict]) -> StepSchedule:
         if rec.get("inner_steps") != schedule.at(r):
             _fail(f"round {r}: the record says H = {rec.get('inner_steps')!r:.40}, the records' hide_steps give {schedule.at(r)}")
         try:
-            need = hide_steps(link, rec, schedule.at(r), cfg.compress.safety)
+            need = hide_steps(link, rec, schedule.at(r), cfg.compress.safety, 1 + reveals_salts(cfg.verify))
         except (KeyError, TypeError, IndexError, ValueError) as e:
             _fail(f"round {r}: hide_steps cannot be recomputed from the record ({type(e).__name__}: {e})")
         if need != recorded:
@@ -929,9 +930,26 @@ def _check_slice(
         shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
         equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned, bundle_hashes=digests,
-        packet_hashes_known=packet_hashes,
+        packet_hashes_known=packet_hashes, reveals=_recorded_salts(cfg, part, where),
     )
+    if "salts" in part and [check.salts.get(j) for j in range(cfg.topology.workers)] != part["salts"]:
+        _fail(f"{where}the record's salts are not the ones that open the round's commitments")
     return _Checked(check, base, set(bundles))
+
+
+def _recorded_salts(cfg, part: dict, where: str) -> dict[int, bytes] | None:
+    """The salts the round's draws mixed in (its record's `salts`: each worker's revealed salt that
+    opened its commitment, or null), as check_bundles' reveals; None for a run without draws. A
+    worker recorded null is judged as one whose reveal did not open its commitment."""
+    if not reveals_salts(cfg.verify):
+        if "salts" in part:
+            _fail(f"{where}the record has salts, but the run draws nothing from its rounds' seeds")
+        return None
+    salts = part.get("salts")
+    if not (isinstance(salts, list) and len(salts) == cfg.topology.workers
+            and all(x is None or (isinstance(x, str) and re.fullmatch("[0-9a-f]{64}", x)) for x in salts)):
+        _fail(f"{where}the record's salts are not a list of {cfg.topology.workers} 64-hex salts (or nulls): {salts!r:.60}")
+    return {j: bytes.fromhex(x) for j, x in enumerate(salts) if x is not None}
 
 
 def _screen_slice(cfg, task: _AuditTask, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, where: str,

@@ -322,7 +322,7 @@ class VerifyConfig:
     )
     ban: bool = _f(
         True,
-        "refuse every later packet of a worker convicted of replay_mismatch, equivocation or false_report",
+        "refuse every later packet of a worker convicted of replay_mismatch, equivocation, false_report or unrevealed",
     )
     replay_probability: float = _f(
         0.0,

@@ -85,16 +85,18 @@ from .verify import ABSENT, LATE
 
 @dataclass
 class Held:
-    """An exchange that has not started: the bundle waits for the round's quorum."""
+    """An exchange that has not started: the bundle (and the salt to reveal after it) waits for
+    the round's quorum."""
 
     bundle: bytes
+    reveal: bytes | None = None
 
 
 class HoldingExchange:
     """Stands in for round.py's Exchange until the quorum is known (start/wait seam)."""
 
-    def start(self, bundle: bytes) -> Held:
-        return Held(bundle)
+    def start(self, bundle: bytes, reveal: bytes | None = None) -> Held:
+        return Held(bundle, reveal)
 
 
 def train_worker_elastic(
@@ -155,7 +157,7 @@ def train_worker_elastic(
             if injector.late_s(r) and cfg.outer.delay == 0:  # a late packet (delay 1: in _Flight)
                 time.sleep(injector.late_s(r))
         if behind is None and cfg.outer.delay == 0:
-            behind = settle(ctx, _Flight(sent, sent.handle.bundle))
+            behind = settle(ctx, _Flight(sent, sent.handle))
         elif behind is None and pending is not None:  # finish the previous round (overlap_steps: the last)
             behind = settle(ctx, pending, time.perf_counter() - sent.started if sent is not None else 0.0)
             pending = None
@@ -169,7 +171,7 @@ def train_worker_elastic(
             members.heading(r)  # the others' quorums of round r wait for it again
             continue
         if cfg.outer.delay and sent is not None:
-            pending = _Flight(sent, sent.handle.bundle)
+            pending = _Flight(sent, sent.handle)
             pending.start(ctx)  # the quorum and the exchange, in the background
         r += 1
     if replicas is not None:
@@ -313,8 +315,8 @@ class _Flight:
     """A round's bundle on its way: with delay 1, the quorum and the exchange run in a thread
     (started after the round's inner steps, joined after the next round's)."""
 
-    def __init__(self, sent: Sent, bundle: bytes) -> None:
-        self.sent, self.bundle = sent, bundle
+    def __init__(self, sent: Sent, held: Held) -> None:
+        self.sent, self.bundle, self.reveal = sent, held.bundle, held.reveal
         self._thread: threading.Thread | None = None
         self.first: tuple | None = None  # (view, comm, handle, error) of the background try
 
@@ -328,7 +330,8 @@ class _Flight:
                 if view.round == self.sent.round and len(view.active) >= ctx.min_active:
                     view, comm = _group(ctx, view)
                     ctx.injector.in_exchange(self.sent.round)
-                    handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(self.bundle)
+                    handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(
+                        self.bundle, reveal=self.reveal)
                     handle.wait()  # the bytes move now, under the next round's inner steps
                 self.first = (view, comm, handle, None)
             except Exception as e:  # settle() decides: retry, or behind
@@ -392,7 +395,8 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
         if handle is None:
             view, comm = _group(ctx, view)
             ctx.injector.in_exchange(r)
-            handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(flight.bundle)
+            handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(flight.bundle,
+                                                                                               reveal=flight.reveal)
         sent.handle = handle
         outside = [j for j in range(w.workers) if j not in view.active]
         alive = ctx.members.alive_times([j for j in outside if j not in view.rounds])  # one round trip for all

@@ -11,6 +11,13 @@ sent and each packet stays whole for per-worker verification. It runs on a backg
 thread over a process group of its own, so collectives of other groups (eval) never interleave
 with it. The group's timeout turns a dead peer into an `ExchangeError` instead of a hang.
 
+`start(packet, reveal=salt)` adds a second, small step (the commit-reveal, verify/commitment.py):
+once this worker has received every packet, it sends its `reveal` (a fixed `len(reveal)` bytes)
+to every other worker and receives theirs; `handle.reveals` holds them in rank order. No worker
+sends its reveal before it holds every packet, so none learns a reveal before it has sent its
+own packet. The reveal is one more message after the packets: the emulated link charges its
+latency a second time.
+
 Bytes are counted from the tensors actually handed to the collectives: a worker *sends* its
 packet (and its 8-byte size) to each of the other W-1 workers and *receives* theirs. When a
 `Link` is given, `wait()` does not return before `latency + max(sent, received) * 8 / bandwidth`
@@ -63,6 +70,7 @@ class ExchangeHandle:
         self._thread, self._box, self._started, self._link = thread, box, started, link
         self.stats = ExchangeStats()
         self._result: list[bytes] | None = None
+        self.reveals: list[bytes] | None = None  # every rank's reveal, after wait() (None: no reveal step)
 
     def wait(self) -> list[bytes | memoryview]:
         """Every rank's packet in rank order: this rank's as given, the others' as read-only
@@ -75,10 +83,12 @@ class ExchangeHandle:
         packets: list[bytes] = self._box["packets"]
         self.stats.bytes_sent = self._box["sent"]
         self.stats.bytes_received = self._box["received"]
+        self.reveals = self._box.get("reveals")
         if self._link is not None:
             from .link import pace  # the link module is optional at import time
 
-            self.stats.paced_s = pace(self._started, self.stats.bytes_sent, self.stats.bytes_received, self._link)
+            self.stats.paced_s = pace(self._started, self.stats.bytes_sent, self.stats.bytes_received, self._link,
+                                      hops=1 if self.reveals is None else 2)
         self.stats.seconds = time.perf_counter() - self._started
         self._result = packets
         return packets
@@ -110,15 +120,16 @@ class Exchange:
             self.size = dist.get_world_size(group)
             self._ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.size)]
 
-    def start(self, packet: bytes) -> ExchangeHandle:
-        """Begin sending `packet`; returns at once, unless the previous exchange of this object
+    def start(self, packet: bytes, reveal: bytes | None = None) -> ExchangeHandle:
+        """Begin sending `packet` (and then `reveal`, once every packet is in: the module
+        docstring; every rank passes a reveal of the same length, or none); returns at once, unless the previous exchange of this object
         is still moving bytes: two exchanges on one group must not issue their collectives
         concurrently (each rank would order them by thread timing, and ranks that order them
         differently deadlock or swap packets). With delay 1 the previous one normally finished
         under the inner steps, so this waits for nothing."""
         if self._last is not None:
             self._last.join()
-        box: dict = {}
+        box: dict = {} if reveal is None else {"reveal": reveal}
         started = time.perf_counter()
         thread = threading.Thread(target=self._run, args=(packet, box), daemon=True)
         self._last = thread
@@ -146,6 +157,7 @@ class Exchange:
                 w.wait()
 
     def _run(self, packet: bytes, box: dict) -> None:
+        reveal = box.pop("reveal", None)  # sent once every packet is in (the module docstring)
         try:
             mine = torch.tensor([len(packet)], dtype=torch.int64, device=self.device)
             if self.comm is not None:
@@ -170,6 +182,14 @@ class Exchange:
             peers = self.size - 1
             box["sent"] = (len(packet) + 8) * peers
             box["received"] = sum(sizes_list) - len(packet) + 8 * peers
+            if reveal is not None:  # every packet is here: now, and only now, this rank's reveal goes out
+                bufs = {r: torch.empty(len(reveal), dtype=torch.uint8, device=self.device)
+                        for r in range(self.size) if r != self.rank}
+                self._transfer(_send_view(reveal).to(self.device) if reveal else None, bufs if reveal else {})
+                box["reveals"] = [bytes(reveal) if r == self.rank else bytes(_received(bufs[r])) if reveal else b""
+                                  for r in range(self.size)]
+                box["sent"] += len(reveal) * peers
+                box["received"] += len(reveal) * peers
         except ExchangeError as e:
             box["error"] = str(e)
         except Exception as e:  # gloo/NCCL raise RuntimeError/DistBackendError on timeout or a dead peer

@@ -120,12 +120,13 @@ class Link:
         """True when the link adds nothing (infinite bandwidth, zero latency): pace() never sleeps."""
         return math.isinf(self.bandwidth_bps) and self.latency_s == 0
 
-    def transfer_time(self, sent_bytes: int, recv_bytes: int) -> float:
-        """Seconds an exchange that sends `sent_bytes` and receives `recv_bytes` takes."""
+    def transfer_time(self, sent_bytes: int, recv_bytes: int, hops: int = 1) -> float:
+        """Seconds an exchange that sends `sent_bytes` and receives `recv_bytes` takes, in `hops`
+        messages each sent after the one before arrived (the latency paid once a hop)."""
         if sent_bytes < 0 or recv_bytes < 0:
             raise ValueError(f"byte counts must be >= 0, got sent={sent_bytes} recv={recv_bytes}")
         # Full duplex: both directions run at once, so the larger one sets the time.
-        return self.latency_s + max(sent_bytes, recv_bytes) * 8 / self.bandwidth_bps
+        return hops * self.latency_s + max(sent_bytes, recv_bytes) * 8 / self.bandwidth_bps
 
     def __str__(self) -> str:
         bw = "unlimited" if math.isinf(self.bandwidth_bps) else f"{self.bandwidth_bps / 1e6:g} Mbit/s"
@@ -144,13 +145,13 @@ class LinkClock:
     clock: Callable[[], float] = field(default=time.perf_counter)
     sleep: Callable[[float], None] = field(default=time.sleep)
 
-    def pace(self, start_time: float, sent_bytes: int, recv_bytes: int) -> float:
-        """Sleep until `start_time + link.transfer_time(sent, recv)`; return seconds slept.
+    def pace(self, start_time: float, sent_bytes: int, recv_bytes: int, hops: int = 1) -> float:
+        """Sleep until `start_time + link.transfer_time(sent, recv, hops)`; return seconds slept.
 
         If the real transfer already took longer than the slow link would have, return 0.0
         at once: the emulation only ever slows an exchange down, never hides real time.
         """
-        deadline = start_time + self.link.transfer_time(sent_bytes, recv_bytes)
+        deadline = start_time + self.link.transfer_time(sent_bytes, recv_bytes, hops)
         began = now = self.clock()
         # Loop because a sleep may end a hair early on some platforms; never return early.
         while now < deadline:
@@ -159,6 +160,6 @@ class LinkClock:
         return now - began
 
 
-def pace(start_time: float, sent_bytes: int, recv_bytes: int, link: Link) -> float:
+def pace(start_time: float, sent_bytes: int, recv_bytes: int, link: Link, hops: int = 1) -> float:
     """`LinkClock(link).pace(...)` with time.perf_counter: the hook `exchange.py` calls."""
-    return LinkClock(link).pace(start_time, sent_bytes, recv_bytes)
+    return LinkClock(link).pace(start_time, sent_bytes, recv_bytes, hops)

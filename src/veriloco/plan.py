@@ -34,7 +34,8 @@ from .link import Link
 from .model import build_meta
 from .records import RunDir, RunDirError
 from .topology import Topology, layers_of_stage
-from .verify.replay import segments_to_sample, state_layout, state_nbytes
+from .verify.commitment import SALT_BYTES
+from .verify.replay import reveals_salts, segments_to_sample, state_layout, state_nbytes
 
 PARAM_BYTES = 4  # float32: the weights, their gradients, each AdamW moment, G and the outer momentum
 MB = 1e6
@@ -123,11 +124,17 @@ class Plan:
     def link(self) -> Link:
         return Link.from_strings(self.cfg.link.bandwidth, self.cfg.link.latency)
 
+    @property
+    def hops(self) -> int:
+        """Messages of an exchange one after another: 2 where the run reveals salts (verify/replay.py)."""
+        return 1 + reveals_salts(self.cfg.verify)
+
     def exchange_s(self, payload_bytes: int) -> float:
-        """Seconds one exchange of `payload_bytes` packets takes on the link: latency + (W-1)
-        packets each way at the bandwidth (full duplex), as `[link]` paces it."""
-        moved = payload_bytes * (self.topo.workers - 1)
-        return 0.0 if self.link.unlimited else self.link.transfer_time(moved, moved)
+        """Seconds one exchange of `payload_bytes` packets takes on the link: latency (twice with the
+        salts' reveal) + (W-1) packets (and salts) each way at the bandwidth (full duplex), as
+        `[link]` paces it."""
+        moved = (payload_bytes + (SALT_BYTES if self.hops > 1 else 0)) * (self.topo.workers - 1)
+        return 0.0 if self.link.unlimited else self.link.transfer_time(moved, moved, self.hops)
 
 
 def run_config(run_dir: str | Path, overrides: list[str]) -> tuple[Config, float | None]:
@@ -389,7 +396,7 @@ def format_plan(plan: Plan, measured: str | None = None) -> str:
         out.append(f"  DDP instead: {ddp_s:.3f} s of all-reduce a step on this link (each DDP bucket pays the latency); "
                    f"utilisation at least {plan.step_s / (plan.step_s + ddp_s):.1%}, more where the all-reduce "
                    "overlaps the backward")
-        budget = round_budget_bytes(plan.link.bandwidth_bps, plan.link.latency_s, window * plan.step_s, W,
+        budget = round_budget_bytes(plan.link.bandwidth_bps, plan.link.latency_s * plan.hops, window * plan.step_s, W,
                                     cfg.compress.safety)
         largest = max(st.payload_bytes for st in plan.stages)
         out.append(f"  the adaptive codec's budget: {_mb(budget)} a packet per stage process "

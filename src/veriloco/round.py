@@ -120,7 +120,13 @@ from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
 from .verify.check import RoundCheck, check_round, hex_root, take_whole_workers
-from .verify.commitment import Commitment, EquivocationDetector, sign_commitment
+from .verify.commitment import (
+    SALT_BYTES,
+    Commitment,
+    EquivocationDetector,
+    round_salt,
+    sign_commitment,
+)
 from .verify.identity import derive_worker_key, load_private_key, public_key_hex
 from .verify.kept import kept_states
 from .verify.lossgain import (
@@ -145,6 +151,7 @@ from .verify.replay import (
     replay_failed,
     replay_run,
     replay_score,
+    reveals_salts,
     slice_result,
     state_from_bytes,
     state_layout,
@@ -280,6 +287,7 @@ class DeltaEncoder:
 
     def __init__(self, cfg: Config, shapes: dict[str, tuple[int, ...]], link: Link | None, workers: int) -> None:
         self.cfg, self.shapes, self.link, self.workers = cfg.compress, shapes, link, workers
+        self.hops = 1 + reveals_salts(cfg.verify)  # messages in an exchange, one after another (the reveal)
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
         if cfg.compress.codec == "adaptive":
             ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
@@ -301,7 +309,8 @@ class DeltaEncoder:
         elif self.link is None or compute_s <= 0:
             return UNLIMITED_BYTES
         else:
-            total = round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s, compute_s, self.workers, self.cfg.safety)
+            total = round_budget_bytes(self.link.bandwidth_bps, self.link.latency_s * self.hops, compute_s, self.workers,
+                                       self.cfg.safety)
         return max(total - COMMITMENT_RESERVE_BYTES - HEADER_FIXED_BYTES, 0)  # ... the header's own, and the signed commitment
 
     def encode(self, delta: dict[str, torch.Tensor], compute_s: float) -> tuple[bytes, dict[str, torch.Tensor], dict]:
@@ -744,6 +753,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
         "trace_root": hex_root(result.trace), "trace": list(result.trace), "losses": losses or [0.0],
         "packet_hash": packet_hash, "packet_bytes": len(packet), "codec": packet_codecs(packet),
     }
+    salt = round_salt(w.identity.key, w.identity.run_id, r, w.stage)  # revealed once every bundle is in
+    commitment["salt_hash"] = sha256_hex(salt)
     commitment = adv.commitment(r, commitment)
     signed = canonical_json(sign_commitment(Commitment.from_dict(commitment), w.identity.key))
     second = adv.second_commitment(r, commitment)
@@ -752,7 +763,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     # stored by its sender before anyone has it, so a receiver that shares the store finds it there
     # and writes nothing (finish_round's put); one copy of each bundle per store, not one per process
     bundle_hash = w.store.put(bundle)
-    return Sent(r, w.exchange.start(bundle), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash,
+    reveal = adv.reveal(r, salt)[:SALT_BYTES].ljust(SALT_BYTES, b"\0") if reveals_salts(cfg.verify) else None
+    return Sent(r, w.exchange.start(bundle, reveal=reveal), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash,
                 batch_root=own_root)
 
 
@@ -1227,6 +1239,11 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     wait0 = time.perf_counter()
     packets = dict(zip(members, sent.handle.wait(), strict=True))
     wait_s = time.perf_counter() - wait0 + sent.waited_s
+    reveals = None
+    if reveals_salts(cfg.verify):  # each sender's salt, revealed after every bundle was in
+        if sent.handle.reveals is None:
+            raise ExchangeError(f"round {r}: the exchange brought no salts")
+        reveals = dict(zip(members, sent.handle.reveals, strict=True))
     sent.handle.forget()  # the bundles are held here only: the check takes each out as it decodes it
     sizes = {j: len(data) for j, data in packets.items()}  # commitment + packet, as sent
     stats = sent.handle.stats
@@ -1254,7 +1271,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             trace_entries=trace_entries(cfg),
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
-            banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known,
+            banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])
@@ -1328,6 +1345,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "params_hash": params_hash,
         "checkpoint": ckpt_digest,
     }
+    if reveals is not None:  # what the round's draws mixed in (check.round_seed): the audit redraws from them
+        stage_record["salts"] = [check.salts.get(j) for j in range(W)]
     if check.loss_gains is not None and check.loss_gains.record is not None:
         stage_record["loss_gain_reports"] = check.loss_gains.record  # the audit re-settles from them
     if w.banned:
@@ -1426,7 +1445,7 @@ def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, g
         record |= {"state_bytes_sent": [int(x) if h else 0 for x, h in zip(g[:, :, 15].sum(1), here, strict=True)],
                    "state_bytes_received": [int(x) if h else 0 for x, h in zip(g[:, :, 16].sum(1), here, strict=True)],
                    "state_s": [round(float(x), 4) if h else 0.0 for x, h in zip(g[:, :, 17].amax(1), here, strict=True)]}
-    steps = hide_steps(w.encoder.link, record, cfg.train.inner_steps, cfg.compress.safety)
+    steps = hide_steps(w.encoder.link, record, cfg.train.inner_steps, cfg.compress.safety, w.encoder.hops)
     if steps is not None:
         record["hide_steps"] = steps
     if w.schedule.adaptive:
@@ -1446,7 +1465,7 @@ def evaluates(cfg: Config, r: int) -> bool:
     return (r + 1) % cfg.train.eval_every == 0 or r == cfg.train.rounds - 1
 
 
-def hide_steps(link: Link | None, rec: dict, steps: int, safety: float) -> int | None:
+def hide_steps(link: Link | None, rec: dict, steps: int, safety: float, hops: int = 1) -> int | None:
     """The fewest inner steps whose compute would hide this round's exchange on `link`.
 
     `compress.suggest_inner_steps` on the round's median bundle (commitment + packet, as sent) and
@@ -1454,7 +1473,8 @@ def hide_steps(link: Link | None, rec: dict, steps: int, safety: float) -> int |
     `[outer] overlap_steps`, tau) would let a one-round-late exchange run entirely under the next
     round's compute with the adaptive controller's `safety` margin (of two middle values, the
     larger). None without a declared link or with fewer than two workers present. Adaptive H
-    grows H from it (`StepSchedule`); otherwise `hide_warning` reports it."""
+    grows H from it (`StepSchedule`); otherwise `hide_warning` reports it. `hops`: the exchange's
+    messages one after another, each paying the latency (2 with the salts' reveal)."""
     here = [j for j, b in enumerate(rec["bundle_bytes"]) if b]
     if link is None or len(here) < 2 or steps < 1:
         return None
@@ -1464,7 +1484,7 @@ def hide_steps(link: Link | None, rec: dict, steps: int, safety: float) -> int |
     size, bandwidth = int(median_high(rec["bundle_bytes"][j] for j in here)), link.bandwidth_bps
     if math.isinf(bandwidth):  # a latency-only link: the bytes take no time (0 bytes at any finite rate)
         size, bandwidth = 0, 1.0
-    return suggest_inner_steps(size, bandwidth, link.latency_s, step_s, len(here), safety)
+    return suggest_inner_steps(size, bandwidth, link.latency_s * hops, step_s, len(here), safety)
 
 
 def hide_warning(cfg: Config, rec: dict) -> str | None:

@@ -28,11 +28,14 @@ ABSENT = "absent"  # no packet this round: dead, partitioned away, or not yet (r
 FALSE_REPORT = "false_report"  # as auditor, reported a failed replay that every other replay passes
 BANNED = "banned"  # an earlier round proved it cheated (see OFFENCES): its packets are refused
 OTHER_STAGE = "other_stage"  # pipelined worker: another stage rejected its slice, so no slice is taken
+UNREVEALED = "unrevealed"  # the salt it revealed is not the one its commitment hashed (commit-reveal)
 
 # Verdicts that prove, from the worker's own signed bytes or a replay every member redid, that it
 # cheated; with `[verify] ban = true` the worker is refused from the next round on. A bad
 # signature is not among them: anyone can send bytes that fail under someone else's key.
-OFFENCES: tuple[str, ...] = (REPLAY_MISMATCH, EQUIVOCATION, FALSE_REPORT)
+# A wrong salt is one too: an honest worker's reveal is its own deterministic salt, sent whole or
+# (the exchange failing) not at all, so a salt that misses its signed hash was chosen.
+OFFENCES: tuple[str, ...] = (REPLAY_MISMATCH, EQUIVOCATION, FALSE_REPORT, UNREVEALED)
 
 REASONS: tuple[str, ...] = (
     ACCEPT,
@@ -55,6 +58,7 @@ REASONS: tuple[str, ...] = (
     FALSE_REPORT,
     BANNED,
     OTHER_STAGE,
+    UNREVEALED,
 )
 
 # The submodules import the codes above, so they come after them.

@@ -9,6 +9,7 @@ of every hook is honest. `round.py` calls the hooks of the worker's adversary (i
     packet(r, packet, view) -> bytes                         the packet it commits to and sends
     commitment(r, commitment) -> commitment                  the commitment it signs (dict)
     bundle(r, bundle, view) -> bytes                         the bytes it puts on the wire
+    reveal(r, salt) -> bytes                                 the salt it reveals once every bundle is in
     state(r, segment, tensors) -> tensors | None            the segment start state it sends its auditor
     audit_report(r, worker, score) -> score                  what it reports as another's auditor
     loss_gain_report(r, worker, gain) -> gain | None         what it reports as another's loss-gain checker
@@ -148,6 +149,12 @@ class Adversary:
     def second_commitment(self, r: int, commitment: dict) -> dict | None:
         """A second commitment to sign for the same round (equivocation); None when honest."""
         return None
+
+    def reveal(self, r: int, salt: bytes) -> bytes:
+        """The salt it reveals for round r once it holds every bundle (`salt`: the one its
+        commitment's `salt_hash` committed to; commitment.round_salt). The wire takes exactly
+        SALT_BYTES: longer is cut, shorter padded with zeros."""
+        return salt
 
     def state(self, r: int, segment: int, tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
         """The start state of segment `segment` of round r it sends the auditor drawn to replay

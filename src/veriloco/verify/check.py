@@ -10,6 +10,8 @@ For each worker's bundle, in order (the first failure is its verdict):
   5. equivocation: a second, different signed commitment for this round (EQUIVOCATION, with
      both signed commitments kept as evidence)
   6. the packet decodes to the model's shapes (MALFORMED)
+  7. with reveals (the run draws replays or loss-gain batches): the salt it revealed after every
+     bundle was in opens its commitment's salt_hash (UNREVEALED, an offence)
 then the screen over the decodable deltas (verify/screen.py: norms, cosine to a robust centre,
 copies, replays). A rejected packet never reaches the aggregate.
 
@@ -41,6 +43,7 @@ from . import (
     NO_LOSS_GAIN,
     OFFENCES,
     OTHER_STAGE,
+    UNREVEALED,
     WRONG_DATA,
 )
 from .commitment import (
@@ -50,6 +53,7 @@ from .commitment import (
     check_commitment,
     check_packet,
     parse_signed_commitment,
+    revealed_salts,
 )
 from .lossgain import FLOOR_SHARE, Settled, gain_floor
 from .screen import LossGain, ScreenConfig, screen_round
@@ -72,6 +76,7 @@ class RoundCheck:
     decoded: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # every decodable delta
     suspects: dict[int, dict] = field(default_factory=dict)  # accepted for now, to be replayed: why
     loss_gains: Settled | None = None  # shared loss gains (lossgain.py), when checkers computed them
+    salts: dict[int, str] = field(default_factory=dict)  # revealed salts that open their commitments (hex)
 
 
 def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) -> None:
@@ -122,6 +127,7 @@ def check_bundles(
     bundle_hashes: Mapping[int, str] | None = None,
     packet_hashes_known: Mapping[int, str] | None = None,
     consume: bool = False,
+    reveals: Mapping[int, bytes | memoryview] | None = None,
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
     hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
@@ -132,7 +138,10 @@ def check_bundles(
     itself (its own bundle, the very bytes it built and sent: round.finish_round), not hashed
     again. `consume` (a dict of bundles): take each bundle out of it as it is checked, so that a
     caller holding them nowhere else has one bundle's bytes at a time beside the decoded deltas
-    (which hold none of them), not all of them."""
+    (which hold none of them), not all of them. `reveals`: each sender's revealed salt (the
+    exchange's second step), when the run draws from the round's seed: one that does not open
+    its commitment's `salt_hash` gets UNREVEALED (an offence), and the ones that do are the
+    check's `salts`, which round_seed mixes in."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -191,13 +200,31 @@ def check_bundles(
         if proof is not None:
             verdicts[w], evidence[w] = EQUIVOCATION, proof
             del decoded[w]
-    return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded)
+    salts: dict[int, str] = {}
+    if reveals is not None:
+        salts, wrong = revealed_salts(commitments, reveals)
+        for w in wrong:
+            if w in decoded:
+                signed = commitments[w]
+                assert signed is not None
+                verdicts[w] = UNREVEALED
+                evidence[w] = {"salt_hash": signed.commitment.salt_hash, "revealed": bytes(reveals.get(w, b""))[:64].hex()}
+                del decoded[w]
+    return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded, salts=salts)
+
+
+def round_seed(check: RoundCheck, base_hash: str) -> str:
+    """The seed of the round's draws (the replay sample and its auditors, the loss-gain batches
+    and checkers): the base, every checked commitment's digest, and every revealed salt. The
+    salts were revealed only after every commitment was in, so no sender could know the seed
+    when it committed, however late it sent."""
+    digests = "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
+    return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts))
 
 
 def screen_seed(check: RoundCheck, base_hash: str) -> str:
-    """The seed of the round's loss-gain checker draw: the base and the checked commitments,
-    which no sender knows before all have committed."""
-    return base_hash + "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
+    """The seed of the round's loss-gain checker and batch draw (round_seed)."""
+    return round_seed(check, base_hash)
 
 
 def screen_checked(
@@ -254,4 +281,4 @@ def screen_checked(
                 suspects.pop(c, None)
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
     return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded,
-                      suspects, settled)
+                      suspects, settled, check.salts)

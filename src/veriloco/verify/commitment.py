@@ -2,8 +2,9 @@
 
 A commitment binds a worker to everything a verifier may later check: the run and round, the
 global params it started from (`base_hash`), the batches it used (`batch_root`), its trace (state
-hashes every k inner steps, and their root), its per-segment losses, and the packet it sent (hash,
-size, codec). It travels as canonical JSON (hashing.canonical_json):
+hashes every k inner steps, and their root), its per-segment losses, the packet it sent (hash,
+size, codec), and the hash of its round's salt (`salt_hash`). It travels as canonical JSON
+(hashing.canonical_json):
 
     {"commitment": {...fields...}, "signature": <128 hex>, "public_key": <64 hex>}
 
@@ -15,6 +16,13 @@ no duplicate keys, exactly the expected keys, exact types (a bool is not an int,
 float), ranges, lowercase 64-hex digests, bounded lists, and the bytes must be exactly the
 canonical encoding (so one commitment has one byte string, one hash, and no malleability).
 Anything else is a one-line `CommitmentError`.
+
+The salt is the commit-reveal behind the round's random draws (replay sample, loss-gain batches
+and checkers): every worker commits `sha256(salt)` and reveals the salt only after it has received
+every bundle (exchange.py), and the draws' seed mixes the revealed salts (check.round_seed). A
+worker that sends last sees the others' commitments but not their salts, so no choice of its own
+commitment tells it the draw. `round_salt` makes the salt from the worker's key (an Ed25519
+signature is deterministic): nobody without the key can compute it, and a rerun draws the same.
 
 Equivocation (signing two different commitments for one run and round, e.g. showing different
 packets to different peers) is caught by `EquivocationDetector`, whose evidence (both signed
@@ -46,6 +54,8 @@ from . import (
 from .identity import public_key_hex, sign, verify_signature
 
 SIGNING_DOMAIN = b"veriloco/commitment/v1\n"
+SALT_DOMAIN = b"veriloco/salt/v1\n"  # what round_salt signs: no commitment or ledger entry starts so
+SALT_BYTES = 32
 DEFAULT_MAX_BYTES = 1 << 20  # a commitment at every limit below is ~1 MiB; honest ones are ~1 KiB
 MAX_TRACE = 4096  # trace hashes per commitment (H / k); 4096 covers H=4096 with k=1
 MAX_LOSSES = 4096  # per-segment losses, same bound as the trace
@@ -67,6 +77,7 @@ FIELDS: tuple[str, ...] = (
     "packet_hash",
     "packet_bytes",
     "codec",
+    "salt_hash",
 )
 _SIGNED_KEYS = frozenset({"commitment", "signature", "public_key"})
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -128,6 +139,7 @@ class Commitment:
     packet_hash: str  # sha256 of the packet bytes
     packet_bytes: int  # length of the packet in bytes
     codec: str | dict[str, str]  # one codec spec for all params, or {param: spec}
+    salt_hash: str  # sha256 of the round's salt, revealed once every bundle is in (round_salt)
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not _HEX64.fullmatch(self.run_id):
@@ -136,7 +148,7 @@ class Commitment:
             )
         _check_int("round", self.round, MAX_ROUND)
         _check_int("worker", self.worker, MAX_WORKER)
-        for name in ("base_hash", "batch_root", "trace_root", "packet_hash"):
+        for name in ("base_hash", "batch_root", "trace_root", "packet_hash", "salt_hash"):
             _check_hex64(name, getattr(self, name))
         _check_int("packet_bytes", self.packet_bytes, MAX_PACKET_BYTES)
         if not isinstance(self.trace, (list, tuple)) or len(self.trace) > MAX_TRACE:
@@ -187,6 +199,30 @@ class Commitment:
     def codec_for(self, param: str) -> str | None:
         """The codec spec this commitment declares for `param` (None if the map omits it)."""
         return self.codec if isinstance(self.codec, str) else self.codec.get(param)
+
+
+def round_salt(private: Ed25519PrivateKey, run_id: str, round: int, stage: int = 0) -> bytes:
+    """The salt a worker commits to for `round` (of pipeline stage `stage`): the sha256 of its
+    Ed25519 signature of the run, round and stage under SALT_DOMAIN. Deterministic (a rerun
+    draws the same replays), and unknown to anyone without the key until revealed."""
+    message = SALT_DOMAIN + canonical_json({"run_id": run_id, "round": round, "stage": stage})
+    return bytes.fromhex(sha256_hex(bytes.fromhex(sign(private, message))))
+
+
+def revealed_salts(commitments: Mapping[int, SignedCommitment | None],
+                   reveals: Mapping[int, bytes | memoryview]) -> tuple[dict[int, str], list[int]]:
+    """The salts that open their commitments (worker -> hex), and the workers with a parsed
+    commitment whose reveal is missing or does not hash to its `salt_hash`."""
+    salts, wrong = {}, []
+    for w, signed in sorted(commitments.items()):
+        if signed is None:
+            continue
+        salt = bytes(reveals.get(w, b""))
+        if len(salt) == SALT_BYTES and sha256_hex(salt) == signed.commitment.salt_hash:
+            salts[w] = salt.hex()
+        else:
+            wrong.append(w)
+    return salts, wrong
 
 
 def commitment_bytes(c: Commitment) -> bytes:

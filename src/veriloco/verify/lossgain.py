@@ -61,8 +61,8 @@ def passes(gain: LossGain, floor: float) -> bool:
 
 def gain_steps(seed: str, steps: int, n: int) -> list[int]:
     """Which of its `steps` batches of the round each worker's loss-gain test uses: `n` distinct
-    inner steps drawn from the round's screen seed (check.screen_seed: the base and every
-    checked commitment of the round), ascending. Drawn after the workers committed, so a worker
+    inner steps drawn from the round's screen seed (check.round_seed: the base, every checked
+    commitment of the round and every revealed salt), ascending. Drawn after the workers committed, so a worker
     cannot train honestly on the tested batches alone (the test once took the first n, which a
     worker knew). One draw for all workers: each is tested on its own batches at the same steps,
     so the gains compare like with like (the test's floor is a share of the median gain, and an

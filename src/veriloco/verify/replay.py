@@ -54,7 +54,7 @@ from ..inner import InnerLoop, Landing, shift_params
 from ..packet import decode_packet, encode_packet
 from ..pipeline import combine_stage_hashes
 from . import FALSE_REPORT, REPLAY_MISMATCH
-from .check import RoundCheck
+from .check import RoundCheck, round_seed
 
 # Codecs a replay can reproduce: they keep no sender state, so a fresh codec object encodes the
 # replayed delta exactly as the worker's did. PowerSGD (lowrank) warm-starts from
@@ -102,6 +102,13 @@ def sample_round_audits(seed_material: str, accepted: list[int], members: list[i
     return [Audit(members[a.worker], a.segment, members[a.auditor], a.whole) for a in drawn]
 
 
+def reveals_salts(verify: VerifyConfig) -> bool:
+    """Whether the run's rounds draw from their seed (replays, or the loss-gain screen's batches
+    and checkers), so each worker reveals its salt once every bundle is in (check.round_seed).
+    Without draws there is nothing to grind, and no second step on the link."""
+    return verify.replay_probability > 0 or bool(verify.screen and verify.loss_gain_batches)
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """What a round's replay plan is drawn from (`plan_audits`): the seed, the workers that may be
@@ -114,10 +121,9 @@ class PlanInputs:
 
     @classmethod
     def of_round(cls, base_hash: str, check: RoundCheck, banned: set[int]) -> PlanInputs:
-        """One slice's: the seed mixes the round's base with every worker's commitment, so nobody
-        knows its sample before all have committed."""
-        digests = sorted(c.digest for c in check.commitments.values() if c is not None)
-        return cls(base_hash + "".join(digests), sorted(check.accepted), set(check.suspects), set(banned))
+        """One slice's: the seed mixes the round's base with every worker's commitment and
+        revealed salt (check.round_seed), so nobody knows its sample before all have committed."""
+        return cls(round_seed(check, base_hash), sorted(check.accepted), set(check.suspects), set(banned))
 
     def audits(self, verify: VerifyConfig, train: TrainConfig, members: list[int]) -> list[Audit]:
         """The round's replays under the run's config (`plan_audits` with its segments, replay

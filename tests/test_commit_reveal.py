@@ -1,0 +1,191 @@
+"""The commit-reveal behind a round's draws: every commitment carries sha256(salt), each worker
+reveals its salt only once it holds every bundle, the seed of the replay sample and the loss-gain
+draws mixes the salts in, and a salt that does not open its commitment is an offence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rounds_of, tiny
+
+from veriloco.audit import audit_run
+from veriloco.compress import build_codecs
+from veriloco.hashing import canonical_json, sha256_hex
+from veriloco.packet import encode_bundle, encode_packet
+from veriloco.run import train
+from veriloco.verify import ACCEPT, UNREVEALED
+from veriloco.verify.check import check_bundles, hex_root, round_seed
+from veriloco.verify.commitment import (
+    SALT_BYTES,
+    Commitment,
+    EquivocationDetector,
+    revealed_salts,
+    round_salt,
+    sign_commitment,
+)
+from veriloco.verify.identity import derive_worker_key, public_key_hex
+from veriloco.verify.replay import PlanInputs, reveals_salts
+
+RUN, BASE = sha256_hex(b"run"), sha256_hex(b"G_r")
+SHAPES = {"w": (4, 3)}
+KEYS = {j: derive_worker_key(7, j) for j in range(3)}
+
+
+def test_a_salt_is_the_keys_own_per_run_round_and_stage():
+    salt = round_salt(KEYS[0], RUN, 5)
+    assert len(salt) == SALT_BYTES and round_salt(KEYS[0], RUN, 5) == salt  # a rerun draws the same
+    others = [round_salt(KEYS[1], RUN, 5), round_salt(KEYS[0], RUN, 6), round_salt(KEYS[0], RUN, 5, stage=1),
+              round_salt(KEYS[0], sha256_hex(b"another run"), 5)]
+    assert len({salt, *others}) == 5
+
+
+def _bundle(j: int, salt_hash: str | None = None) -> bytes:
+    packet = encode_packet({"w": torch.full(SHAPES["w"], 0.1 * (j + 1))}, build_codecs("fp32", SHAPES))
+    c = Commitment(run_id=RUN, round=2, worker=j, base_hash=BASE, batch_root=sha256_hex(b"%d" % j),
+                   trace_root=hex_root(["ab" * 32]), trace=("ab" * 32,), losses=(1.0,),
+                   packet_hash=sha256_hex(packet), packet_bytes=len(packet), codec="fp32",
+                   salt_hash=salt_hash or sha256_hex(round_salt(KEYS[j], RUN, 2)))
+    return encode_bundle(canonical_json(sign_commitment(c, KEYS[j])), packet)
+
+
+def _check(reveals: dict[int, bytes] | None):
+    return check_bundles({j: _bundle(j) for j in range(3)}, run_id=RUN, round=2, base_hash=BASE,
+                         admitted_keys={j: public_key_hex(k) for j, k in KEYS.items()}, shapes=SHAPES,
+                         max_packet_bytes=1 << 20, batch_root_of=lambda j: sha256_hex(b"%d" % j),
+                         equivocation=EquivocationDetector(), reveals=reveals)
+
+
+def test_a_salt_that_does_not_open_its_commitment_is_an_offence_and_stays_out_of_the_seed():
+    salts = {j: round_salt(KEYS[j], RUN, 2) for j in range(3)}
+    honest = _check(salts)
+    assert honest.verdicts == {0: ACCEPT, 1: ACCEPT, 2: ACCEPT}
+    assert honest.salts == {j: s.hex() for j, s in salts.items()}
+    wrong = _check({**salts, 1: bytes(SALT_BYTES)})
+    assert wrong.verdicts[1] == UNREVEALED and 1 not in wrong.decoded and sorted(wrong.decoded) == [0, 2]
+    assert wrong.evidence[1]["revealed"] == "00" * SALT_BYTES and 1 not in wrong.salts
+    missing = _check({0: salts[0], 2: salts[2]})
+    assert missing.verdicts[1] == UNREVEALED
+    # the seed: the base, the commitments' digests and the salts; without reveals (a run that draws
+    # nothing), the base and the digests only
+    plain = _check(None)
+    assert plain.verdicts == honest.verdicts and plain.salts == {}
+    assert round_seed(honest, BASE) == round_seed(plain, BASE) + "".join(s.hex() for s in salts.values())
+    assert PlanInputs.of_round(BASE, honest, set()).seed == round_seed(honest, BASE)
+    assert round_seed(honest, BASE) != round_seed(_check({**salts, 2: round_salt(KEYS[2], RUN, 3)}), BASE)
+
+
+def test_revealed_salts_skip_workers_without_a_commitment():
+    salt = round_salt(KEYS[0], RUN, 2)
+    assert revealed_salts({0: None}, {0: salt}) == ({}, [])
+
+
+def test_only_runs_that_draw_reveal():
+    from dataclasses import replace
+
+    v = tiny().verify
+    assert not reveals_salts(v)  # the defaults draw nothing
+    assert reveals_salts(replace(v, replay_probability=0.25))
+    assert reveals_salts(replace(v, loss_gain_batches=2))
+    assert not reveals_salts(replace(v, loss_gain_batches=2, screen=False))
+
+
+def _exchange(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from veriloco.exchange import Exchange
+    from veriloco.link import Link
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        link = Link.from_strings("", "150ms")
+        packet, reveal = b"p" * (10 + rank), bytes([rank]) * SALT_BYTES
+        t0 = time.perf_counter()
+        handle = Exchange(None, 1 << 20, link=link).start(packet, reveal=reveal)
+        packets = handle.wait()
+        took = time.perf_counter() - t0
+        assert [bytes(p) for p in packets] == [b"p" * (10 + j) for j in range(world)]
+        assert handle.reveals == [bytes([j]) * SALT_BYTES for j in range(world)]
+        assert handle.stats.bytes_sent == (len(packet) + 8 + SALT_BYTES) * (world - 1)
+        assert handle.stats.bytes_received == sum(10 + j + 8 + SALT_BYTES for j in range(world) if j != rank)
+        assert took >= 0.3, took  # two messages one after the other: the latency twice
+        plain = Exchange(None, 1 << 20).start(packet)
+        plain.wait()
+        assert plain.reveals is None and plain.stats.bytes_sent == (len(packet) + 8) * (world - 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_exchange_reveals_after_the_packets_and_counts_the_bytes_and_the_second_latency():
+    from veriloco.procs import start_workers
+    from veriloco.run import free_port
+
+    start_workers(_exchange, (3, free_port()), 3)
+
+
+GRIND = ("--topology.workers=4", "--train.rounds=4", "--train.inner_steps=6", "--verify.trace_every=6",
+         "--train.inner_state=reset", "--verify.replay_probability=0.5")
+
+
+def test_the_last_sender_cannot_grind_the_replay_sample(tmp_path, monkeypatch):
+    """red_team.GrindSkim receives every bundle before it sends its own and re-signs its
+    commitment until the base and the digests draw no replay of it. Before the commit-reveal it was
+    never sampled in these 4 rounds (README: the thirty-eighth session's repro) and the audit passed;
+    the salts it cannot see make its grinding blind: it is replayed and convicted like `skim`."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny(*GRIND, "--adversary.3=red_team:GrindSkim:p=0.5,segments=1,workers=4"), str(tmp_path / "g"),
+                   quiet=True)
+    verdicts = [r["verdicts"][3] for r in rounds_of(run.root)]
+    assert "replay_mismatch" in verdicts, verdicts
+    assert verdicts[verdicts.index("replay_mismatch") + 1:] == ["banned"] * (3 - verdicts.index("replay_mismatch"))
+    for r in rounds_of(run.root):
+        assert all(isinstance(s, str) and len(s) == 2 * SALT_BYTES for s in r["salts"]), r["salts"]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
+@pytest.fixture(scope="module")
+def wrong_salt_run(tmp_path_factory) -> Path:
+    tests_dir = str(Path(__file__).parent)
+    sys.path.insert(0, tests_dir)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYTHONPATH", tests_dir)
+    try:
+        run, _ = train(tiny("--topology.workers=3", "--train.rounds=3", "--train.inner_steps=4",
+                            "--verify.trace_every=4", "--verify.replay_probability=0.5", "--train.inner_state=reset",
+                            "--adversary.1=red_team:WrongSalt:round=1"),
+                       str(tmp_path_factory.mktemp("reveal") / "w"), quiet=True)
+    finally:
+        mp.undo()
+    return run.root
+
+
+def test_a_worker_that_reveals_a_wrong_salt_is_rejected_and_banned(wrong_salt_run):
+    recs = rounds_of(wrong_salt_run)
+    assert [r["verdicts"] for r in recs] == [[ACCEPT] * 3, [ACCEPT, UNREVEALED, ACCEPT], [ACCEPT, "banned", ACCEPT]]
+    assert recs[1]["salts"][1] is None and recs[1]["evidence"]["1"]["revealed"] == "ff" * SALT_BYTES
+    assert all(s is not None for r in recs for j, s in enumerate(r["salts"]) if (r["round"], j) != (1, 1))
+    report = audit_run(wrong_salt_run)
+    assert report.ok, report.first_failure
+
+
+def test_the_audit_redraws_from_the_recorded_salts(wrong_salt_run, tmp_path):
+    root = Path(shutil.copytree(wrong_salt_run, tmp_path / "run"))
+    lines = (root / "rounds.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["salts"][2] = "00" * SALT_BYTES  # a salt that opens nothing: the round's draws were not from it
+    (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    report = audit_run(root)
+    assert not report.ok and report.first_failure == "round 0: the record's salts are not the ones that open the " \
+        "round's commitments", report.first_failure
+    rec["salts"] = rec["salts"][:2]
+    (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    report = audit_run(root)
+    assert not report.ok and "salts are not a list of 3" in report.first_failure, report.first_failure
