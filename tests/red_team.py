@@ -139,7 +139,8 @@ class ScoreForger(Adversary):
     """Trains and audits honestly, but in the collective that spreads the auditors' replay scores
     (round.replay_audits) it writes a failure, 1e6, into every other audit's slot of what it sends:
     with a MAX all-reduce every member read that as the auditor's report, replayed, saw the replay
-    pass, and convicted the honest auditor of a false report (a review's find, thirty-eighth session)."""
+    pass, and convicted the honest auditor of a false report (a review's find, thirty-eighth session).
+    Its rows are signed now (round.signed_gather): it forges the scores before it signs them."""
 
     kind = "score_forger"
 
@@ -170,10 +171,49 @@ class ScoreForger(Adversary):
             return all_gather(comm, out, t)
 
         GroupComm.all_reduce, GroupComm.all_gather = forge_reduce, forge_gather  # this worker's process only
+        from veriloco import round
+
+        signed_gather = getattr(round, "signed_gather", None)
+        if signed_gather is not None:
+            def forge_signed(w, part, r, purpose, t):
+                if purpose == "replay scores":
+                    forged(t)
+                return signed_gather(w, part, r, purpose, t)
+
+            round.signed_gather = forge_signed
 
     def audit_report(self, r, worker, score):
         self.mine.add(worker)
         return score
+
+
+class InTransit(Adversary):
+    """An honest worker whose incoming replay scores are rewritten on their way (what a member
+    that relays them, running a modified gloo, can do: gloo's all-gather is a ring): in its
+    process, the first other member's row it receives gets a failure, 1e6, in every slot, with the
+    signature left as it came. Unsigned, it read the honest auditors' reports as failures."""
+
+    kind = "in_transit"
+
+    def __init__(self, worker, seed, **params):
+        super().__init__(worker, seed, **params)
+        import struct
+
+        import torch
+
+        from veriloco.membership import GroupComm
+
+        all_gather = GroupComm.all_gather
+
+        def altered(comm, out, t):
+            all_gather(comm, out, t)
+            j = next(i for i in range(len(out)) if i != comm.rank)
+            if t.dtype == torch.uint8 and t.numel() == 4 * 8 + 64:  # 4 workers' float64 scores and a signature
+                out[j][:32] = torch.frombuffer(bytearray(struct.pack("<4d", *[1e6] * 4)), dtype=torch.uint8)
+            elif t.dtype == torch.float64 and t.numel() == 4:  # the same, unsigned (before round.signed_gather)
+                out[j][:] = 1e6
+
+        GroupComm.all_gather = altered  # this worker's process only
 
 
 class StateLiar(Adversary):

@@ -76,6 +76,21 @@ def test_a_worker_cannot_report_for_another_auditor(tmp_path):
     assert report.ok and report.checked["replays"] >= 3, report.first_failure
 
 
+def test_a_score_altered_on_its_way_stops_the_run_and_names_whose_it_was(tmp_path, monkeypatch):
+    """Worker 1's incoming replay scores are rewritten in transit (red_team.InTransit: member 0's
+    row made a failure in every slot, as a relay running a modified gloo could). Unsigned (c503d70),
+    worker 1 replayed, saw the replays pass and convicted the honest auditors, and the run stopped
+    at the round's end on "workers disagree on the global params", naming no one. Each row is
+    signed now (round.signed_gather), so it stops before any verdict, naming the row."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parent))
+    with pytest.raises(ProcessRaisedException, match="round 0: worker 0's row of the replay scores does not verify "
+                                                     "under its key: altered on its way"):
+        train(tiny(*BASE, "--adversary.1=red_team:InTransit"), str(tmp_path / "t"), quiet=True)
+
+
 def test_without_bans_a_convicted_worker_is_judged_again_each_round(tmp_path):
     run, _ = train(tiny(*BASE, "--verify.ban=false", "--adversary.1=lazy:skip=0.5"), str(tmp_path / "b"), quiet=True)
     assert verdicts_of(run.root, 1) == ["replay_mismatch"] * 3

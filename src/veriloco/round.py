@@ -127,7 +127,13 @@ from .verify.commitment import (
     round_salt,
     sign_commitment,
 )
-from .verify.identity import derive_worker_key, load_private_key, public_key_hex
+from .verify.identity import (
+    derive_worker_key,
+    load_private_key,
+    public_key_hex,
+    sign,
+    verify_signature,
+)
 from .verify.kept import kept_states
 from .verify.lossgain import (
     Settled,
@@ -839,9 +845,7 @@ def shared_gains(w: Worker, r: int, part: Participants, gain, workers: list[int]
             g = w.adversary.loss_gain_report(r, j, g)
         if g is not None:
             mine[j] = torch.tensor([1.0, g.own_before, g.own_after], dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in members]
-    part.comm.all_gather(gathered, mine)
-    table = torch.stack(gathered)
+    table = torch.stack(signed_gather(w, part, r, "loss-gain reports", mine))
     if agree is not None:
         agree(table)
     reports = {c: {j: LossGain.on_own_batches(float(t[j, 1]), float(t[j, 2]))
@@ -958,8 +962,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             scores[a.worker] = w.adversary.audit_report(r, a.worker, mine[a.worker]) if w.adversary else mine[a.worker]
     # the auditor's number reaches everyone: each member's row is its own, and only the auditor's row counts for
     # its audit (a MAX all-reduce let any member raise any slot, and framed an honest auditor as a false reporter)
-    rows = [torch.empty_like(scores) for _ in part.members]
-    part.comm.all_gather(rows, scores)
+    rows = signed_gather(w, part, r, "replay scores", scores)
     for a in audits:
         reported = float(rows[part.members.index(a.auditor)][a.worker]) if a.auditor in part.members else -1.0
         if not replay_failed(cfg.verify, reported):
@@ -1613,6 +1616,40 @@ def _hash_words(digest_hex: str) -> list[float]:
     with the round's figures to check that every member holds the same G)."""
     raw = bytes.fromhex(digest_hex)
     return [float(int.from_bytes(raw[i:i + 4], "big")) for i in range(0, len(raw), 4)]
+
+
+GATHER_DOMAIN = b"veriloco/gather/v1\n"  # what a member signs its row of a signed_gather under
+
+
+def signed_gather(w: Worker, part: Participants, r: int, purpose: str, t: torch.Tensor) -> list[torch.Tensor]:
+    """Every member's `t` (same shape and dtype on each), in members' order, over `part.comm`, each
+    row signed by its member's key over the run, round, purpose, worker, stage and the row's bytes.
+
+    What decides verdicts travels this way (a replay's score, a loss-gain report): gloo's
+    all-gather is a ring, so a member's row passes through other members' processes on its way,
+    and one running a modified gloo could rewrite it: a pass into a failure frames an honest
+    auditor, a failure into a pass hides a cheater. A row whose signature does not verify under
+    its member's admitted key stops the round on every member that received it, naming the
+    member (RuntimeError), as a disagreement on G does: tampering can stop a run, not skew it."""
+    def message(worker: int, data: bytes) -> bytes:
+        head = canonical_json({"run_id": w.identity.run_id, "round": r, "purpose": purpose, "worker": worker,
+                               "stage": w.stage})
+        return GATHER_DOMAIN + head + b"\n" + data
+
+    data = t.detach().cpu().contiguous().numpy().tobytes()
+    signature = bytes.fromhex(sign(w.identity.key, message(w.worker, data)))
+    mine = torch.frombuffer(bytearray(data + signature), dtype=torch.uint8)
+    rows = [torch.empty_like(mine) for _ in part.members]
+    part.comm.all_gather(rows, mine)
+    out = []
+    for member, row in zip(part.members, rows, strict=True):
+        raw = row.numpy().tobytes()
+        body, sig = raw[:len(data)], raw[len(data):]
+        if member != w.worker and not verify_signature(w.identity.admitted.get(member), message(member, body), sig.hex()):
+            raise RuntimeError(f"round {r}: worker {member}'s row of the {purpose} does not verify under its key: "
+                               "altered on its way through another member's process; refusing to continue")
+        out.append(torch.frombuffer(bytearray(body), dtype=t.dtype).view(t.shape).clone())
+    return out
 
 
 def _gather_json(obj: dict, group: dist.ProcessGroup) -> list[dict]:
