@@ -81,3 +81,24 @@ def test_a_run_stopped_after_its_signature_is_finished_by_resume(run, monkeypatc
     assert code == 0 and out.startswith(f"audit ok: {ROUNDS} rounds"), (lines, out)
     code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
     assert code == 2 and lines == [f"veriloco: error: {run} is already complete ({ROUNDS}/{ROUNDS} rounds)"]
+
+
+def test_a_metrics_line_lost_to_a_kill_is_rebuilt_by_resume(run, monkeypatch, capsys):
+    """The recorder appends a round's record, then its metrics line: a kill between the two left
+    metrics.jsonl a round short for good (plots and the report skip it). The resume rebuilds it
+    from the record, marked, with the seconds a resumed run counts from (the rounds' summed)."""
+    recs = rounds_of(run)
+    metrics = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert len(recs) == len(metrics) == 2
+    (run / "metrics.jsonl").write_text(metrics[0])  # killed after round 1's record
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 0, lines
+    after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in after] == list(range(ROUNDS))
+    assert after[0] == json.loads(metrics[0]) and all("rebuilt" not in m for m in after[2:])
+    lost, rebuilt = json.loads(metrics[1]), after[1]
+    assert rebuilt.pop("rebuilt") is True
+    assert rebuilt.keys() == lost.keys()
+    assert {k: rebuilt[k] for k in ("round", "eval_loss", "train_loss", "tokens", "utilisation")} == \
+        {k: lost[k] for k in ("round", "eval_loss", "train_loss", "tokens", "utilisation")}
+    assert rebuilt["elapsed_s"] == round(recs[0]["round_s"] + recs[1]["round_s"], 3)

@@ -64,7 +64,7 @@ from .membership import Membership, MembershipError, PgComm, QuorumView
 from .outer import OuterOptimizer
 from .packet import PacketError, decode_bundle, decode_packet
 from .procs import sigterm_as_interrupt
-from .records import RoundsFollower, RunDir, prune_checkpoints, pruned
+from .records import RoundsFollower, RunDir, metrics_of, prune_checkpoints, pruned
 from .round import (
     Participants,
     Sent,
@@ -488,12 +488,7 @@ def commit(w: Worker, rec: dict) -> None:
             prune_checkpoints(w.store, [*records[-w.cfg.run.keep_checkpoints:], rec], w.cfg.run.keep_checkpoints)
         elapsed = sum(p["round_s"] for p in records) + rec["round_s"]
         tokens = sum(p["tokens"] for p in records) + rec["tokens"]
-        inner = [x for x, v in zip(rec["inner_s"], rec["train_loss"], strict=True) if v is not None]
-        w.run.append_metrics({
-            "round": r, "eval_loss": rec["eval_loss"], "train_loss": rec["train_loss"], "tokens": tokens,
-            "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
-            "utilisation": round(sum(inner) / len(inner) / rec["round_s"], 4), "members": rec.get("members"),
-        })
+        w.run.append_metrics(metrics_of(rec, tokens, elapsed) | {"members": rec.get("members")})
         # (the progress line is the launcher's and each joiner's, `Progress`, for every round)
 
 

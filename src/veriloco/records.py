@@ -324,15 +324,36 @@ class RunDir:
     def metrics(self) -> list[dict[str, Any]]:
         return self.read_jsonl(self.metrics_path)
 
-    def truncate_to(self, n_rounds: int) -> None:
-        """Keep the first n_rounds records of rounds.jsonl and metrics.jsonl (resume)."""
-        for path, keep in ((self.rounds_path, self.rounds()), (self.metrics_path, self.metrics())):
-            kept = [o for o in keep if o.get("round", -1) < n_rounds]
+    def truncate_to(self, n_rounds: int, elastic: bool = False) -> None:
+        """Keep the first n_rounds records of rounds.jsonl and metrics.jsonl (resume). A recorded
+        round without its metrics line (the recorder was killed between the two appends) gets one
+        rebuilt from the records, marked `"rebuilt": true` (its elapsed_s is the rounds' seconds
+        summed, what a resumed run counts from, not the first run's wall clock; `elastic`: with the
+        round's members, as an elastic run's lines have)."""
+        rounds = [o for o in self.rounds() if o.get("round", -1) < n_rounds]
+        metrics = {o.get("round", -1): o for o in self.metrics() if o.get("round", -1) < n_rounds}
+        tokens, elapsed = 0, 0.0
+        for rec in rounds:
+            tokens, elapsed = tokens + rec.get("tokens", 0), elapsed + rec.get("round_s", 0.0)
+            if rec["round"] not in metrics and all(k in rec for k in ("tokens", "round_s", "inner_s", "train_loss")):
+                extra = {"members": rec.get("members")} if elastic else {}
+                metrics[rec["round"]] = metrics_of(rec, tokens, elapsed) | extra | {"rebuilt": True}
+        for path, kept in ((self.rounds_path, rounds), (self.metrics_path, [metrics[r] for r in sorted(metrics)])):
             data = "".join(json.dumps(o, sort_keys=True, allow_nan=False) + "\n" for o in kept)
             atomic_write(path, data.encode())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary_path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+
+
+def metrics_of(rec: dict[str, Any], tokens: int, elapsed_s: float) -> dict[str, Any]:
+    """Round `rec`'s metrics.jsonl line: the run's tokens and seconds so far (this round's in
+    them), and the utilisation of the workers present (their mean inner-step seconds over the
+    round's seconds)."""
+    inner = [x for x, v in zip(rec["inner_s"], rec["train_loss"], strict=True) if v is not None]
+    return {"round": rec["round"], "eval_loss": rec["eval_loss"], "train_loss": rec["train_loss"], "tokens": tokens,
+            "elapsed_s": round(elapsed_s, 3), "tokens_per_s": round(tokens / elapsed_s, 1),
+            "utilisation": round(sum(inner) / len(inner) / rec["round_s"], 4)}
 
 
 class RoundsFollower:

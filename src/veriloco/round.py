@@ -103,7 +103,7 @@ from .packet import (
     packet_codecs,
 )
 from .pipeline import PipelineEval, PipelineInnerLoop
-from .records import RunDir, prune_checkpoints
+from .records import RunDir, metrics_of, prune_checkpoints
 from .store import LocalStore, mark_peer, seen_peers
 from .task import (
     CorpusTask,
@@ -1757,13 +1757,7 @@ def train_worker(
             elapsed = time.perf_counter() - wall0
             tokens0 += rec["tokens"]
             w.run.append_round(rec)
-            r = rec["round"]
-            w.run.append_metrics({
-                "round": r, "eval_loss": rec["eval_loss"], "train_loss": rec["train_loss"],
-                "tokens": tokens0, "elapsed_s": round(elapsed, 3),
-                "tokens_per_s": round(tokens0 / elapsed, 1),
-                "utilisation": round(sum(rec["inner_s"]) / len(rec["inner_s"]) / rec["round_s"], 4),
-            })
+            w.run.append_metrics(metrics_of(rec, tokens0, elapsed))
             if not quiet:
                 print(progress_line(rec, cfg.train.rounds, elapsed, tokens0 / elapsed), flush=True)
                 warning = hide_warning(cfg, rec)

@@ -526,7 +526,7 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
             raise RunDirError(str(e)) from None
     if done and cfg.ledger.backend == "sqlite":
         check_ledger(run, records)
-    run.truncate_to(done)
+    run.truncate_to(done, elastic=cfg.run.membership == "elastic")
     store = LocalStore(run.store_dir)
     prune_checkpoints(store, records, cfg.run.keep_checkpoints)  # what a crash between a record and its pruning left
     for rec in records[-1 - cfg.outer.delay:] if done else []:  # what the workers restore from
