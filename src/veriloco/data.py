@@ -43,6 +43,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -280,24 +281,28 @@ def read_shards(shards: list[Shard], total: int, piece: int) -> Iterator[bytes]:
         yield b"".join(parts)
 
 
-def read_tokenizer(cfg: DataConfig, vocab_size: int) -> bytes | None:
-    """`[data] tokenizer`'s file, checked (it loads; its vocabulary fits `vocab_size`), or None."""
+def read_tokenizer(cfg: DataConfig, vocab_size: int, bin_ids: bool = False) -> bytes | None:
+    """`[data] tokenizer`'s file, checked (it loads; its vocabulary fits `vocab_size`), or None.
+    `bin_ids`: the source is a .bin of its ids, checked by `check_bin_tokenizer` on the same load
+    (a large vocabulary takes a while to load: it was loaded twice)."""
     if not cfg.tokenizer:
         return None
     if not Path(cfg.tokenizer).is_file():
         raise DataError(f"data.tokenizer not found: {cfg.tokenizer}")
     tokenizer_json = Path(cfg.tokenizer).read_bytes()
-    load_tokenizer(tokenizer_json, vocab_size)
+    tokenizer = load_tokenizer(tokenizer_json, vocab_size)
+    if bin_ids:
+        check_bin_tokenizer(cfg, tokenizer)
     return tokenizer_json
 
 
-def check_bin_tokenizer(cfg: DataConfig, tokenizer_json: bytes | None) -> None:
-    """DataError when a .bin source's tokenizer has ids past uint16 and data.bin_dtype is uint16:
-    `veriloco tokenize` wrote uint32 for it, and read as uint16 every id became two (the corpus
-    twice as long, every other token the high half of one)."""
-    if tokenizer_json is None or cfg.bin_dtype != "uint16":
+def check_bin_tokenizer(cfg: DataConfig, tokenizer: Any) -> None:
+    """DataError when a .bin source's tokenizer (loaded) has ids past uint16 and data.bin_dtype is
+    uint16: `veriloco tokenize` wrote uint32 for it, and read as uint16 every id became two (the
+    corpus twice as long, every other token the high half of one)."""
+    if cfg.bin_dtype != "uint16":
         return
-    top = max(load_tokenizer(tokenizer_json).get_vocab(with_added_tokens=True).values(), default=0)
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
     if top >= 1 << 16:
         raise DataError(f"data.tokenizer has ids up to {top}, past uint16, but data.bin_dtype = uint16: a .bin of its "
                         "ids holds uint32 (as veriloco tokenize writes it): set data.bin_dtype = uint32")
@@ -307,9 +312,8 @@ def load_corpus(cfg: DataConfig, vocab_size: int, ctx: int) -> Corpus:
     """Read the corpus named by `cfg.source` whole and check it fits the model (the prepare step
     streams it instead, to the same chunks: `prepare_corpus`)."""
     shards = token_shards(cfg)
-    tokenizer_json = read_tokenizer(cfg, vocab_size)
+    tokenizer_json = read_tokenizer(cfg, vocab_size, bin_ids=shards is not None)
     if shards is not None:  # a .bin's tokenizer is what made its ids: kept, not rerun
-        check_bin_tokenizer(cfg, tokenizer_json)
         size = used_bytes(shards, cfg)  # read no more than is used
         raw, kind = b"".join(read_shards(shards, size, max(size, 1))), "bin"
     elif tokenizer_json is None:
@@ -566,12 +570,11 @@ def prepare_corpus(cfg: DataConfig, vocab_size: int, ctx: int, scratch: str | os
     or when the process ends, however), whose chunks are then hashed and put. The chunks,
     manifest and root are those `load_corpus` makes of the same source (tests/test_stored_corpus.py)."""
     shards = token_shards(cfg)
-    tokenizer_json = read_tokenizer(cfg, vocab_size)
+    tokenizer_json = read_tokenizer(cfg, vocab_size, bin_ids=shards is not None)
     if shards is not None:
         size = used_bytes(shards, cfg)
         eval_start_of(size // np.dtype(cfg.bin_dtype).itemsize, cfg.eval_fraction, ctx)  # before reading it all
         check_chunk_count(-(-size // cfg.chunk_bytes), cfg)
-        check_bin_tokenizer(cfg, tokenizer_json)
         return _prepared("bin", cfg, vocab_size, ctx, tokenizer_json, lambda: read_shards(shards, size, cfg.chunk_bytes))
     if tokenizer_json is None:
         return _prepared("text", cfg, vocab_size, ctx, None, lambda: _rechunk(text_blocks(cfg.source, cfg.max_bytes),
