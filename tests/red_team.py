@@ -1,6 +1,6 @@
 """A user-defined attacker loaded by import path in tests (`--adversary.2=red_team:Halve`)."""
 
-from veriloco.verify.adversary import Adversary, FalseAccuser, Skim, real
+from veriloco.verify.adversary import Adversary, FalseAccuser, Skim, one_of, real
 from veriloco.verify.screen import LossGain
 
 
@@ -191,29 +191,53 @@ class InTransit(Adversary):
     """An honest worker whose incoming replay scores are rewritten on their way (what a member
     that relays them, running a modified gloo, can do: gloo's all-gather is a ring): in its
     process, the first other member's row it receives gets a failure, 1e6, in every slot, with the
-    signature left as it came. Unsigned, it read the honest auditors' reports as failures."""
+    signature left as it came. Unsigned, it read the honest auditors' reports as failures.
+    `what=figures`: the round's figures instead (round.finish_round's gather: 32 float64s), the
+    first byte of another member's row flipped."""
 
     kind = "in_transit"
+    PARAMS = {"what": one_of("scores", "figures")}
 
     def __init__(self, worker, seed, **params):
         super().__init__(worker, seed, **params)
+        figures = self.params.get("what") == "figures"
         import struct
 
         import torch
 
         from veriloco.membership import GroupComm
 
-        all_gather = GroupComm.all_gather
+        all_gather, all_gather_start = GroupComm.all_gather, GroupComm.all_gather_start
+
+        class Altered:  # the figures' gather in flight (round.Finishing): altered once it lands
+            def __init__(self, work, comm, out, t):
+                self.work, self.then = work, lambda: alter(comm, out, t)
+
+            def is_completed(self):
+                return self.work.is_completed()
+
+            def wait(self):
+                self.work.wait()
+                self.then()
 
         def altered(comm, out, t):
             all_gather(comm, out, t)
+            alter(comm, out, t)
+
+        def altered_start(comm, out, t):
+            return Altered(all_gather_start(comm, out, t), comm, out, t)
+
+        def alter(comm, out, t):
             j = next(i for i in range(len(out)) if i != comm.rank)
-            if t.dtype == torch.uint8 and t.numel() == 4 * 8 + 64:  # 4 workers' float64 scores and a signature
+            if figures:
+                if t.dtype == torch.uint8 and t.numel() == 32 * 8 + 64:
+                    out[j][0] ^= 1
+            elif t.dtype == torch.uint8 and t.numel() == 4 * 8 + 64:  # 4 workers' float64 scores and a signature
                 out[j][:32] = torch.frombuffer(bytearray(struct.pack("<4d", *[1e6] * 4)), dtype=torch.uint8)
             elif t.dtype == torch.float64 and t.numel() == 4:  # the same, unsigned (before round.signed_gather)
                 out[j][:] = 1e6
 
-        GroupComm.all_gather = altered  # this worker's process only
+        GroupComm.all_gather, GroupComm.all_gather_start = altered, altered_start  # this worker's process only
 
 
 class StateLiar(Adversary):

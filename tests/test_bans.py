@@ -89,6 +89,10 @@ def test_a_score_altered_on_its_way_stops_the_run_and_names_whose_it_was(tmp_pat
     with pytest.raises(ProcessRaisedException, match="round 0: worker 0's row of the replay scores does not verify "
                                                      "under its key: altered on its way"):
         train(tiny(*BASE, "--adversary.1=red_team:InTransit"), str(tmp_path / "t"), quiet=True)
+    # the round's figures (losses, bytes, seconds, the eval's sums, the params hashes of the agreement
+    # check) are signed the same way
+    with pytest.raises(ProcessRaisedException, match="round 0: worker 0's row of the figures does not verify"):
+        train(tiny(*BASE, "--adversary.1=red_team:InTransit:what=figures"), str(tmp_path / "f"), quiet=True)
 
 
 def test_without_bans_a_convicted_worker_is_judged_again_each_round(tmp_path):

@@ -1377,18 +1377,21 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         dtype=torch.float64,
     )
     w.store_mark = w.store.bytes_written
-    gathered = [torch.zeros_like(mine) for _ in range(part.stats_comm.size)]
+    row = signed_row(w, r, "figures", mine)  # signed: they pass through other members' processes (signed_gather)
+    gathered = [torch.zeros_like(row) for _ in range(part.stats_comm.size)]
     work = None
     if defer:  # this process's part of the round ends here: the wait for the others' figures is not its round's
-        work = part.stats_comm.all_gather_start(gathered, mine)
+        work = part.stats_comm.all_gather_start(gathered, row)
     else:
-        part.stats_comm.all_gather(gathered, mine)
+        part.stats_comm.all_gather(gathered, row)
     # the recorder learns its worker's other stages' results (its own processes: trusted); gathered
     # here, so that what is left to build the record with holds no collective and may run between
     # two inner steps
     stages = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group) if w.topo.stages > 1 else None
-    return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, gathered, stage_record, entry_commitments, stages,
-                                              sizes, evaluating, defer, overlapped_s))
+    senders = [(m, s) for m in part.members for s in range(w.topo.stages)]
+    return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, opened_rows(w, r, "figures", gathered, senders, mine),
+                                              stage_record, entry_commitments, stages, sizes, evaluating, defer,
+                                              overlapped_s))
 
 
 def _record_of(w: Worker, r: int, cfg: Config, part: Participants, sent: Sent, gathered: list[torch.Tensor],
@@ -1618,38 +1621,54 @@ def _hash_words(digest_hex: str) -> list[float]:
     return [float(int.from_bytes(raw[i:i + 4], "big")) for i in range(0, len(raw), 4)]
 
 
-GATHER_DOMAIN = b"veriloco/gather/v1\n"  # what a member signs its row of a signed_gather under
+GATHER_DOMAIN = b"veriloco/gather/v1\n"  # what a process signs its row of a gather under
+
+
+def _row_message(w: Worker, r: int, purpose: str, worker: int, stage: int, data: bytes) -> bytes:
+    head = canonical_json({"run_id": w.identity.run_id, "round": r, "purpose": purpose, "worker": worker, "stage": stage})
+    return GATHER_DOMAIN + head + b"\n" + data
+
+
+def signed_row(w: Worker, r: int, purpose: str, t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes and this process's signature of them (its worker's key, over the run, round,
+    purpose, worker and stage), as one uint8 row to gather (`opened_rows` checks them)."""
+    data = t.detach().cpu().contiguous().numpy().tobytes()
+    signature = bytes.fromhex(sign(w.identity.key, _row_message(w, r, purpose, w.worker, w.stage, data)))
+    return torch.frombuffer(bytearray(data + signature), dtype=torch.uint8)
+
+
+def opened_rows(w: Worker, r: int, purpose: str, rows: list[torch.Tensor], senders: list[tuple[int, int]],
+                like: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors (shaped and typed as `like`) in gathered `signed_row`s, from `senders`
+    ((worker, stage) of each row); a row whose signature does not verify under its worker's
+    admitted key raises RuntimeError naming the worker (see signed_gather)."""
+    n, out = like.numel() * like.element_size(), []
+    for (worker, stage), row in zip(senders, rows, strict=True):
+        raw = row.numpy().tobytes()
+        body, sig = raw[:n], raw[n:]
+        if (worker, stage) != (w.worker, w.stage) and not verify_signature(
+                w.identity.admitted.get(worker), _row_message(w, r, purpose, worker, stage, body), sig.hex()):
+            where = f" (stage {stage})" if w.topo.stages > 1 else ""
+            raise RuntimeError(f"round {r}: worker {worker}'s row{where} of the {purpose} does not verify under its key: "
+                               "altered on its way through another member's process; refusing to continue")
+        out.append(torch.frombuffer(bytearray(body), dtype=like.dtype).view(like.shape).clone())
+    return out
 
 
 def signed_gather(w: Worker, part: Participants, r: int, purpose: str, t: torch.Tensor) -> list[torch.Tensor]:
-    """Every member's `t` (same shape and dtype on each), in members' order, over `part.comm`, each
-    row signed by its member's key over the run, round, purpose, worker, stage and the row's bytes.
+    """Every member's `t` (same shape and dtype on each), in members' order, over `part.comm` (this
+    stage's processes), each row signed by its member (`signed_row`).
 
-    What decides verdicts travels this way (a replay's score, a loss-gain report): gloo's
-    all-gather is a ring, so a member's row passes through other members' processes on its way,
-    and one running a modified gloo could rewrite it: a pass into a failure frames an honest
+    What travels on collectives is signed (this, and finish_round's figures): gloo's all-gather
+    is a ring, so a member's row passes through other members' processes on its way, and one
+    running a modified gloo could rewrite it: a replay's pass into a failure frames an honest
     auditor, a failure into a pass hides a cheater. A row whose signature does not verify under
     its member's admitted key stops the round on every member that received it, naming the
     member (RuntimeError), as a disagreement on G does: tampering can stop a run, not skew it."""
-    def message(worker: int, data: bytes) -> bytes:
-        head = canonical_json({"run_id": w.identity.run_id, "round": r, "purpose": purpose, "worker": worker,
-                               "stage": w.stage})
-        return GATHER_DOMAIN + head + b"\n" + data
-
-    data = t.detach().cpu().contiguous().numpy().tobytes()
-    signature = bytes.fromhex(sign(w.identity.key, message(w.worker, data)))
-    mine = torch.frombuffer(bytearray(data + signature), dtype=torch.uint8)
+    mine = signed_row(w, r, purpose, t)
     rows = [torch.empty_like(mine) for _ in part.members]
     part.comm.all_gather(rows, mine)
-    out = []
-    for member, row in zip(part.members, rows, strict=True):
-        raw = row.numpy().tobytes()
-        body, sig = raw[:len(data)], raw[len(data):]
-        if member != w.worker and not verify_signature(w.identity.admitted.get(member), message(member, body), sig.hex()):
-            raise RuntimeError(f"round {r}: worker {member}'s row of the {purpose} does not verify under its key: "
-                               "altered on its way through another member's process; refusing to continue")
-        out.append(torch.frombuffer(bytearray(body), dtype=t.dtype).view(t.shape).clone())
-    return out
+    return opened_rows(w, r, purpose, rows, [(m, w.stage) for m in part.members], t)
 
 
 def _gather_json(obj: dict, group: dist.ProcessGroup) -> list[dict]:
