@@ -193,7 +193,7 @@ class InTransit(Adversary):
     process, the first other member's row it receives gets a failure, 1e6, in every slot, with the
     signature left as it came. Unsigned, it read the honest auditors' reports as failures.
     `what=figures`: the round's figures instead (round.finish_round's gather: 32 float64s), the
-    first byte of another member's row flipped."""
+    first byte of another member's row flipped (unsigned: its train loss raised by 1)."""
 
     kind = "in_transit"
     PARAMS = {"what": one_of("scores", "figures")}
@@ -232,6 +232,8 @@ class InTransit(Adversary):
             if figures:
                 if t.dtype == torch.uint8 and t.numel() == 32 * 8 + 64:
                     out[j][0] ^= 1
+                elif t.dtype == torch.float64 and t.numel() == 32:  # the same, unsigned: its train loss + 1
+                    out[j][0] += 1.0
             elif t.dtype == torch.uint8 and t.numel() == 4 * 8 + 64:  # 4 workers' float64 scores and a signature
                 out[j][:32] = torch.frombuffer(bytearray(struct.pack("<4d", *[1e6] * 4)), dtype=torch.uint8)
             elif t.dtype == torch.float64 and t.numel() == 4:  # the same, unsigned (before round.signed_gather)
