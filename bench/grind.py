@@ -39,6 +39,13 @@ def veriloco(src: Path, *argv: str) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
+def new_side() -> str:
+    """The working tree the new side ran: its HEAD, and "+changes" when it differs from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "src", "tests"], cwd=ROOT, capture_output=True, text=True).stdout
+    return head + ("+changes" if dirty.strip() else "")
+
+
 def run_one(src: Path, attack: str, seed: int, rounds: int, p: float, out: Path) -> dict:
     """One run of worker 3's `attack` at `seed`: its verdicts, and whether the run's audit passed."""
     done = veriloco(src, "train", str(ROOT / "configs" / "tiny.toml"), "--topology.workers=4", f"--train.rounds={rounds}",
@@ -67,12 +74,17 @@ def main() -> int:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         ap.error(f"--seeds must be integers, got {args.seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds has a seed twice: {args.seeds!r}")
     if not 0 < args.p <= 1 or args.rounds < 1:
         ap.error("--p must be in (0, 1] and --rounds at least 1")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "old").mkdir()
-        sides = {"old": source_of(args.old, Path(tmp) / "old"), "new": ROOT / "src"}
+        try:
+            sides = {"old": source_of(args.old, Path(tmp) / "old"), "new": ROOT / "src"}
+        except subprocess.CalledProcessError:
+            ap.error(f"--old {args.old!r} is not a git revision of {ROOT}")
         for seed in seeds:
             for side, src in sides.items():
                 for i, attack in enumerate(ATTACKS):
@@ -96,7 +108,7 @@ def main() -> int:
               f"{s['accepted_rounds']} of {s['runs'] * args.rounds} rounds; audits passed {s['audits_ok']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "config": {
-        "old": args.old, "seeds": seeds, "rounds": args.rounds, "p": args.p, "workers": 4, "inner_steps": 6}},
+        "old": args.old, "new": new_side(), "seeds": seeds, "rounds": args.rounds, "p": args.p, "workers": 4, "inner_steps": 6}},
         indent=1) + "\n")
     return 0
 

@@ -205,9 +205,9 @@ class InTransit(Adversary):
 
         import torch
 
-        from veriloco.membership import GroupComm
+        from veriloco.membership import GroupComm, PgComm
 
-        all_gather, all_gather_start = GroupComm.all_gather, GroupComm.all_gather_start
+        all_gather, all_gather_start, pg_all_gather = GroupComm.all_gather, GroupComm.all_gather_start, PgComm.all_gather
 
         class Altered:  # the figures' gather in flight (round.Finishing): altered once it lands
             def __init__(self, work, comm, out, t):
@@ -227,19 +227,24 @@ class InTransit(Adversary):
         def altered_start(comm, out, t):
             return Altered(all_gather_start(comm, out, t), comm, out, t)
 
+        def altered_pg(comm, out, t):  # an elastic quorum's group
+            pg_all_gather(comm, out, t)
+            alter(comm, out, t)
+
         def alter(comm, out, t):
-            j = next(i for i in range(len(out)) if i != comm.rank)
+            j, n = next(i for i in range(len(out)) if i != comm.rank), len(out)  # (every worker a member)
             if figures:
                 if t.dtype == torch.uint8 and t.numel() == 32 * 8 + 64:
                     out[j][0] ^= 1
                 elif t.dtype == torch.float64 and t.numel() == 32:  # the same, unsigned: its train loss + 1
                     out[j][0] += 1.0
-            elif t.dtype == torch.uint8 and t.numel() == 4 * 8 + 64:  # 4 workers' float64 scores and a signature
-                out[j][:32] = torch.frombuffer(bytearray(struct.pack("<4d", *[1e6] * 4)), dtype=torch.uint8)
-            elif t.dtype == torch.float64 and t.numel() == 4:  # the same, unsigned (before round.signed_gather)
+            elif t.dtype == torch.uint8 and t.numel() == n * 8 + 64:  # n workers' float64 scores and a signature
+                out[j][:n * 8] = torch.frombuffer(bytearray(struct.pack(f"<{n}d", *[1e6] * n)), dtype=torch.uint8)
+            elif t.dtype == torch.float64 and t.numel() == n:  # the same, unsigned (before round.signed_gather)
                 out[j][:] = 1e6
 
         GroupComm.all_gather, GroupComm.all_gather_start = altered, altered_start  # this worker's process only
+        PgComm.all_gather = altered_pg
 
 
 class StateLiar(Adversary):
@@ -321,8 +326,9 @@ class GrindSkim(Skim):
     it) until the base and every commitment's digest draw no replay of it. It signs one commitment
     a round, so it does not equivocate. Before the commit-reveal that was the round's whole seed
     and it was never sampled; now the seed also holds every worker's salt, which no one reveals
-    before it holds every bundle, so its grinding predicts nothing (tests/test_bans.py). Params:
-    p (the run's replay_probability), segments, workers."""
+    before it holds every bundle, so its grinding predicts nothing (tests/test_commit_reveal.py;
+    it signs its reveal for the commitment it sent). Params: p (the run's replay_probability),
+    segments, workers."""
 
     kind = "grind_skim"
     PARAMS = None  # any: p, segments and workers, as floats and ints
@@ -344,7 +350,8 @@ class GrindSkim(Skim):
         from veriloco.verify.commitment import Commitment, parse_signed_commitment, sign_commitment
         from veriloco.verify.replay import plan_audits
 
-        salt_bytes = getattr(commitment, "SALT_BYTES", None)  # None: a revision before the commit-reveal (bench/grind.py)
+        reveal_bytes = getattr(commitment, "REVEAL_BYTES", None)  # None: before the commit-reveal (bench/grind.py)
+        sent = {}  # the digest of the commitment it sent this round
 
         GrindSkim._patched = True
         me, p = self, float(self.params["p"])
@@ -362,7 +369,10 @@ class GrindSkim(Skim):
         original = exchange.Exchange._transfer
 
         def transfer(ex, own, bufs):
-            if own is not None and own.numel() == salt_bytes:  # the reveal: the others' salts come only now
+            if own is not None and own.numel() == reveal_bytes:  # the reveal: the others' salts come only now
+                salt = bytes(own[:32].numpy())  # signed again, for the commitment it sent
+                own = torch.frombuffer(bytearray(commitment.sign_reveal(keys["mine"], sent["digest"], salt)),
+                                       dtype=torch.uint8)
                 return original(ex, own, bufs)
             ops = [dist.P2POp(dist.irecv, buf, ex._ranks[r], group=ex.group) for r, buf in bufs.items()]
             for w in dist.batch_isend_irecv(ops) if ops else []:  # everyone's bundle first
@@ -380,8 +390,121 @@ class GrindSkim(Skim):
                                                                   segments, p)]:
                     own[8:8 + n] = torch.frombuffer(bytearray(new), dtype=torch.uint8)  # its own copy too
                     break
+            sent["digest"] = parse_signed_commitment(commitment_of(bytes(own.numpy()))[0]).digest
             ops = [dist.P2POp(dist.isend, own, ex._ranks[r], group=ex.group) for r in range(ex.size) if r != ex.rank]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
 
         round.sign_commitment, exchange.Exchange._transfer = keep_key, transfer  # this worker's process only
+
+
+class AbortRegrind(Skim):
+    """`skim` that dodges the draw by failing a try of an elastic round (the review of the
+    commit-reveal, thirty-ninth session): in the reveal it receives every other salt before it
+    sends its own; when the draw would replay it, it sends nothing and gives the round up (no wrong
+    salt, so no `unrevealed`); the retry brings the same honest salts (they are deterministic), so
+    it then signs a new commitment with a salt of its choosing, tried until the draw leaves it
+    out. Before elastic._pin it was never replayed in 8 rounds at p = 0.5; now its second
+    commitment for the round is an equivocation. Params: p, segments."""
+
+    kind = "abort_regrind"
+    PARAMS = None
+
+    def batch(self, r, step, inputs, targets):
+        if not getattr(AbortRegrind, "_patched", False):
+            self._patch()
+        return super().batch(r, step, inputs, targets)
+
+    def _patch(self):
+        import hashlib
+        import struct
+
+        import torch
+
+        from veriloco import exchange, round
+        from veriloco.hashing import canonical_json, sha256_hex
+        from veriloco.verify.commitment import (
+            REVEAL_BYTES,
+            SALT_BYTES,
+            Commitment,
+            parse_signed_commitment,
+            sign_commitment,
+            sign_reveal,
+        )
+        from veriloco.verify.replay import plan_audits
+
+        AbortRegrind._patched = True
+        me, p, segments = self.worker, float(self.params["p"]), int(self.params["segments"])
+        keys, sign = {}, round.sign_commitment
+        state = {"known": {}, "cur": None}  # known[r]: the salts of round r it saw in a failed try
+
+        def keep_key(c, key):
+            keys["mine"] = key
+            return sign(c, key)
+
+        def commitment_of(data):
+            (n,) = struct.unpack(">I", data[4:8])
+            return bytes(data[8:8 + n]), n
+
+        def post(ex, own, bufs, send=True, recv=True):
+            peers = [q for q in range(ex.size) if q != ex.rank]
+            works = [ex.comm.irecv(b, q) for q, b in bufs.items()] if recv else []
+            works += [ex.comm.isend(own, q) for q in peers] if send else []
+            for w in works:
+                ex.comm.wait(w)
+
+        def sampled(seed, workers):
+            return me in [a.worker for a in plan_audits(seed, workers, workers, segments, p)]
+
+        def transfer(ex, own, bufs):
+            cur = state["cur"]
+            if own is not None and own.numel() == REVEAL_BYTES and cur is not None:
+                r = cur["round"]
+                if cur["chosen"] is not None:  # signed for the commitment it sent
+                    own = torch.frombuffer(bytearray(sign_reveal(keys["mine"], cur["digest"], cur["chosen"])),
+                                           dtype=torch.uint8)
+                post(ex, own, bufs, send=False)  # everyone's salt first
+                salts = {cur["workers"][q]: bytes(b[:SALT_BYTES].numpy()).hex() for q, b in bufs.items()}
+                salts[me] = bytes(own[:SALT_BYTES].numpy()).hex()
+                state["known"][r] = {w: x for w, x in salts.items() if w != me}
+                seed = cur["base"] + "".join(sorted(cur["digests"])) + "".join(salts[w] for w in sorted(salts))
+                if sampled(seed, sorted(salts)) and cur["chosen"] is None:
+                    raise RuntimeError(f"abort_regrind: round {r} would replay it; giving the round up")
+                post(ex, own, {}, recv=False)
+                return
+            post(ex, None, bufs, send=False)  # everyone's bundle first
+            workers, others = {ex.rank: me}, []
+            for q, b in bufs.items():
+                c = parse_signed_commitment(commitment_of(bytes(b.numpy()))[0])
+                others.append(c.digest)
+                workers[q] = c.commitment.worker
+            raw, n = commitment_of(bytes(own.numpy()))
+            d = parse_signed_commitment(raw).commitment.to_dict()
+            r = d["round"]
+            cur = {"round": r, "base": d["base_hash"], "workers": workers, "chosen": None,
+                   "digest": parse_signed_commitment(raw).digest, "digests": [*others, parse_signed_commitment(raw).digest]}
+            known = state["known"].get(r)
+            if known and len(known) == len(others):
+                for nonce in range(100000):
+                    salt = hashlib.sha256(b"grind %d %d" % (r, nonce)).digest()
+                    new = canonical_json(sign_commitment(Commitment.from_dict({**d, "salt_hash": sha256_hex(salt)}),
+                                                         keys["mine"]))
+                    digest = parse_signed_commitment(new).digest
+                    salts = {**known, me: salt.hex()}
+                    seed = d["base_hash"] + "".join(sorted([*others, digest])) + "".join(salts[w] for w in sorted(salts))
+                    if len(new) == n and not sampled(seed, sorted(salts)):
+                        own[8:8 + n] = torch.frombuffer(bytearray(new), dtype=torch.uint8)
+                        cur |= {"chosen": salt, "digest": digest, "digests": [*others, digest]}
+                        break
+            state["cur"] = cur
+            post(ex, own, {}, recv=False)
+
+        finish = round.start_finish
+
+        def start_finish(w, sent, *a, **k):  # its own store and record name the bytes it really sent
+            if sent.bundle is not None:
+                sent.handle.wait()
+                sent.bundle_hash = w.store.put(bytes(sent.bundle))
+            return finish(w, sent, *a, **k)
+
+        round.sign_commitment, exchange.Exchange._transfer, round.start_finish = keep_key, transfer, start_finish

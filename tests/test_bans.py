@@ -95,6 +95,22 @@ def test_a_score_altered_on_its_way_stops_the_run_and_names_whose_it_was(tmp_pat
         train(tiny(*BASE, "--adversary.1=red_team:InTransit:what=figures"), str(tmp_path / "f"), quiet=True)
 
 
+def test_in_an_elastic_run_the_worker_that_received_a_rewritten_row_leaves(tmp_path, monkeypatch):
+    """Elastic: the member whose incoming scores were rewritten stops (RowTampered) and the others go
+    on without it. Before, it caught the error as a failed try and retried the round forever (the
+    review's find: 481 retries in 60 s)."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parent))
+    run, _ = train(tiny("--topology.workers=3", "--train.rounds=2", "--train.inner_steps=6", "--verify.trace_every=6",
+                        "--train.inner_state=reset", "--verify.replay_probability=1.0", "--run.membership=elastic",
+                        "--run.heartbeat_timeout_s=1.5", "--adversary.1=red_team:InTransit"),
+                   str(tmp_path / "e"), quiet=True)
+    assert [r["verdicts"][1] for r in rounds_of(run.root)] == ["absent", "absent"]
+    events = [json.loads(line) for line in (run.root / "events.jsonl").read_text().splitlines()]
+    died = [e for e in events if e.get("event") == "died" and e.get("worker") == 1]
+    assert died and "worker 0's row of the replay scores does not verify" in died[0]["error"], events
+
+
 def test_without_bans_a_convicted_worker_is_judged_again_each_round(tmp_path):
     run, _ = train(tiny(*BASE, "--verify.ban=false", "--adversary.1=lazy:skip=0.5"), str(tmp_path / "b"), quiet=True)
     assert verdicts_of(run.root, 1) == ["replay_mismatch"] * 3

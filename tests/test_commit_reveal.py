@@ -19,15 +19,17 @@ from veriloco.compress import build_codecs
 from veriloco.hashing import canonical_json, sha256_hex
 from veriloco.packet import encode_bundle, encode_packet
 from veriloco.run import train
-from veriloco.verify import ACCEPT, UNREVEALED
+from veriloco.verify import ACCEPT, UNREVEALED, WITHHELD
 from veriloco.verify.check import check_bundles, hex_root, round_seed
 from veriloco.verify.commitment import (
+    REVEAL_BYTES,
     SALT_BYTES,
     Commitment,
     EquivocationDetector,
-    revealed_salts,
+    commitment_bytes,
     round_salt,
     sign_commitment,
+    sign_reveal,
 )
 from veriloco.verify.identity import derive_worker_key, public_key_hex
 from veriloco.verify.replay import PlanInputs, reveals_salts
@@ -45,44 +47,65 @@ def test_a_salt_is_the_keys_own_per_run_round_and_stage():
     assert len({salt, *others}) == 5
 
 
-def _bundle(j: int, salt_hash: str | None = None) -> bytes:
+def _commitment(j: int) -> Commitment:
     packet = encode_packet({"w": torch.full(SHAPES["w"], 0.1 * (j + 1))}, build_codecs("fp32", SHAPES))
-    c = Commitment(run_id=RUN, round=2, worker=j, base_hash=BASE, batch_root=sha256_hex(b"%d" % j),
-                   trace_root=hex_root(["ab" * 32]), trace=("ab" * 32,), losses=(1.0,),
-                   packet_hash=sha256_hex(packet), packet_bytes=len(packet), codec="fp32",
-                   salt_hash=salt_hash or sha256_hex(round_salt(KEYS[j], RUN, 2)))
-    return encode_bundle(canonical_json(sign_commitment(c, KEYS[j])), packet)
+    return Commitment(run_id=RUN, round=2, worker=j, base_hash=BASE, batch_root=sha256_hex(b"%d" % j),
+                      trace_root=hex_root(["ab" * 32]), trace=("ab" * 32,), losses=(1.0,),
+                      packet_hash=sha256_hex(packet), packet_bytes=len(packet), codec="fp32",
+                      salt_hash=sha256_hex(round_salt(KEYS[j], RUN, 2)))
 
 
-def _check(reveals: dict[int, bytes] | None):
-    return check_bundles({j: _bundle(j) for j in range(3)}, run_id=RUN, round=2, base_hash=BASE,
+def _bundle(j: int) -> bytes:
+    packet = encode_packet({"w": torch.full(SHAPES["w"], 0.1 * (j + 1))}, build_codecs("fp32", SHAPES))
+    return encode_bundle(canonical_json(sign_commitment(_commitment(j), KEYS[j])), packet)
+
+
+def _reveal(j: int, salt: bytes | None = None, key: int | None = None) -> bytes:
+    """Worker j's signed reveal of `salt` (its own by default), signed by worker `key`'s key."""
+    digest = sha256_hex(commitment_bytes(_commitment(j)))
+    return sign_reveal(KEYS[j if key is None else key], digest, round_salt(KEYS[j], RUN, 2) if salt is None else salt)
+
+
+def _check(reveals: dict[int, bytes] | None, bundles: dict[int, bytes] | None = None):
+    return check_bundles(bundles or {j: _bundle(j) for j in range(3)}, run_id=RUN, round=2, base_hash=BASE,
                          admitted_keys={j: public_key_hex(k) for j, k in KEYS.items()}, shapes=SHAPES,
                          max_packet_bytes=1 << 20, batch_root_of=lambda j: sha256_hex(b"%d" % j),
                          equivocation=EquivocationDetector(), reveals=reveals)
 
 
-def test_a_salt_that_does_not_open_its_commitment_is_an_offence_and_stays_out_of_the_seed():
+def test_a_signed_salt_that_does_not_open_its_commitment_is_an_offence_and_stays_out_of_the_seed():
     salts = {j: round_salt(KEYS[j], RUN, 2) for j in range(3)}
-    honest = _check(salts)
+    reveals = {j: _reveal(j) for j in range(3)}
+    assert all(len(x) == REVEAL_BYTES for x in reveals.values())
+    honest = _check(reveals)
     assert honest.verdicts == {0: ACCEPT, 1: ACCEPT, 2: ACCEPT}
     assert honest.salts == {j: s.hex() for j, s in salts.items()}
-    wrong = _check({**salts, 1: bytes(SALT_BYTES)})
+    assert honest.reveals == {j: x.hex() for j, x in reveals.items()}
+    # its own signed word that its salt is one its commitment does not hash to: an offence, and the evidence
+    # re-checks offline (the signature, and the salt against salt_hash)
+    wrong = _check({**reveals, 1: _reveal(1, bytes(SALT_BYTES))})
     assert wrong.verdicts[1] == UNREVEALED and 1 not in wrong.decoded and sorted(wrong.decoded) == [0, 2]
-    assert wrong.evidence[1]["revealed"] == "00" * SALT_BYTES and 1 not in wrong.salts
-    missing = _check({0: salts[0], 2: salts[2]})
-    assert missing.verdicts[1] == UNREVEALED
-    # the seed: the base, the commitments' digests and the salts; without reveals (a run that draws
-    # nothing), the base and the digests only
+    assert wrong.evidence[1]["reveal"] == _reveal(1, bytes(SALT_BYTES)).hex() and 1 not in wrong.salts
+    # no signed reveal (missing, cut, signed by another key, or signed for another commitment): no one's word,
+    # so rejected (withheld) but no offence; a recorder could have written such bytes for anyone
+    for bad in (b"", _reveal(1)[:-1], _reveal(1, key=2), bytes(REVEAL_BYTES)):
+        unsigned = _check({**reveals, 1: bad})
+        assert unsigned.verdicts[1] == WITHHELD and 1 not in unsigned.salts, bad
+    # the seed: the base, the commitments' digests and the passed senders' salts; without reveals (a run that
+    # draws nothing), the base and the digests only
     plain = _check(None)
-    assert plain.verdicts == honest.verdicts and plain.salts == {}
+    assert plain.verdicts == honest.verdicts and plain.salts == {} and plain.reveals == {}
     assert round_seed(honest, BASE) == round_seed(plain, BASE) + "".join(s.hex() for s in salts.values())
     assert PlanInputs.of_round(BASE, honest, set()).seed == round_seed(honest, BASE)
-    assert round_seed(honest, BASE) != round_seed(_check({**salts, 2: round_salt(KEYS[2], RUN, 3)}), BASE)
+    assert round_seed(wrong, BASE) == round_seed(plain, BASE) + salts[0].hex() + salts[2].hex()
 
 
-def test_revealed_salts_skip_workers_without_a_commitment():
-    salt = round_salt(KEYS[0], RUN, 2)
-    assert revealed_salts({0: None}, {0: salt}) == ({}, [])
+def test_a_rejected_senders_reveal_is_not_examined_and_does_not_seed():
+    """A sender rejected before the reveal (here a bundle that is no bundle) has no say in the draw: a
+    recorder that could drop or keep its salt would otherwise choose one bit of the audit's seed."""
+    reveals = {j: _reveal(j) for j in range(3)}
+    check = _check(reveals, {0: _bundle(0), 1: b"not a bundle", 2: _bundle(2)})
+    assert check.verdicts[1] != ACCEPT and sorted(check.reveals) == [0, 2] and sorted(check.salts) == [0, 2]
 
 
 def test_only_runs_that_draw_reveal():
@@ -104,15 +127,15 @@ def _exchange(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         link = Link.from_strings("", "150ms")
-        packet, reveal = b"p" * (10 + rank), bytes([rank]) * SALT_BYTES
+        packet, reveal = b"p" * (10 + rank), bytes([rank]) * REVEAL_BYTES
         t0 = time.perf_counter()
         handle = Exchange(None, 1 << 20, link=link).start(packet, reveal=reveal)
         packets = handle.wait()
         took = time.perf_counter() - t0
         assert [bytes(p) for p in packets] == [b"p" * (10 + j) for j in range(world)]
-        assert handle.reveals == [bytes([j]) * SALT_BYTES for j in range(world)]
-        assert handle.stats.bytes_sent == (len(packet) + 8 + SALT_BYTES) * (world - 1)
-        assert handle.stats.bytes_received == sum(10 + j + 8 + SALT_BYTES for j in range(world) if j != rank)
+        assert handle.reveals == [bytes([j]) * REVEAL_BYTES for j in range(world)]
+        assert handle.stats.bytes_sent == (len(packet) + 8 + REVEAL_BYTES) * (world - 1)
+        assert handle.stats.bytes_received == sum(10 + j + 8 + REVEAL_BYTES for j in range(world) if j != rank)
         assert took >= 0.3, took  # two messages one after the other: the latency twice
         plain = Exchange(None, 1 << 20).start(packet)
         plain.wait()
@@ -145,8 +168,8 @@ def test_the_last_sender_cannot_grind_the_replay_sample(tmp_path, monkeypatch):
     verdicts = [r["verdicts"][3] for r in rounds_of(run.root)]
     assert "replay_mismatch" in verdicts, verdicts
     assert verdicts[verdicts.index("replay_mismatch") + 1:] == ["banned"] * (3 - verdicts.index("replay_mismatch"))
-    for r in rounds_of(run.root):
-        assert all(isinstance(s, str) and len(s) == 2 * SALT_BYTES for s in r["salts"]), r["salts"]
+    for r in rounds_of(run.root):  # a reveal for each sender the round examined (the banned are not)
+        assert all((s is None) == (v == "banned") for s, v in zip(r["reveals"], r["verdicts"], strict=True)), r
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
 
@@ -170,8 +193,10 @@ def wrong_salt_run(tmp_path_factory) -> Path:
 def test_a_worker_that_reveals_a_wrong_salt_is_rejected_and_banned(wrong_salt_run):
     recs = rounds_of(wrong_salt_run)
     assert [r["verdicts"] for r in recs] == [[ACCEPT] * 3, [ACCEPT, UNREVEALED, ACCEPT], [ACCEPT, "banned", ACCEPT]]
-    assert recs[1]["salts"][1] is None and recs[1]["evidence"]["1"]["revealed"] == "ff" * SALT_BYTES
-    assert all(s is not None for r in recs for j, s in enumerate(r["salts"]) if (r["round"], j) != (1, 1))
+    evidence = recs[1]["evidence"]["1"]
+    assert evidence["reveal"] == recs[1]["reveals"][1] and evidence["reveal"].startswith("ff" * SALT_BYTES)
+    assert recs[2]["reveals"][1] is None  # banned: not examined
+    assert all(s is not None for r in recs for j, s in enumerate(r["reveals"]) if (r["round"], j) not in ((2, 1),))
     report = audit_run(wrong_salt_run)
     assert report.ok, report.first_failure
 
@@ -180,12 +205,40 @@ def test_the_audit_redraws_from_the_recorded_salts(wrong_salt_run, tmp_path):
     root = Path(shutil.copytree(wrong_salt_run, tmp_path / "run"))
     lines = (root / "rounds.jsonl").read_text().splitlines()
     rec = json.loads(lines[0])
-    rec["salts"][2] = "00" * SALT_BYTES  # a salt that opens nothing: the round's draws were not from it
+    honest = rec["reveals"][2]
+    rec["reveals"][2] = "00" * REVEAL_BYTES  # no signed reveal: the audit judges worker 2 withheld, the round did not
     (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     report = audit_run(root)
-    assert not report.ok and report.first_failure == "round 0: the record's salts are not the ones that open the " \
-        "round's commitments", report.first_failure
-    rec["salts"] = rec["salts"][:2]
+    assert not report.ok and report.first_failure.startswith("round 0: worker 2's verdict recomputes to 'withheld'"), \
+        report.first_failure
+    rec["reveals"][2] = None  # dropped: the round examined one
     (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     report = audit_run(root)
-    assert not report.ok and "salts are not a list of 3" in report.first_failure, report.first_failure
+    assert not report.ok and "reveals are not the ones the round examined" in report.first_failure, report.first_failure
+    rec["reveals"][2] = honest
+    rec["reveals"] = rec["reveals"][:2]
+    (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    report = audit_run(root)
+    assert not report.ok and "reveals are not a list of 3" in report.first_failure, report.first_failure
+
+
+def test_a_worker_that_fails_a_try_to_commit_again_is_an_equivocator(tmp_path, monkeypatch):
+    """red_team.AbortRegrind (the review's attacker): in an elastic run it takes every salt before it
+    sends its own, gives the try up when the draw would replay it, and in the retry, knowing the
+    honest salts (the same again), commits with a salt of its choosing that the draw passes over.
+    Reviewed at 39db4c3 it was accepted in 8 of 8 rounds and never replayed, the audit passing.
+    Every worker now keeps the commitments a failed try brought (elastic._pin): its second
+    commitment is an equivocation, and the audit re-derives the proof from the record."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny("--topology.workers=4", "--train.rounds=8", "--train.inner_steps=6", "--verify.trace_every=6",
+                        "--train.inner_state=reset", "--verify.replay_probability=0.5", "--run.membership=elastic",
+                        "--run.heartbeat_timeout_s=1.5", "--adversary.3=red_team:AbortRegrind:p=0.5,segments=1"),
+                   str(tmp_path / "e"), quiet=True)
+    verdicts = [r["verdicts"][3] for r in rounds_of(run.root)]
+    assert "equivocation" in verdicts, verdicts
+    first = verdicts.index("equivocation")
+    assert verdicts[first + 1:] == ["banned"] * (7 - first)
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure

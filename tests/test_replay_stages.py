@@ -146,7 +146,7 @@ def test_loss_gains_of_pipelined_workers_are_the_whole_models(tmp_path):
         seeds = []
         for part in rec["stages"]:
             signed = [parse_signed_commitment(decode_bundle(store.get(h))[0]) for h in part["bundles"] if h]
-            salts = "".join(x for x in part["salts"] if x)  # revealed after every bundle was in
+            salts = "".join(x[:64] for x in part["reveals"] if x)  # the salts, revealed after every bundle was in
             seeds.append(signed[0].commitment.base_hash + "".join(sorted(c.digest for c in signed)) + salts)
         return gain_steps(stage_seed(seeds), cfg.train.inner_steps, 2)
 

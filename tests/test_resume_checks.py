@@ -102,3 +102,34 @@ def test_a_metrics_line_lost_to_a_kill_is_rebuilt_by_resume(run, monkeypatch, ca
     assert {k: rebuilt[k] for k in ("round", "eval_loss", "train_loss", "tokens", "utilisation")} == \
         {k: lost[k] for k in ("round", "eval_loss", "train_loss", "tokens", "utilisation")}
     assert rebuilt["elapsed_s"] == round(recs[0]["round_s"] + recs[1]["round_s"], 3)
+
+
+def test_a_metrics_line_of_the_last_round_is_rebuilt_too(run, monkeypatch, capsys):
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 0, lines
+    (run / "summary.json").unlink()  # killed after the last record, before its metrics line and the summary
+    metrics = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(metrics[:-1]))
+    code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
+    assert code == 0, lines
+    after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in after] == list(range(ROUNDS)) and after[-1]["rebuilt"] is True
+
+
+def test_the_rebuild_is_best_effort_and_keeps_every_line(tmp_path):
+    """A record it cannot read stops the rebuild, not the resume; lines without a round, and two lines
+    of one round, stay as they were (the review's cases)."""
+    from veriloco.records import RunDir
+
+    run = RunDir(tmp_path)
+    good = {"round": 0, "tokens": 10, "round_s": 1.0, "inner_s": [0.5], "train_loss": [2.0], "eval_loss": None}
+    for rec in (good, {"round": 1, "tokens": None}, {"round": 2, "tokens": 5, "round_s": 0.0, "inner_s": [0.1],
+                                                      "train_loss": [1.0], "eval_loss": None}):
+        run.append_round(rec)
+    for line in ({"note": "no round"}, {"round": 1, "a": 1}, {"round": 1, "a": 2}):
+        run.append_metrics(line)
+    run.truncate_to(3)
+    assert run.metrics() == [{"note": "no round"},
+                             {"round": 0, "eval_loss": None, "train_loss": [2.0], "tokens": 10, "elapsed_s": 1.0,
+                              "tokens_per_s": 10.0, "utilisation": 0.5, "rebuilt": True},
+                             {"round": 1, "a": 1}, {"round": 1, "a": 2}]

@@ -111,9 +111,18 @@ from .task import (
 )
 from .tensorfile import layout_of, tensors_digest
 from .topology import build_stage_model, stage_model
-from .verify import ABSENT, ACCEPT, FALSE_REPORT, LATE, OFFENCES, OTHER_STAGE, REPLAY_MISMATCH
+from .verify import (
+    ABSENT,
+    ACCEPT,
+    EQUIVOCATION,
+    FALSE_REPORT,
+    LATE,
+    OFFENCES,
+    OTHER_STAGE,
+    REPLAY_MISMATCH,
+)
 from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
-from .verify.commitment import EquivocationDetector
+from .verify.commitment import REVEAL_BYTES, EquivocationDetector, verify_equivocation_evidence
 from .verify.lossgain import (
     LOSS_TOLERANCE,
     Settled,
@@ -922,6 +931,10 @@ def _check_slice(
         _fail(f"{where}bundles are stored for workers {sorted(bundles)}, the entry has commitments of "
               f"{sorted(c['worker'] for c in present)}")
     counts["bundles"] += len(bundles)
+    for ev in (part.get("evidence") or {}).values():  # an equivocation proven by a commitment of an earlier try
+        if isinstance(ev, dict) and ev.get("reason") == EQUIVOCATION and verify_equivocation_evidence(ev, admitted):
+            for signed in ev["commitments"]:  # (an elastic round retried: elastic._pin), checked as the round did
+                sl.detector.observe(signed)
     back = r - 1 - base_lag(cfg)
     base = sl.params_after[back] if back >= 0 else tensors_hash(sl.init)
     shapes = {k: tuple(v.shape) for k, v in sl.outer.params.items()}
@@ -930,26 +943,29 @@ def _check_slice(
         shapes=shapes, max_packet_bytes=cfg.run.max_packet_bytes,
         batch_root_of=lambda j: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
         equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned, bundle_hashes=digests,
-        packet_hashes_known=packet_hashes, reveals=_recorded_salts(cfg, part, where),
+        packet_hashes_known=packet_hashes, reveals=_recorded_reveals(cfg, part, where),
     )
-    if "salts" in part and [check.salts.get(j) for j in range(cfg.topology.workers)] != part["salts"]:
-        _fail(f"{where}the record's salts are not the ones that open the round's commitments")
+    if "reveals" in part and [check.reveals.get(j) for j in range(cfg.topology.workers)] != part["reveals"]:
+        _fail(f"{where}the record's reveals are not the ones the round examined (one for each sender that passed "
+              "the checks, none for the others)")
     return _Checked(check, base, set(bundles))
 
 
-def _recorded_salts(cfg, part: dict, where: str) -> dict[int, bytes] | None:
-    """The salts the round's draws mixed in (its record's `salts`: each worker's revealed salt that
-    opened its commitment, or null), as check_bundles' reveals; None for a run without draws. A
-    worker recorded null is judged as one whose reveal did not open its commitment."""
+def _recorded_reveals(cfg, part: dict, where: str) -> dict[int, bytes] | None:
+    """The signed reveals the round examined (its record's `reveals`: each sender's that passed the
+    checks before them, null for the others), as check_bundles' reveals; None for a run without
+    draws. check_bundles judges them again: the signature, and whether the salt opens."""
     if not reveals_salts(cfg.verify):
-        if "salts" in part:
-            _fail(f"{where}the record has salts, but the run draws nothing from its rounds' seeds")
+        if "reveals" in part:
+            _fail(f"{where}the record has reveals, but the run draws nothing from its rounds' seeds")
         return None
-    salts = part.get("salts")
-    if not (isinstance(salts, list) and len(salts) == cfg.topology.workers
-            and all(x is None or (isinstance(x, str) and re.fullmatch("[0-9a-f]{64}", x)) for x in salts)):
-        _fail(f"{where}the record's salts are not a list of {cfg.topology.workers} 64-hex salts (or nulls): {salts!r:.60}")
-    return {j: bytes.fromhex(x) for j, x in enumerate(salts) if x is not None}
+    reveals = part.get("reveals")
+    size = 2 * REVEAL_BYTES
+    if not (isinstance(reveals, list) and len(reveals) == cfg.topology.workers
+            and all(x is None or (isinstance(x, str) and re.fullmatch(f"[0-9a-f]{{{size}}}", x)) for x in reveals)):
+        _fail(f"{where}the record's reveals are not a list of {cfg.topology.workers} {size}-hex reveals (or nulls): "
+              f"{reveals!r:.60}")
+    return {j: bytes.fromhex(x) for j, x in enumerate(reveals) if x is not None}
 
 
 def _screen_slice(cfg, task: _AuditTask, G0: torch.nn.Module, sl: _Slice, r: int, part: dict, where: str,

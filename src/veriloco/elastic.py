@@ -67,6 +67,7 @@ from .procs import sigterm_as_interrupt
 from .records import RoundsFollower, RunDir, metrics_of, prune_checkpoints, pruned
 from .round import (
     Participants,
+    RowTampered,
     Sent,
     StepSchedule,
     Worker,
@@ -81,6 +82,7 @@ from .round import (
 from .store import StoreError, atomic_write
 from .task import Task, on_device
 from .verify import ABSENT, LATE
+from .verify.commitment import CommitmentError, parse_signed_commitment
 
 
 @dataclass
@@ -404,10 +406,11 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
         absent = {j: _absence(alive, view, j, ctx.members.heartbeat_timeout_s, now) for j in outside}
         rec = finish_round(w, sent, overlapped_s, Participants(view.active, comm, comm, absent))
     except (ExchangeError, MembershipError, RuntimeError) as e:
-        if "disagree on the global params" in str(e):
+        if "disagree on the global params" in str(e) or isinstance(e, RowTampered):
             raise
         if isinstance(comm, PgComm) and comm.given_up is None:  # the others may wait in a collective of it
             comm.give_up(f"worker {w.worker} failed the round: {str(e).splitlines()[0][:120]}")
+        _pin(w, r, handle)
         _restore(w, saved)
         _say(ctx.quiet, f"worker {w.worker}: round {r} failed among workers {view.active} "
              f"({str(e).splitlines()[0][:160]}); retrying with a new quorum")
@@ -417,6 +420,23 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
     w.applied = r
     ctx.members.keep(r, comm)
     return True
+
+
+def _pin(w: Worker, r: int, handle) -> None:
+    """The commitments of round r that this worker received in a try that failed (after every
+    bundle was in: in the reveal, say): kept by its equivocation detector, so that a sender whose
+    next try carries another commitment is convicted (EQUIVOCATION, both signed). Else a worker
+    that saw every salt could fail the try on purpose and commit again, choosing its salt and its
+    commitment so that the retry's draw leaves it out (the review of the commit-reveal, thirty-ninth
+    session). Every honest worker resends the very bundle it sent (`_Flight`), so its retry is
+    the same commitment."""
+    for data in (handle.received() or []) if handle is not None else []:
+        try:
+            signed = parse_signed_commitment(decode_bundle(data, view=True)[0])
+        except (PacketError, CommitmentError):
+            continue
+        if signed.commitment.run_id == w.identity.run_id and signed.commitment.round == r:
+            w.identity.equivocation.observe(signed)
 
 
 def _group(ctx: _Ctx, view: QuorumView) -> tuple[QuorumView, PgComm]:

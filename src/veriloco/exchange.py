@@ -93,6 +93,13 @@ class ExchangeHandle:
         self._result = packets
         return packets
 
+    def received(self) -> list[bytes | memoryview] | None:
+        """Every rank's packet once they all arrived, even when the exchange failed after that (in
+        the reveal); None before. elastic._pin keeps the commitments a failed try brought."""
+        if self._thread.is_alive():
+            return None
+        return self._box.get("packets")
+
     def forget(self) -> None:
         """Let go of the received packets (the caller is done with their bytes); `wait()` after
         this is an error."""

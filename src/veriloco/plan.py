@@ -34,7 +34,7 @@ from .link import Link
 from .model import build_meta
 from .records import RunDir, RunDirError
 from .topology import Topology, layers_of_stage
-from .verify.commitment import SALT_BYTES
+from .verify.commitment import REVEAL_BYTES
 from .verify.replay import reveals_salts, segments_to_sample, state_layout, state_nbytes
 
 PARAM_BYTES = 4  # float32: the weights, their gradients, each AdamW moment, G and the outer momentum
@@ -131,9 +131,9 @@ class Plan:
 
     def exchange_s(self, payload_bytes: int) -> float:
         """Seconds one exchange of `payload_bytes` packets takes on the link: latency (twice with the
-        salts' reveal) + (W-1) packets (and salts) each way at the bandwidth (full duplex), as
+        salts' reveal) + (W-1) packets (and reveals) each way at the bandwidth (full duplex), as
         `[link]` paces it."""
-        moved = (payload_bytes + (SALT_BYTES if self.hops > 1 else 0)) * (self.topo.workers - 1)
+        moved = (payload_bytes + (REVEAL_BYTES if self.hops > 1 else 0)) * (self.topo.workers - 1)
         return 0.0 if self.link.unlimited else self.link.transfer_time(moved, moved, self.hops)
 
 

@@ -325,22 +325,35 @@ class RunDir:
         return self.read_jsonl(self.metrics_path)
 
     def truncate_to(self, n_rounds: int, elastic: bool = False) -> None:
-        """Keep the first n_rounds records of rounds.jsonl and metrics.jsonl (resume). A recorded
-        round without its metrics line (the recorder was killed between the two appends) gets one
-        rebuilt from the records, marked `"rebuilt": true` (its elapsed_s is the rounds' seconds
-        summed, what a resumed run counts from, not the first run's wall clock; `elastic`: with the
-        round's members, as an elastic run's lines have)."""
+        """Keep the first n_rounds records of rounds.jsonl and metrics.jsonl (resume), and rebuild
+        the metrics lines a kill lost (`rebuild_metrics`)."""
         rounds = [o for o in self.rounds() if o.get("round", -1) < n_rounds]
-        metrics = {o.get("round", -1): o for o in self.metrics() if o.get("round", -1) < n_rounds}
+        atomic_write(self.rounds_path, "".join(json.dumps(o, sort_keys=True, allow_nan=False) + "\n"
+                                               for o in rounds).encode())
+        self.rebuild_metrics(rounds, n_rounds, elastic)
+
+    def rebuild_metrics(self, rounds: list[dict[str, Any]], n_rounds: int, elastic: bool = False) -> None:
+        """metrics.jsonl's lines of the first n_rounds rounds, and for each of `rounds` (the records)
+        without one a line rebuilt from its record, marked `"rebuilt": true`: the recorder appends a
+        round's record, then its metrics line, and a kill between the two lost the line for good.
+        Its elapsed_s is the rounds' seconds summed (what a resumed run counts from), not the first
+        run's wall clock; `elastic`: with the round's members, as an elastic run's lines have. Best
+        effort: from a record it cannot read (a field missing or of another type), it rebuilds no
+        more; every line it keeps stays as it was, in round order."""
+        kept = [o for o in self.metrics() if o.get("round", -1) < n_rounds]
+        have = {o.get("round") for o in kept}
         tokens, elapsed = 0, 0.0
         for rec in rounds:
-            tokens, elapsed = tokens + rec.get("tokens", 0), elapsed + rec.get("round_s", 0.0)
-            if rec["round"] not in metrics and all(k in rec for k in ("tokens", "round_s", "inner_s", "train_loss")):
-                extra = {"members": rec.get("members")} if elastic else {}
-                metrics[rec["round"]] = metrics_of(rec, tokens, elapsed) | extra | {"rebuilt": True}
-        for path, kept in ((self.rounds_path, rounds), (self.metrics_path, [metrics[r] for r in sorted(metrics)])):
-            data = "".join(json.dumps(o, sort_keys=True, allow_nan=False) + "\n" for o in kept)
-            atomic_write(path, data.encode())
+            try:
+                tokens, elapsed = tokens + rec["tokens"], elapsed + rec["round_s"]
+                if rec["round"] not in have:
+                    extra = {"members": rec.get("members")} if elastic else {}
+                    kept.append(metrics_of(rec, tokens, elapsed) | extra | {"rebuilt": True})
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                break
+        kept.sort(key=lambda o: o.get("round") if type(o.get("round")) is int else -1)
+        atomic_write(self.metrics_path, "".join(json.dumps(o, sort_keys=True, allow_nan=False) + "\n"
+                                                for o in kept).encode())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary_path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())

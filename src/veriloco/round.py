@@ -124,8 +124,10 @@ from .verify.commitment import (
     SALT_BYTES,
     Commitment,
     EquivocationDetector,
+    commitment_bytes,
     round_salt,
     sign_commitment,
+    sign_reveal,
 )
 from .verify.identity import (
     derive_worker_key,
@@ -762,14 +764,18 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     salt = round_salt(w.identity.key, w.identity.run_id, r, w.stage)  # revealed once every bundle is in
     commitment["salt_hash"] = sha256_hex(salt)
     commitment = adv.commitment(r, commitment)
-    signed = canonical_json(sign_commitment(Commitment.from_dict(commitment), w.identity.key))
+    own_commitment = Commitment.from_dict(commitment)
+    signed = canonical_json(sign_commitment(own_commitment, w.identity.key))
     second = adv.second_commitment(r, commitment)
     extras = (canonical_json(sign_commitment(Commitment.from_dict(second), w.identity.key)),) if second else ()
     bundle = adv.bundle(r, encode_bundle(signed, packet, extras), view)
     # stored by its sender before anyone has it, so a receiver that shares the store finds it there
     # and writes nothing (finish_round's put); one copy of each bundle per store, not one per process
     bundle_hash = w.store.put(bundle)
-    reveal = adv.reveal(r, salt)[:SALT_BYTES].ljust(SALT_BYTES, b"\0") if reveals_salts(cfg.verify) else None
+    reveal = None
+    if reveals_salts(cfg.verify):  # sent once every bundle is in, signed for the commitment it opens
+        reveal = sign_reveal(w.identity.key, sha256_hex(commitment_bytes(own_commitment)),
+                             adv.reveal(r, salt)[:SALT_BYTES].ljust(SALT_BYTES, b"\0"))
     return Sent(r, w.exchange.start(bundle, reveal=reveal), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash,
                 batch_root=own_root)
 
@@ -1348,8 +1354,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         "params_hash": params_hash,
         "checkpoint": ckpt_digest,
     }
-    if reveals is not None:  # what the round's draws mixed in (check.round_seed): the audit redraws from them
-        stage_record["salts"] = [check.salts.get(j) for j in range(W)]
+    if reveals is not None:  # the signed reveals the round examined: the audit redraws from them (check.round_seed)
+        stage_record["reveals"] = [check.reveals.get(j) for j in range(W)]
     if check.loss_gains is not None and check.loss_gains.record is not None:
         stage_record["loss_gain_reports"] = check.loss_gains.record  # the audit re-settles from them
     if w.banned:
@@ -1377,7 +1383,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         dtype=torch.float64,
     )
     w.store_mark = w.store.bytes_written
-    row = signed_row(w, r, "figures", mine)  # signed: they pass through other members' processes (signed_gather)
+    row = signed_row(w, r, "figures", mine, part.members)  # signed: they pass through other members' processes
     gathered = [torch.zeros_like(row) for _ in range(part.stats_comm.size)]
     work = None
     if defer:  # this process's part of the round ends here: the wait for the others' figures is not its round's
@@ -1389,7 +1395,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     # two inner steps
     stages = _gather_json({"record": stage_record, "entry": entry_commitments}, w.worker_group) if w.topo.stages > 1 else None
     senders = [(m, s) for m in part.members for s in range(w.topo.stages)]
-    return Finishing(work, lambda: _record_of(w, r, cfg, part, sent, opened_rows(w, r, "figures", gathered, senders, mine),
+    return Finishing(work, lambda: _record_of(w, r, cfg, part, sent,
+                                              opened_rows(w, r, "figures", gathered, senders, mine, part.members),
                                               stage_record, entry_commitments, stages, sizes, evaluating, defer,
                                               overlapped_s))
 
@@ -1624,33 +1631,44 @@ def _hash_words(digest_hex: str) -> list[float]:
 GATHER_DOMAIN = b"veriloco/gather/v1\n"  # what a process signs its row of a gather under
 
 
-def _row_message(w: Worker, r: int, purpose: str, worker: int, stage: int, data: bytes) -> bytes:
-    head = canonical_json({"run_id": w.identity.run_id, "round": r, "purpose": purpose, "worker": worker, "stage": stage})
+class RowTampered(RuntimeError):
+    """A gathered row whose signature does not verify (opened_rows): the run stops, an elastic
+    run too (retrying would meet the same relay)."""
+
+
+def _row_message(w: Worker, r: int, purpose: str, worker: int, stage: int, members: list[int], data: bytes) -> bytes:
+    """What a row's signature covers: the run, round, purpose, sender, its stage, and the
+    round's members (an elastic round retried among other members is another gather: a row of
+    an earlier try does not verify in it)."""
+    head = canonical_json({"run_id": w.identity.run_id, "round": r, "purpose": purpose, "worker": worker,
+                           "stage": stage, "members": members})
     return GATHER_DOMAIN + head + b"\n" + data
 
 
-def signed_row(w: Worker, r: int, purpose: str, t: torch.Tensor) -> torch.Tensor:
+def signed_row(w: Worker, r: int, purpose: str, t: torch.Tensor, members: list[int]) -> torch.Tensor:
     """`t`'s bytes and this process's signature of them (its worker's key, over the run, round,
-    purpose, worker and stage), as one uint8 row to gather (`opened_rows` checks them)."""
+    purpose, worker, stage and the round's `members`), as one uint8 row to gather (`opened_rows`
+    checks them)."""
     data = t.detach().cpu().contiguous().numpy().tobytes()
-    signature = bytes.fromhex(sign(w.identity.key, _row_message(w, r, purpose, w.worker, w.stage, data)))
+    signature = bytes.fromhex(sign(w.identity.key, _row_message(w, r, purpose, w.worker, w.stage, members, data)))
     return torch.frombuffer(bytearray(data + signature), dtype=torch.uint8)
 
 
 def opened_rows(w: Worker, r: int, purpose: str, rows: list[torch.Tensor], senders: list[tuple[int, int]],
-                like: torch.Tensor) -> list[torch.Tensor]:
+                like: torch.Tensor, members: list[int]) -> list[torch.Tensor]:
     """The tensors (shaped and typed as `like`) in gathered `signed_row`s, from `senders`
     ((worker, stage) of each row); a row whose signature does not verify under its worker's
-    admitted key raises RuntimeError naming the worker (see signed_gather)."""
+    admitted key raises RowTampered naming the worker (see signed_gather)."""
     n, out = like.numel() * like.element_size(), []
     for (worker, stage), row in zip(senders, rows, strict=True):
         raw = row.numpy().tobytes()
         body, sig = raw[:n], raw[n:]
         if (worker, stage) != (w.worker, w.stage) and not verify_signature(
-                w.identity.admitted.get(worker), _row_message(w, r, purpose, worker, stage, body), sig.hex()):
+                w.identity.admitted.get(worker), _row_message(w, r, purpose, worker, stage, members, body), sig.hex()):
             where = f" (stage {stage})" if w.topo.stages > 1 else ""
-            raise RuntimeError(f"round {r}: worker {worker}'s row{where} of the {purpose} does not verify under its key: "
-                               "altered on its way through another member's process; refusing to continue")
+            raise RowTampered(f"round {r}: worker {worker}'s row{where} of the {purpose} does not verify under its key: "
+                              "altered on its way through another member's process, or signed wrong; refusing to "
+                              "continue")
         out.append(torch.frombuffer(bytearray(body), dtype=like.dtype).view(like.shape).clone())
     return out
 
@@ -1665,10 +1683,10 @@ def signed_gather(w: Worker, part: Participants, r: int, purpose: str, t: torch.
     auditor, a failure into a pass hides a cheater. A row whose signature does not verify under
     its member's admitted key stops the round on every member that received it, naming the
     member (RuntimeError), as a disagreement on G does: tampering can stop a run, not skew it."""
-    mine = signed_row(w, r, purpose, t)
+    mine = signed_row(w, r, purpose, t, part.members)
     rows = [torch.empty_like(mine) for _ in part.members]
     part.comm.all_gather(rows, mine)
-    return opened_rows(w, r, purpose, rows, [(m, w.stage) for m in part.members], t)
+    return opened_rows(w, r, purpose, rows, [(m, w.stage) for m in part.members], t, part.members)
 
 
 def _gather_json(obj: dict, group: dist.ProcessGroup) -> list[dict]:

@@ -511,7 +511,8 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
     warm()
     records = run.rounds()
     done = len(records)
-    if done >= cfg.train.rounds:
+    if done >= cfg.train.rounds:  # (a metrics line the kill lost rebuilt first: rebuild_metrics)
+        run.rebuild_metrics(records, done, elastic=cfg.run.membership == "elastic")
         return run, _sign_recorded(run, cfg, records)
     if done:
         check_carried(records[-1], cfg.topology.workers, f"{run.rounds_path} round {done - 1}")

@@ -11,7 +11,8 @@ For each worker's bundle, in order (the first failure is its verdict):
      both signed commitments kept as evidence)
   6. the packet decodes to the model's shapes (MALFORMED)
   7. with reveals (the run draws replays or loss-gain batches): the salt it revealed after every
-     bundle was in opens its commitment's salt_hash (UNREVEALED, an offence)
+     bundle was in is signed for its commitment (WITHHELD) and opens its salt_hash (UNREVEALED,
+     an offence: its own signed word)
 then the screen over the decodable deltas (verify/screen.py: norms, cosine to a robust centre,
 copies, replays). A rejected packet never reaches the aggregate.
 
@@ -44,6 +45,7 @@ from . import (
     OFFENCES,
     OTHER_STAGE,
     UNREVEALED,
+    WITHHELD,
     WRONG_DATA,
 )
 from .commitment import (
@@ -52,8 +54,8 @@ from .commitment import (
     SignedCommitment,
     check_commitment,
     check_packet,
+    open_reveal,
     parse_signed_commitment,
-    revealed_salts,
 )
 from .lossgain import FLOOR_SHARE, Settled, gain_floor
 from .screen import LossGain, ScreenConfig, screen_round
@@ -76,7 +78,8 @@ class RoundCheck:
     decoded: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # every decodable delta
     suspects: dict[int, dict] = field(default_factory=dict)  # accepted for now, to be replayed: why
     loss_gains: Settled | None = None  # shared loss gains (lossgain.py), when checkers computed them
-    salts: dict[int, str] = field(default_factory=dict)  # revealed salts that open their commitments (hex)
+    salts: dict[int, str] = field(default_factory=dict)  # the salts of the senders that passed (hex)
+    reveals: dict[int, str] = field(default_factory=dict)  # the reveals it examined (hex): the round records them
 
 
 def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) -> None:
@@ -138,10 +141,11 @@ def check_bundles(
     itself (its own bundle, the very bytes it built and sent: round.finish_round), not hashed
     again. `consume` (a dict of bundles): take each bundle out of it as it is checked, so that a
     caller holding them nowhere else has one bundle's bytes at a time beside the decoded deltas
-    (which hold none of them), not all of them. `reveals`: each sender's revealed salt (the
-    exchange's second step), when the run draws from the round's seed: one that does not open
-    its commitment's `salt_hash` gets UNREVEALED (an offence), and the ones that do are the
-    check's `salts`, which round_seed mixes in."""
+    (which hold none of them), not all of them. `reveals`: each sender's signed reveal (the
+    exchange's second step), when the run draws from the round's seed; each sender that passed
+    the checks above must have sent one signed for its commitment (else WITHHELD) whose salt
+    opens the commitment's `salt_hash` (else UNREVEALED, an offence). The salts of those that
+    pass are the check's `salts`, which round_seed mixes in; `reveals` (hex) what was examined."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -201,23 +205,30 @@ def check_bundles(
             verdicts[w], evidence[w] = EQUIVOCATION, proof
             del decoded[w]
     salts: dict[int, str] = {}
-    if reveals is not None:
-        salts, wrong = revealed_salts(commitments, reveals)
-        for w in wrong:
-            if w in decoded:
-                signed = commitments[w]
-                assert signed is not None
-                verdicts[w] = UNREVEALED
-                evidence[w] = {"salt_hash": signed.commitment.salt_hash, "revealed": bytes(reveals.get(w, b""))[:64].hex()}
-                del decoded[w]
-    return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded, salts=salts)
+    examined: dict[int, str] = {}
+    for w in sorted(decoded) if reveals is not None else ():  # the senders that passed so far
+        signed, raw = commitments[w], bytes(reveals.get(w, b""))
+        assert signed is not None
+        examined[w] = raw.hex()
+        salt = open_reveal(signed, raw, admitted_keys.get(w))
+        if salt:
+            salts[w] = salt
+            continue
+        if salt is None:  # no signed reveal: no one's word, so no offence (a recorder could write any bytes)
+            verdicts[w], evidence[w] = WITHHELD, {"reveal": "none signed for its commitment"}
+        else:
+            verdicts[w], evidence[w] = UNREVEALED, {"reveal": raw.hex(), "salt_hash": signed.commitment.salt_hash}
+        del decoded[w]
+    return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded, salts=salts,
+                      reveals=examined)
 
 
 def round_seed(check: RoundCheck, base_hash: str) -> str:
     """The seed of the round's draws (the replay sample and its auditors, the loss-gain batches
-    and checkers): the base, every checked commitment's digest, and every revealed salt. The
-    salts were revealed only after every commitment was in, so no sender could know the seed
-    when it committed, however late it sent."""
+    and checkers): the base, every checked commitment's digest, and the revealed salts of the
+    senders that passed the checks (check_bundles). The salts were revealed only after every
+    commitment was in, so no sender could know the seed when it committed, however late it
+    sent; a rejected sender's salt is left out, so none decides the draw by being rejected."""
     digests = "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
     return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts))
 
@@ -281,4 +292,4 @@ def screen_checked(
                 suspects.pop(c, None)
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
     return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded,
-                      suspects, settled, check.salts)
+                      suspects, settled, check.salts, check.reveals)

@@ -56,6 +56,8 @@ from .identity import public_key_hex, sign, verify_signature
 SIGNING_DOMAIN = b"veriloco/commitment/v1\n"
 SALT_DOMAIN = b"veriloco/salt/v1\n"  # what round_salt signs: no commitment or ledger entry starts so
 SALT_BYTES = 32
+REVEAL_DOMAIN = b"veriloco/reveal/v1\n"  # what a reveal's signature covers (reveal_message)
+REVEAL_BYTES = SALT_BYTES + 64  # a reveal on the wire: the salt and the Ed25519 signature
 DEFAULT_MAX_BYTES = 1 << 20  # a commitment at every limit below is ~1 MiB; honest ones are ~1 KiB
 MAX_TRACE = 4096  # trace hashes per commitment (H / k); 4096 covers H=4096 with k=1
 MAX_LOSSES = 4096  # per-segment losses, same bound as the trace
@@ -209,20 +211,26 @@ def round_salt(private: Ed25519PrivateKey, run_id: str, round: int, stage: int =
     return bytes.fromhex(sha256_hex(bytes.fromhex(sign(private, message))))
 
 
-def revealed_salts(commitments: Mapping[int, SignedCommitment | None],
-                   reveals: Mapping[int, bytes | memoryview]) -> tuple[dict[int, str], list[int]]:
-    """The salts that open their commitments (worker -> hex), and the workers with a parsed
-    commitment whose reveal is missing or does not hash to its `salt_hash`."""
-    salts, wrong = {}, []
-    for w, signed in sorted(commitments.items()):
-        if signed is None:
-            continue
-        salt = bytes(reveals.get(w, b""))
-        if len(salt) == SALT_BYTES and sha256_hex(salt) == signed.commitment.salt_hash:
-            salts[w] = salt.hex()
-        else:
-            wrong.append(w)
-    return salts, wrong
+def reveal_message(digest: str, salt: bytes) -> bytes:
+    """What a reveal signs: its salt, for the commitment named `digest` (SignedCommitment.digest),
+    so a reveal speaks for one commitment (of one run, round, worker and stage) only."""
+    return REVEAL_DOMAIN + digest.encode() + b"\n" + salt
+
+
+def sign_reveal(private: Ed25519PrivateKey, digest: str, salt: bytes) -> bytes:
+    """The REVEAL_BYTES a worker sends once every bundle is in: `salt` and its signature."""
+    return salt + bytes.fromhex(sign(private, reveal_message(digest, salt)))
+
+
+def open_reveal(signed: SignedCommitment, raw: bytes, public_key: str | None) -> str | None:
+    """The salt (hex) in reveal `raw` when it is signed by `public_key` for `signed` and opens its
+    `salt_hash`; "" when it is signed but does not open it (the worker's own signed word that it
+    broke its commitment: an offence anyone can re-check); None when it is not a signed reveal
+    (missing, cut, or signed by no one: no one's word)."""
+    salt, sig = raw[:SALT_BYTES], raw[SALT_BYTES:]
+    if len(raw) != REVEAL_BYTES or not verify_signature(public_key, reveal_message(signed.digest, salt), sig.hex()):
+        return None
+    return salt.hex() if sha256_hex(salt) == signed.commitment.salt_hash else ""
 
 
 def commitment_bytes(c: Commitment) -> bytes:
