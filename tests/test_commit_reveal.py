@@ -211,10 +211,17 @@ def test_the_audit_redraws_from_the_recorded_salts(wrong_salt_run, tmp_path):
     report = audit_run(root)
     assert not report.ok and report.first_failure.startswith("round 0: worker 2's verdict recomputes to 'withheld'"), \
         report.first_failure
-    rec["reveals"][2] = None  # dropped: the round examined one
+    rec["reveals"][2] = None  # dropped: judged as none sent
     (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     report = audit_run(root)
-    assert not report.ok and "reveals are not the ones the round examined" in report.first_failure, report.first_failure
+    assert not report.ok and report.first_failure.startswith("round 0: worker 2's verdict recomputes to 'withheld'"), \
+        report.first_failure
+    late = json.loads(lines[2])  # round 2: worker 1 is banned, so the round examined no reveal of it
+    late["reveals"][1] = late["reveals"][0]
+    (root / "rounds.jsonl").write_text("\n".join([*lines[:2], json.dumps(late)]) + "\n")
+    report = audit_run(root)
+    assert not report.ok and report.first_failure == "round 2: the record's reveals are not the ones the round " \
+        "examined (one for each sender that passed the checks, none for the others)", report.first_failure
     rec["reveals"][2] = honest
     rec["reveals"] = rec["reveals"][:2]
     (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")

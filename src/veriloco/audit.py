@@ -946,6 +946,10 @@ def _check_slice(
         packet_hashes_known=packet_hashes, reveals=_recorded_reveals(cfg, part, where),
     )
     if "reveals" in part and [check.reveals.get(j) for j in range(cfg.topology.workers)] != part["reveals"]:
+        for c in recorded:  # a sender this check rejects and the round did not: that is the first thing wrong
+            j = c["worker"]
+            if check.verdicts.get(j, ACCEPT) != ACCEPT and check.verdicts[j] != c["verdict"]:
+                _fail(f"{where}worker {j}'s verdict recomputes to {check.verdicts[j]!r}, the entry says {c['verdict']!r}")
         _fail(f"{where}the record's reveals are not the ones the round examined (one for each sender that passed "
               "the checks, none for the others)")
     return _Checked(check, base, set(bundles))

@@ -1249,7 +1249,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     packets = dict(zip(members, sent.handle.wait(), strict=True))
     wait_s = time.perf_counter() - wait0 + sent.waited_s
     reveals = None
-    if reveals_salts(cfg.verify):  # each sender's salt, revealed after every bundle was in
+    if reveals_salts(cfg.verify):  # each sender's signed salt, revealed after every bundle was in
         if sent.handle.reveals is None:
             raise ExchangeError(f"round {r}: the exchange brought no salts")
         reveals = dict(zip(members, sent.handle.reveals, strict=True))
@@ -1682,7 +1682,7 @@ def signed_gather(w: Worker, part: Participants, r: int, purpose: str, t: torch.
     running a modified gloo could rewrite it: a replay's pass into a failure frames an honest
     auditor, a failure into a pass hides a cheater. A row whose signature does not verify under
     its member's admitted key stops the round on every member that received it, naming the
-    member (RuntimeError), as a disagreement on G does: tampering can stop a run, not skew it."""
+    member (RowTampered), as a disagreement on G does: tampering can stop a run, not skew it."""
     mine = signed_row(w, r, purpose, t, part.members)
     rows = [torch.empty_like(mine) for _ in part.members]
     part.comm.all_gather(rows, mine)
