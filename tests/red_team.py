@@ -370,9 +370,9 @@ class GrindSkim(Skim):
 
         def transfer(ex, own, bufs):
             if own is not None and own.numel() == reveal_bytes:  # the reveal: the others' salts come only now
-                salt = bytes(own[:32].numpy())  # signed again, for the commitment it sent
-                own = torch.frombuffer(bytearray(commitment.sign_reveal(keys["mine"], sent["digest"], salt)),
-                                       dtype=torch.uint8)
+                salt = bytes(own[:32].numpy())  # signed again, for the commitment it sent (in place: its own copy too)
+                own[:] = torch.frombuffer(bytearray(commitment.sign_reveal(keys["mine"], sent["digest"], salt)),
+                                          dtype=torch.uint8)
                 return original(ex, own, bufs)
             ops = [dist.P2POp(dist.irecv, buf, ex._ranks[r], group=ex.group) for r, buf in bufs.items()]
             for w in dist.batch_isend_irecv(ops) if ops else []:  # everyone's bundle first
@@ -460,9 +460,9 @@ class AbortRegrind(Skim):
             cur = state["cur"]
             if own is not None and own.numel() == REVEAL_BYTES and cur is not None:
                 r = cur["round"]
-                if cur["chosen"] is not None:  # signed for the commitment it sent
-                    own = torch.frombuffer(bytearray(sign_reveal(keys["mine"], cur["digest"], cur["chosen"])),
-                                           dtype=torch.uint8)
+                if cur["chosen"] is not None:  # signed for the commitment it sent (in place: its own copy too)
+                    own[:] = torch.frombuffer(bytearray(sign_reveal(keys["mine"], cur["digest"], cur["chosen"])),
+                                              dtype=torch.uint8)
                 post(ex, own, bufs, send=False)  # everyone's salt first
                 salts = {cur["workers"][q]: bytes(b[:SALT_BYTES].numpy()).hex() for q, b in bufs.items()}
                 salts[me] = bytes(own[:SALT_BYTES].numpy()).hex()
