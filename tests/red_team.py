@@ -508,3 +508,60 @@ class AbortRegrind(Skim):
             return finish(w, sent, *a, **k)
 
         round.sign_commitment, exchange.Exchange._transfer, round.start_finish = keep_key, transfer, start_finish
+
+
+class WithholdSkim(Skim):
+    """`skim` that keeps its reveal whenever the draw would replay it (the third review of the
+    commit-reveal, thirty-ninth session): in a static run's reveal it receives every other signed
+    reveal first, computes the round's draw from the base, the digests and every salt, and when
+    the draw would replay it sends its salt with a zeroed signature, no one's word. Rejected as
+    `withheld` (no offence) it was never convicted, and 4 of its 6 skimmed updates went in at
+    p = 0.5; now a sender without a signed reveal is replayed whole that round whatever the draw.
+    Params: p, segments, workers."""
+
+    kind = "withhold_skim"
+    PARAMS = None
+
+    def batch(self, r, step, inputs, targets):
+        if not getattr(WithholdSkim, "_patched", False):
+            self._patch()
+        return super().batch(r, step, inputs, targets)
+
+    def _patch(self):
+        import struct
+
+        import torch.distributed as dist
+
+        from veriloco import exchange
+        from veriloco.verify.commitment import REVEAL_BYTES, SALT_BYTES, parse_signed_commitment
+        from veriloco.verify.replay import plan_audits
+
+        WithholdSkim._patched = True
+        me, p = self.worker, float(self.params["p"])
+        segments, workers = int(self.params["segments"]), int(self.params["workers"])
+        cur, original = {}, exchange.Exchange._transfer
+
+        def commitment_of(data):
+            (n,) = struct.unpack(">I", data[4:8])
+            return bytes(data[8:8 + n])
+
+        def transfer(ex, own, bufs):
+            if own is None or own.numel() != REVEAL_BYTES:
+                original(ex, own, bufs)
+                digests = [parse_signed_commitment(commitment_of(bytes(b.numpy()))).digest for b in bufs.values()]
+                mine = parse_signed_commitment(commitment_of(bytes(own.numpy())))
+                cur.update(base=mine.commitment.base_hash, digests=[*digests, mine.digest])
+                return
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, ex._ranks[q], group=ex.group)
+                                             for q, b in bufs.items()]):
+                w.wait()  # every other salt first
+            salts = {q: bytes(b[:SALT_BYTES].numpy()).hex() for q, b in bufs.items()} | \
+                {ex.rank: bytes(own[:SALT_BYTES].numpy()).hex()}
+            seed = cur["base"] + "".join(sorted(cur["digests"])) + "".join(salts[q] for q in sorted(salts))
+            if me in [a.worker for a in plan_audits(seed, list(range(workers)), list(range(workers)), segments, p)]:
+                own[SALT_BYTES:] = 0  # in place: its own copy of its reveal too
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, own, ex._ranks[q], group=ex.group)
+                                             for q in range(ex.size) if q != ex.rank]):
+                w.wait()
+
+        exchange.Exchange._transfer = transfer

@@ -91,6 +91,15 @@ def test_a_signed_salt_that_does_not_open_its_commitment_is_an_offence_and_stays
     for bad in (b"", _reveal(1)[:-1], _reveal(1, key=2), bytes(REVEAL_BYTES)):
         unsigned = _check({**reveals, 1: bad})
         assert unsigned.verdicts[1] == WITHHELD and 1 not in unsigned.salts, bad
+    # where the run replays, such a sender is not let off: a suspect, replayed whole whatever the draw
+    replayed = check_bundles({j: _bundle(j) for j in range(3)}, run_id=RUN, round=2, base_hash=BASE,
+                             admitted_keys={j: public_key_hex(k) for j, k in KEYS.items()}, shapes=SHAPES,
+                             max_packet_bytes=1 << 20, batch_root_of=lambda j: sha256_hex(b"%d" % j),
+                             equivocation=EquivocationDetector(), reveals={**reveals, 1: b""}, unsigned_reveal="replay")
+    assert replayed.verdicts[1] == ACCEPT and 1 in replayed.decoded and 1 not in replayed.salts
+    assert replayed.suspects == {1: {"reveal": "none signed for its commitment"}}
+    assert [a.worker for a in PlanInputs.of_round(BASE, replayed, set()).audits(tiny().verify, tiny().train, [0, 1, 2])] \
+        == [1]  # (the defaults draw no replay: the suspect is replayed all the same)
     # the seed: the base, the commitments' digests and the passed senders' salts; without reveals (a run that
     # draws nothing), the base and the digests only
     plain = _check(None)
@@ -206,16 +215,18 @@ def test_the_audit_redraws_from_the_recorded_salts(wrong_salt_run, tmp_path):
     lines = (root / "rounds.jsonl").read_text().splitlines()
     rec = json.loads(lines[0])
     honest = rec["reveals"][2]
-    rec["reveals"][2] = "00" * REVEAL_BYTES  # no signed reveal: the audit judges worker 2 withheld, the round did not
+    # no signed reveal of worker 2: the audit makes it a suspect and replays it, the replay passes, so the
+    # verdicts recompute; the edit is the run's signature's to catch
+    rec["reveals"][2] = "00" * REVEAL_BYTES
+    (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    report = audit_run(root, replay=100)
+    assert not report.ok and report.checked["replays"] >= 1, report.first_failure
+    assert "rounds.jsonl is missing or does not hash to its listed digest" in report.first_failure, report.first_failure
+    rec["reveals"][2] = None  # dropped: the round examined one
     (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     report = audit_run(root)
-    assert not report.ok and report.first_failure.startswith("round 0: worker 2's verdict recomputes to 'withheld'"), \
-        report.first_failure
-    rec["reveals"][2] = None  # dropped: judged as none sent
-    (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
-    report = audit_run(root)
-    assert not report.ok and report.first_failure.startswith("round 0: worker 2's verdict recomputes to 'withheld'"), \
-        report.first_failure
+    assert not report.ok and report.first_failure == "round 0: the record's reveals are not the ones the round " \
+        "examined (one for each sender that passed the checks, none for the others)", report.first_failure
     late = json.loads(lines[2])  # round 2: worker 1 is banned, so the round examined no reveal of it
     late["reveals"][1] = late["reveals"][0]
     (root / "rounds.jsonl").write_text("\n".join([*lines[:2], json.dumps(late)]) + "\n")
@@ -247,5 +258,26 @@ def test_a_worker_that_fails_a_try_to_commit_again_is_an_equivocator(tmp_path, m
     assert "equivocation" in verdicts, verdicts
     first = verdicts.index("equivocation")
     assert verdicts[first + 1:] == ["banned"] * (7 - first)
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
+def test_a_worker_that_keeps_its_reveal_when_it_would_be_drawn_is_replayed_anyway(tmp_path, monkeypatch):
+    """red_team.WithholdSkim (the third review's attacker) sends an unsigned reveal whenever it sees
+    that the draw would replay it. Judged `withheld` (rejected, no offence) at 0416e54, it was never
+    convicted in 6 rounds at p = 0.5 and 4 of its skimmed updates went in, the audit passing. A
+    sender without a signed reveal is now a suspect, replayed whole that round whatever the draw."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny(*GRIND[:1], "--train.rounds=6", *GRIND[2:],
+                        "--adversary.3=red_team:WithholdSkim:p=0.5,segments=1,workers=4"), str(tmp_path / "w"), quiet=True)
+    recs = rounds_of(run.root)
+    verdicts = [r["verdicts"][3] for r in recs]
+    assert "replay_mismatch" in verdicts, verdicts
+    first = verdicts.index("replay_mismatch")
+    assert verdicts[:first] == ["accept"] * first and verdicts[first + 1:] == ["banned"] * (5 - first), verdicts
+    # convicted in a round it withheld its reveal in (it does so only when the draw would replay it)
+    assert recs[first]["evidence"]["3"]["suspect"] == {"reveal": "none signed for its commitment"}
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure

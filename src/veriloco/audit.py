@@ -148,6 +148,7 @@ from .verify.replay import (
     state_layout,
     state_nbytes,
     state_ref,
+    unsigned_reveal_action,
     worker_score,
 )
 from .verify.screen import LossGain
@@ -944,6 +945,7 @@ def _check_slice(
         batch_root_of=lambda j: batch_root(task.as_task(), j, r, cfg.train.inner_steps),
         equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned, bundle_hashes=digests,
         packet_hashes_known=packet_hashes, reveals=_recorded_reveals(cfg, part, where),
+        unsigned_reveal=unsigned_reveal_action(cfg.verify),
     )
     if "reveals" in part and [check.reveals.get(j) for j in range(cfg.topology.workers)] != part["reveals"]:
         for c in recorded:  # a sender this check rejects and the round did not: that is the first thing wrong

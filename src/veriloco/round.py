@@ -166,6 +166,7 @@ from .verify.replay import (
     state_nbytes,
     state_ref,
     state_to_bytes,
+    unsigned_reveal_action,
     worker_score,
 )
 from .verify.screen import LossGain
@@ -1281,6 +1282,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
             banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
+            unsigned_reveal=unsigned_reveal_action(cfg.verify),
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])

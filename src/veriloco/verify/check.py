@@ -131,6 +131,7 @@ def check_bundles(
     packet_hashes_known: Mapping[int, str] | None = None,
     consume: bool = False,
     reveals: Mapping[int, bytes | memoryview] | None = None,
+    unsigned_reveal: str = "reject",
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
     hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
@@ -145,7 +146,11 @@ def check_bundles(
     exchange's second step), when the run draws from the round's seed; each sender that passed
     the checks above must have sent one signed for its commitment (else WITHHELD) whose salt
     opens the commitment's `salt_hash` (else UNREVEALED, an offence). The salts of those that
-    pass are the check's `salts`, which round_seed mixes in; `reveals` (hex) what was examined."""
+    pass are the check's `salts`, which round_seed mixes in; `reveals` (hex) what was examined.
+    `unsigned_reveal` = "replay" (the run replays): a sender without a signed reveal is not
+    rejected but made a suspect, replayed whole this round whatever the draw, and the replay
+    decides. Rejected (WITHHELD, no offence: the bytes are no one's word), it could keep its
+    reveal whenever it saw that the draw would replay it, and be rejected, never convicted."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -206,6 +211,7 @@ def check_bundles(
             del decoded[w]
     salts: dict[int, str] = {}
     examined: dict[int, str] = {}
+    suspects: dict[int, dict] = {}
     for w in sorted(decoded) if reveals is not None else ():  # the senders that passed so far
         signed, raw = commitments[w], bytes(reveals.get(w, b""))
         assert signed is not None
@@ -214,13 +220,16 @@ def check_bundles(
         if salt:
             salts[w] = salt
             continue
+        if salt is None and unsigned_reveal == "replay":  # no draw to dodge: it is replayed whatever the draw
+            suspects[w] = {"reveal": "none signed for its commitment"}
+            continue
         if salt is None:  # no signed reveal: no one's word, so no offence (a recorder could write any bytes)
             verdicts[w], evidence[w] = WITHHELD, {"reveal": "none signed for its commitment"}
         else:
             verdicts[w], evidence[w] = UNREVEALED, {"reveal": raw.hex(), "salt_hash": signed.commitment.salt_hash}
         del decoded[w]
-    return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded, salts=salts,
-                      reveals=examined)
+    return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded,
+                      suspects=suspects, salts=salts, reveals=examined)
 
 
 def round_seed(check: RoundCheck, base_hash: str) -> str:
@@ -255,7 +264,7 @@ def screen_checked(
     hashes and accepted deltas; `earlier`: the round before's accepted deltas (delay 1, a round
     late: what a worker holds when it sends; screen_round's earlier_deltas)."""
     verdicts, commitments, decoded = dict(check.verdicts), check.commitments, check.decoded
-    packet_hashes, evidence, suspects = check.packet_hashes, dict(check.evidence), {}
+    packet_hashes, evidence, suspects = check.packet_hashes, dict(check.evidence), dict(check.suspects)
     settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
@@ -283,9 +292,10 @@ def screen_checked(
             if v.accepted:
                 continue
             if loss_gain_action == "audit" and set(v.evidence["flags"]) <= {NO_LOSS_GAIN, WRONG_DATA}:
-                suspects[w] = {"flags": v.evidence["flags"], "loss_gain": v.evidence.get("loss_gain")}
+                suspects[w] = suspects.get(w, {}) | {"flags": v.evidence["flags"], "loss_gain": v.evidence.get("loss_gain")}
             else:
                 verdicts[w], evidence[w] = v.reason, v.evidence
+                suspects.pop(w, None)
         for c, ev in (settled.false_reports.items() if settled else ()):  # lied as a loss-gain checker
             if c in verdicts and verdicts[c] not in (*OFFENCES, BANNED):
                 verdicts[c], evidence[c] = FALSE_REPORT, {"loss_gain": ev}

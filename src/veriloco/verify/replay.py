@@ -109,6 +109,12 @@ def reveals_salts(verify: VerifyConfig) -> bool:
     return verify.replay_probability > 0 or bool(verify.screen and verify.loss_gain_batches)
 
 
+def unsigned_reveal_action(verify: VerifyConfig) -> str:
+    """What a sender without a signed reveal gets (check.check_bundles): replayed whole this round
+    when the run replays ("replay"), else rejected as withheld ("reject")."""
+    return "replay" if verify.replay_probability > 0 else "reject"
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """What a round's replay plan is drawn from (`plan_audits`): the seed, the workers that may be
@@ -140,10 +146,11 @@ class PlanInputs:
     def pooled(cls, stages: list[dict]) -> PlanInputs:
         """A pipelined worker's plan, the same on each of its stages (a replay runs through all
         of them): from every stage's `to_json()` in stage order (after check.take_whole_workers,
-        so their accepted workers and suspects agree), the seeds concatenated, banned if any
-        stage banned it."""
+        so their accepted workers agree), the seeds concatenated, banned if any stage banned it,
+        a suspect if any stage made it one (a worker without a signed reveal on one stage's
+        exchange is replayed through all of them)."""
         accepted = set.intersection(*(set(p["accepted"]) for p in stages))
-        suspects = set.intersection(*(set(p["suspects"]) for p in stages))
+        suspects = set.union(*(set(p["suspects"]) for p in stages)) & accepted
         banned = set().union(*(set(p["banned"]) for p in stages))
         return cls("".join(p["seed"] for p in stages), sorted(accepted), suspects, banned)
 
