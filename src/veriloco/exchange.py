@@ -129,8 +129,8 @@ class Exchange:
 
     def start(self, packet: bytes, reveal: bytes | None = None) -> ExchangeHandle:
         """Begin sending `packet` (and then `reveal`, once every packet is in: the module
-        docstring; every rank passes a reveal of the same length, or none); returns at once, unless the previous exchange of this object
-        is still moving bytes: two exchanges on one group must not issue their collectives
+        docstring; every rank passes a reveal of the same length, or none); returns at once,
+        unless the previous exchange of this object is still moving bytes: two exchanges on one group must not issue their collectives
         concurrently (each rank would order them by thread timing, and ranks that order them
         differently deadlock or swap packets). With delay 1 the previous one normally finished
         under the inner steps, so this waits for nothing."""

@@ -11,8 +11,9 @@ For each worker's bundle, in order (the first failure is its verdict):
      both signed commitments kept as evidence)
   6. the packet decodes to the model's shapes (MALFORMED)
   7. with reveals (the run draws replays or loss-gain batches): the salt it revealed after every
-     bundle was in is signed for its commitment (WITHHELD) and opens its salt_hash (UNREVEALED,
-     an offence: its own signed word)
+     bundle was in is signed for its commitment (else WITHHELD; where the run replays, a suspect
+     replayed whatever the draw) and opens its salt_hash (UNREVEALED, an offence: its own signed
+     word)
 then the screen over the decodable deltas (verify/screen.py: norms, cosine to a robust centre,
 copies, replays). A rejected packet never reaches the aggregate.
 
