@@ -194,3 +194,18 @@ def test_a_resumed_run_screens_against_the_round_before_the_resume(tmp_path):
     resume(str(tmp_path / "r"), quiet=True)
     assert verdicts_of(tmp_path / "r", 1)[1:] == ["near_duplicate", "near_duplicate"]
     assert audit_run(tmp_path / "r").ok
+
+
+def test_the_replays_a_record_names_are_the_audits_draw(accuser_run, tmp_path):
+    """A record that names a replay the draw did not make, or leaves out one it made, fails the audit
+    (it checked only the replay verdicts against the draw before)."""
+    root = Path(shutil.copytree(accuser_run[0], tmp_path / "run"))
+    lines = (root / "rounds.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    replayed = sorted(int(j) for j, e in rec["evidence"].items() if "replayed" in e)
+    assert replayed, rec["evidence"]
+    del rec["evidence"][str(replayed[0])]["replayed"]
+    (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    report = audit_run(root)
+    assert not report.ok and report.first_failure == \
+        f"round 0: worker {replayed[0]} was in the replay sample, but the record has no replay of it", report.first_failure

@@ -215,13 +215,14 @@ def test_the_audit_redraws_from_the_recorded_salts(wrong_salt_run, tmp_path):
     lines = (root / "rounds.jsonl").read_text().splitlines()
     rec = json.loads(lines[0])
     honest = rec["reveals"][2]
-    # no signed reveal of worker 2: the audit makes it a suspect and replays it, the replay passes, so the
-    # verdicts recompute; the edit is the run's signature's to catch
+    # no signed reveal of worker 2: the audit makes it a suspect and replays it (it passes), but its salt
+    # is out of the seed, so the audit's draw is not the round's, and the replays the record names are not it
     rec["reveals"][2] = "00" * REVEAL_BYTES
     (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     report = audit_run(root, replay=100)
     assert not report.ok and report.checked["replays"] >= 1, report.first_failure
-    assert "rounds.jsonl is missing or does not hash to its listed digest" in report.first_failure, report.first_failure
+    assert report.first_failure == "round 0: worker 1 was in the replay sample, but the record has no replay of it", \
+        report.first_failure
     rec["reveals"][2] = None  # dropped: the round examined one
     (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     report = audit_run(root)

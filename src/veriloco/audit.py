@@ -1254,6 +1254,14 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
             elif disputed and (mine.get(a.auditor) == FALSE_REPORT or not blame):
                 judge_reported(cfg.verify, checked.check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0,
                                blame)
+    for part, mine, where in zip(parts, verdicts, wheres, strict=True):  # the replays the record names are the plan's
+        evidence = part.get("evidence") or {}
+        named = {j for j in mine if isinstance(evidence.get(str(j)), dict) and "replayed" in evidence[str(j)]}
+        if named - sampled:
+            _fail(f"{where}the record has worker {min(named - sampled)} replayed, but it was not in the replay sample")
+        unnamed = [j for j in sorted(sampled) if j not in named and mine.get(j) not in (REPLAY_MISMATCH, FALSE_REPORT)]
+        if unnamed:
+            _fail(f"{where}worker {unnamed[0]} was in the replay sample, but the record has no replay of it")
     for sl in slices:
         sl.disputes |= disputes
     return replays_left
