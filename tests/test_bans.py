@@ -209,3 +209,10 @@ def test_the_replays_a_record_names_are_the_audits_draw(accuser_run, tmp_path):
     report = audit_run(root)
     assert not report.ok and report.first_failure == \
         f"round 0: worker {replayed[0]} was in the replay sample, but the record has no replay of it", report.first_failure
+    rec = json.loads(lines[0])  # named, but by another auditor than the draw's
+    e = rec["evidence"][str(replayed[0])]["replayed"]
+    e["auditor"] = next(j for j in range(4) if j not in (e["auditor"], replayed[0]))
+    (root / "rounds.jsonl").write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    report = audit_run(root)
+    assert not report.ok and report.first_failure.startswith(
+        f"round 0: the record's replay of worker {replayed[0]} is not the draw's"), report.first_failure

@@ -1262,6 +1262,11 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
         unnamed = [j for j in sorted(sampled) if j not in named and mine.get(j) not in (REPLAY_MISMATCH, FALSE_REPORT)]
         if unnamed:
             _fail(f"{where}worker {unnamed[0]} was in the replay sample, but the record has no replay of it")
+        for a in audits:  # and by the draw's auditor, from the draw's segment
+            rep = evidence[str(a.worker)]["replayed"] if a.worker in named else None
+            if isinstance(rep, dict) and (rep.get("auditor") != a.auditor or rep.get("segment", a.segment) != a.segment):
+                _fail(f"{where}the record's replay of worker {a.worker} is not the draw's (auditor {a.auditor}, segment "
+                      f"{a.segment}): {str(rep)[:80]}")
     for sl in slices:
         sl.disputes |= disputes
     return replays_left
