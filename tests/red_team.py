@@ -319,7 +319,21 @@ class WrongSalt(Adversary):
         return b"\xff" * len(salt) if r == int(self.param("round", 0)) else salt
 
 
-class GrindSkim(Skim):
+class _PatchingSkim(Skim):
+    """`skim` whose process patches veriloco (`_patch`, the attack) once, at its first batch: the
+    worker's own process, set up by then."""
+
+    def batch(self, r, step, inputs, targets):
+        if not type(self).__dict__.get("_patched", False):
+            type(self)._patched = True
+            self._patch()
+        return super().batch(r, step, inputs, targets)
+
+    def _patch(self):
+        raise NotImplementedError
+
+
+class GrindSkim(_PatchingSkim):
     """`skim` (trains on half of each batch: only a replay catches it) that also tries to grind the
     replay sample: its exchange receives every other bundle before it sends its own (nothing
     orders the exchange), then re-signs its commitment with its last loss nudged (no check reads
@@ -332,11 +346,6 @@ class GrindSkim(Skim):
 
     kind = "grind_skim"
     PARAMS = None  # any: p, segments and workers, as floats and ints
-
-    def batch(self, r, step, inputs, targets):
-        if not getattr(GrindSkim, "_patched", False):
-            self._patch()
-        return super().batch(r, step, inputs, targets)
 
     def _patch(self):
         import struct
@@ -353,7 +362,6 @@ class GrindSkim(Skim):
         reveal_bytes = getattr(commitment, "REVEAL_BYTES", None)  # None: before the commit-reveal (bench/grind.py)
         sent = {}  # the digest of the commitment it sent this round
 
-        GrindSkim._patched = True
         me, p = self, float(self.params["p"])
         segments, workers = int(self.params["segments"]), int(self.params["workers"])
         keys, sign = {}, round.sign_commitment
@@ -398,7 +406,7 @@ class GrindSkim(Skim):
         round.sign_commitment, exchange.Exchange._transfer = keep_key, transfer  # this worker's process only
 
 
-class AbortRegrind(Skim):
+class AbortRegrind(_PatchingSkim):
     """`skim` that dodges the draw by failing a try of an elastic round (the review of the
     commit-reveal, thirty-ninth session): in the reveal it receives every other salt before it
     sends its own; when the draw would replay it, it sends nothing and gives the round up (no wrong
@@ -409,11 +417,6 @@ class AbortRegrind(Skim):
 
     kind = "abort_regrind"
     PARAMS = None
-
-    def batch(self, r, step, inputs, targets):
-        if not getattr(AbortRegrind, "_patched", False):
-            self._patch()
-        return super().batch(r, step, inputs, targets)
 
     def _patch(self):
         import hashlib
@@ -433,7 +436,6 @@ class AbortRegrind(Skim):
         )
         from veriloco.verify.replay import plan_audits
 
-        AbortRegrind._patched = True
         me, p, segments = self.worker, float(self.params["p"]), int(self.params["segments"])
         keys, sign = {}, round.sign_commitment
         state = {"known": {}, "cur": None}  # known[r]: the salts of round r it saw in a failed try
@@ -510,7 +512,7 @@ class AbortRegrind(Skim):
         round.sign_commitment, exchange.Exchange._transfer, round.start_finish = keep_key, transfer, start_finish
 
 
-class WithholdSkim(Skim):
+class WithholdSkim(_PatchingSkim):
     """`skim` that keeps its reveal whenever the draw would replay it (the third review of the
     commit-reveal, thirty-ninth session): in a static run's reveal it receives every other signed
     reveal first, computes the round's draw from the base, the digests and every salt, and when
@@ -522,11 +524,6 @@ class WithholdSkim(Skim):
     kind = "withhold_skim"
     PARAMS = None
 
-    def batch(self, r, step, inputs, targets):
-        if not getattr(WithholdSkim, "_patched", False):
-            self._patch()
-        return super().batch(r, step, inputs, targets)
-
     def _patch(self):
         import struct
 
@@ -536,7 +533,6 @@ class WithholdSkim(Skim):
         from veriloco.verify.commitment import REVEAL_BYTES, SALT_BYTES, parse_signed_commitment
         from veriloco.verify.replay import plan_audits
 
-        WithholdSkim._patched = True
         me, p = self.worker, float(self.params["p"])
         segments, workers = int(self.params["segments"]), int(self.params["workers"])
         cur, original = {}, exchange.Exchange._transfer

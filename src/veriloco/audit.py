@@ -136,6 +136,7 @@ from .verify.lossgain import (
 from .verify.replay import (
     PlanInputs,
     Replayer,
+    exchange_hops,
     from_state,
     hashes_match,
     judge_reported,
@@ -806,7 +807,7 @@ def _step_schedule(cfg, records: list[dict]) -> StepSchedule:
         if rec.get("inner_steps") != schedule.at(r):
             _fail(f"round {r}: the record says H = {rec.get('inner_steps')!r:.40}, the records' hide_steps give {schedule.at(r)}")
         try:
-            need = hide_steps(link, rec, schedule.at(r), cfg.compress.safety, 1 + reveals_salts(cfg.verify))
+            need = hide_steps(link, rec, schedule.at(r), cfg.compress.safety, exchange_hops(cfg.verify))
         except (KeyError, TypeError, IndexError, ValueError) as e:
             _fail(f"round {r}: hide_steps cannot be recomputed from the record ({type(e).__name__}: {e})")
         if need != recorded:

@@ -192,9 +192,8 @@ class Exchange:
             if reveal is not None:  # every packet is here: now, and only now, this rank's reveal goes out
                 bufs = {r: torch.empty(len(reveal), dtype=torch.uint8, device=self.device)
                         for r in range(self.size) if r != self.rank}
-                self._transfer(_send_view(reveal).to(self.device) if reveal else None, bufs if reveal else {})
-                box["reveals"] = [bytes(reveal) if r == self.rank else bytes(_received(bufs[r])) if reveal else b""
-                                  for r in range(self.size)]
+                self._transfer(_send_view(reveal).to(self.device), bufs)
+                box["reveals"] = [bytes(reveal) if r == self.rank else bytes(_received(bufs[r])) for r in range(self.size)]
                 box["sent"] += len(reveal) * peers
                 box["received"] += len(reveal) * peers
         except ExchangeError as e:

@@ -35,7 +35,7 @@ from .model import build_meta
 from .records import RunDir, RunDirError
 from .topology import Topology, layers_of_stage
 from .verify.commitment import REVEAL_BYTES
-from .verify.replay import reveals_salts, segments_to_sample, state_layout, state_nbytes
+from .verify.replay import exchange_hops, segments_to_sample, state_layout, state_nbytes
 
 PARAM_BYTES = 4  # float32: the weights, their gradients, each AdamW moment, G and the outer momentum
 MB = 1e6
@@ -126,8 +126,8 @@ class Plan:
 
     @property
     def hops(self) -> int:
-        """Messages of an exchange one after another: 2 where the run reveals salts (verify/replay.py)."""
-        return 1 + reveals_salts(self.cfg.verify)
+        """Messages of an exchange one after another (verify/replay.py: exchange_hops)."""
+        return exchange_hops(self.cfg.verify)
 
     def exchange_s(self, payload_bytes: int) -> float:
         """Seconds one exchange of `payload_bytes` packets takes on the link: latency (twice with the

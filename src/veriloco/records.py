@@ -280,9 +280,8 @@ class RunDir:
 
     # -- records ------------------------------------------------------------------------------
     def append_jsonl(self, path: Path, obj: dict[str, Any]) -> None:
-        line = json.dumps(obj, sort_keys=True, allow_nan=False) + "\n"
         with open(path, "a", encoding="utf-8") as f:
-            f.write(line)
+            f.write(_jsonl_line(obj))
             f.flush()
             os.fsync(f.fileno())
 
@@ -328,8 +327,7 @@ class RunDir:
         """Keep the first n_rounds records of rounds.jsonl and metrics.jsonl (resume), and rebuild
         the metrics lines a kill lost (`rebuild_metrics`)."""
         rounds = [o for o in self.rounds() if o.get("round", -1) < n_rounds]
-        atomic_write(self.rounds_path, "".join(json.dumps(o, sort_keys=True, allow_nan=False) + "\n"
-                                               for o in rounds).encode())
+        atomic_write(self.rounds_path, "".join(map(_jsonl_line, rounds)).encode())
         self.rebuild_metrics(rounds, n_rounds, elastic)
 
     def rebuild_metrics(self, rounds: list[dict[str, Any]], n_rounds: int, elastic: bool = False) -> None:
@@ -352,11 +350,15 @@ class RunDir:
             except (KeyError, TypeError, ValueError, ZeroDivisionError):
                 break
         kept.sort(key=lambda o: o.get("round") if type(o.get("round")) is int else -1)
-        atomic_write(self.metrics_path, "".join(json.dumps(o, sort_keys=True, allow_nan=False) + "\n"
-                                                for o in kept).encode())
+        atomic_write(self.metrics_path, "".join(map(_jsonl_line, kept)).encode())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write(self.summary_path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _jsonl_line(obj: dict[str, Any]) -> str:
+    """One line of rounds.jsonl or metrics.jsonl."""
+    return json.dumps(obj, sort_keys=True, allow_nan=False) + "\n"
 
 
 def metrics_of(rec: dict[str, Any], tokens: int, elapsed_s: float) -> dict[str, Any]:

@@ -151,6 +151,7 @@ from .verify.replay import (
     Replayed,
     Replayer,
     attributable,
+    exchange_hops,
     from_state,
     hashes_match,
     judge_reported,
@@ -296,7 +297,7 @@ class DeltaEncoder:
 
     def __init__(self, cfg: Config, shapes: dict[str, tuple[int, ...]], link: Link | None, workers: int) -> None:
         self.cfg, self.shapes, self.link, self.workers = cfg.compress, shapes, link, workers
-        self.hops = 1 + reveals_salts(cfg.verify)  # messages in an exchange, one after another (the reveal)
+        self.hops = exchange_hops(cfg.verify)
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
         if cfg.compress.codec == "adaptive":
             ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER

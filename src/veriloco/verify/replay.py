@@ -109,6 +109,12 @@ def reveals_salts(verify: VerifyConfig) -> bool:
     return verify.replay_probability > 0 or bool(verify.screen and verify.loss_gain_batches)
 
 
+def exchange_hops(verify: VerifyConfig) -> int:
+    """Messages of a round's exchange, one after another, each paying the link's latency: the
+    bundles, and the reveals where the run reveals salts (`reveals_salts`)."""
+    return 1 + reveals_salts(verify)
+
+
 def unsigned_reveal_action(verify: VerifyConfig) -> str:
     """What a sender without a signed reveal gets (check.check_bundles): replayed whole this round
     when the run replays ("replay"), else rejected as withheld ("reject")."""
