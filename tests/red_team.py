@@ -27,6 +27,22 @@ class Dies(Adversary):
         return steps
 
 
+class Jitter(Adversary):
+    """Not an attacker: an honest worker whose delta does not reproduce from process to process
+    (a GPU's nondeterministic kernels, say), by 1e-6 of noise from a fresh random seed. A redo of
+    a round after a restart makes another packet than the one that went out."""
+
+    kind = "jitter"
+
+    def delta(self, r, delta, view):
+        import os
+
+        import torch
+
+        g = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+        return {k: v + 1e-6 * torch.randn(v.shape, generator=g) for k, v in delta.items()}
+
+
 class Crashes(Adversary):
     """Fault injection: a bug, not a planned death: raises at round `at` (default 0), mid-round."""
 

@@ -283,6 +283,26 @@ def test_a_worker_that_healed_past_its_fault_dies_at_the_next_point_it_reaches(m
     assert len(fired) == 2
 
 
+def test_a_death_once_the_packet_is_out_comes_after_the_exchange_of_its_round(monkeypatch):
+    """die:W@R.sent fires at after_sent (having waited for the exchange), never in_exchange, and
+    the launcher counts it after die:W@R of the same round."""
+    from veriloco import faults
+
+    waited, fired = [], []
+    monkeypatch.setattr(faults, "die", lambda: fired.append(True))
+    sent, mid = parse_fault("die:1@2.sent", workers=3), parse_fault("die:1@2", workers=3)
+    assert (sent.kind, sent.round, sent.step, sent.sent) == ("die", 2, None, True)
+    inj = faults.Injector([sent], worker=1)
+    inj.in_exchange(2)
+    inj.after_sent(1, lambda: waited.append(1))
+    assert not fired and not waited
+    inj.after_sent(2, lambda: waited.append(2))
+    assert fired == [True] and waited == [2]
+    assert faults.first_death([sent, mid]) == mid
+    with pytest.raises(FaultError, match="is not one of"):
+        parse_fault("die:1@2.later", workers=3)
+
+
 def test_cli_fault_errors_exit_2_with_one_line(tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "veriloco.cli", "train", str(ROOT / "configs" / "tiny.toml"),
@@ -1105,4 +1125,29 @@ def test_a_users_task_trains_across_machines_with_join_task(tmp_path):
     finally:
         sys.path.remove(examples)
     report = audit_task(Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches), run_dir)
+    assert report.ok, report.first_failure
+
+
+def test_a_worker_restarted_after_its_packet_went_out_sends_that_packet_again(tmp_path):
+    """Killed once its round's bundle was out (the others hold its commitment) and started again,
+    a worker redoes the round from its saved state. Its redo must make the same bundle, or the
+    others convict it of equivocation (and, as it does not know that, disagree with it on the
+    params: until the forty-first session the whole run died). Worker 2 is honest under the
+    adaptive codec, whose budget followed the redo's own timing: the noted budget window makes
+    the redo reproduce. Worker 1's delta does not reproduce (red_team.Jitter, as a GPU's might):
+    it sends the noted bundle again. min_workers = 3: no round commits without the dead one."""
+    run_dir = tmp_path / "run"
+    cfg = tiny("--topology.workers=3", "--train.rounds=5", "--run.min_workers=3", "--compress.codec=adaptive",
+               "--link.bandwidth=20mbit", "--link.latency=1ms", "--adversary.1=red_team:Jitter", *ELASTIC)
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["die:2@3.sent", "die:1@4.sent", "restart:1+1",
+                                                                "restart:2+1"])
+    assert summary["complete"]
+    died = [(e["worker"], e.get("round")) for e in events_of(run_dir) if e["event"] == "died"]
+    assert sorted(w for w, _ in died) == [1, 2], died
+    recs = rounds_of(run_dir)
+    assert all(v == "accept" for r in recs for v in r["verdicts"]), [r["verdicts"] for r in recs]
+    notes = {(j, r): json.loads((run_dir / "workers" / str(j) / f"sent-{r}.json").read_text()) for j in (1, 2) for r in (3, 4)}
+    assert all(n["bundle"] == recs[r]["bundles"][j] for (j, r), n in notes.items())  # what went out first is in
+    assert [k for k, n in notes.items() if n["resent"]] == [(1, 4)]  # worker 2's redo made the same bytes
+    report = audit_run(run_dir)
     assert report.ok, report.first_failure

@@ -63,7 +63,7 @@ def test_every_process_keeps_the_states_a_resume_needs(run, monkeypatch, capsys)
     then needs ("process 1 has no saved state for round ..."): it keeps three, the recorder two."""
     code, lines, _ = cli(monkeypatch, capsys, "train", "--resume", str(run), "--quiet")
     assert code == 0, lines
-    kept = {p: sorted(f.name for f in (run / "workers" / p).iterdir()) for p in ("0", "1")}
+    kept = {p: sorted(f.name for f in (run / "workers" / p).glob("state-*")) for p in ("0", "1")}
     assert kept == {"0": ["state-2.safetensors", "state-3.safetensors"],
                     "1": ["state-1.safetensors", "state-2.safetensors", "state-3.safetensors"]}, kept
 

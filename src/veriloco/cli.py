@@ -87,7 +87,7 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="no per-round progress lines"),
     stop_after: int = typer.Option(None, "--stop-after", help="stop cleanly after this many rounds (resume later)"),
     fault: list[str] = typer.Option(None, "--fault", help="inject a fault (elastic membership): die:W@R[.S], "
-                                    "stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, join:W@R, "
+                                    "die:W@R.sent, stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, join:W@R, "
                                     "partition:W@R+SECONDS, sever:A-B@R+SECONDS; repeatable"),
     host: str = typer.Option(None, "--host", help="elastic: the address this machine's coordinator listens on "
                              "and other machines reach it at (default 127.0.0.1: this machine only)"),

@@ -400,6 +400,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(flight.bundle,
                                                                                                reveal=flight.reveal)
         sent.handle = handle
+        ctx.injector.after_sent(r, handle.wait)
         outside = [j for j in range(w.workers) if j not in view.active]
         alive = ctx.members.alive_times([j for j in outside if j not in view.rounds])  # one round trip for all
         now = ctx.members.now()

@@ -4,6 +4,8 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
 
     die:W@R.S      worker W kills itself with SIGKILL (kill -9) at inner step S of round R
     die:W@R        ... in the middle of round R's exchange (after the quorum, before its packet is out)
+    die:W@R.sent   ... once its round-R packet and reveal are out (the others hold its commitment),
+                   before the round's checks and commit: restarted, it must send that packet again
                    (a worker that healed past that point, left out of an earlier round as late,
                    dies at the first step or exchange it reaches after it instead)
     stop:W@R+T     worker W freezes (SIGSTOP; a helper process sends SIGCONT after T seconds) in the
@@ -42,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 _SPEC = re.compile(
-    r"^(?:(?P<die>die):(?P<dw>\d+)@(?P<dr>\d+)(?:\.(?P<ds>\d+))?"
+    r"^(?:(?P<die>die):(?P<dw>\d+)@(?P<dr>\d+)(?:\.(?P<ds>\d+|sent))?"
     r"|(?P<stop>stop):(?P<sw>\d+)@(?P<sr>\d+)\+(?P<st>\d+(?:\.\d+)?)"
     r"|(?P<late>late):(?P<lw>\d+)@(?P<lr>\d+)\+(?P<lt>\d+(?:\.\d+)?)"
     r"|(?P<restart>restart):(?P<rw>\d+)\+(?P<rt>\d+(?:\.\d+)?)"
@@ -63,6 +65,7 @@ class Fault:
     worker: int
     round: int = 0
     step: int | None = None  # die: the inner step; None = during the exchange
+    sent: bool = False  # die: once the round's packet is out (die:W@R.sent)
     seconds: float = 0.0  # late: how late; stop: how long frozen; restart: how long after the death; partition, sever: how long cut; skew: how far ahead (< 0: behind)
     peer: int | None = None  # sever: the other worker
 
@@ -71,11 +74,12 @@ def parse_fault(text: str, workers: int) -> Fault:
     """One spec (see the module docstring) -> Fault; FaultError names what is wrong."""
     m = _SPEC.match(text.strip())
     if m is None:
-        raise FaultError(f"fault {text!r} is not one of die:W@R[.S], stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, "
+        raise FaultError(f"fault {text!r} is not one of die:W@R[.S], die:W@R.sent, stop:W@R+SECONDS, late:W@R+SECONDS, restart:W+SECONDS, "
                          "join:W@R, partition:W@R+SECONDS, sever:A-B@R+SECONDS, skew:W+SECONDS, skew:W-SECONDS")
     g = m.groupdict()
     if g["die"]:
-        f = Fault("die", int(g["dw"]), int(g["dr"]), int(g["ds"]) if g["ds"] is not None else None)
+        ds = g["ds"]
+        f = Fault("die", int(g["dw"]), int(g["dr"]), int(ds) if ds not in (None, "sent") else None, sent=ds == "sent")
     elif g["stop"]:
         f = Fault("stop", int(g["sw"]), int(g["sr"]), seconds=float(g["st"]))
     elif g["late"]:
@@ -118,12 +122,19 @@ class Injector:
             die()
 
     def in_exchange(self, round: int) -> None:
-        if any(f.kind == "die" and f.step is None and f.round <= round for f in self.faults):
+        if any(f.kind == "die" and f.step is None and not f.sent and f.round <= round for f in self.faults):
             die()
         for f in self.faults:
             if f.kind == "stop" and f.round == round and f not in self._stopped:
                 self._stopped.append(f)  # once: the round is retried after the others gave it up
                 freeze(f.seconds)
+
+    def after_sent(self, round: int, wait: Callable[[], object]) -> None:
+        """A `die:W@R.sent` fault: wait() for the round's exchange (every packet and reveal
+        through), then die."""
+        if any(f.kind == "die" and f.sent and f.round <= round for f in self.faults):
+            wait()
+            die()
 
     def late_s(self, round: int) -> float:
         return sum(f.seconds for f in self.faults if f.kind == "late" and f.round == round)
@@ -135,9 +146,10 @@ class Injector:
 
 
 def first_death(faults: list[Fault]) -> Fault | None:
-    """The die fault that fires first of `faults` (one worker's): a step of round R comes before its exchange."""
+    """The die fault that fires first of `faults` (one worker's): a step of round R comes before its
+    exchange, and its exchange before the moment its packet is out."""
     dies = [f for f in faults if f.kind == "die"]
-    return min(dies, key=lambda f: (f.round, f.step is None, f.step or 0)) if dies else None
+    return min(dies, key=lambda f: (f.round, f.step is None, f.sent, f.step or 0)) if dies else None
 
 
 def die() -> None:

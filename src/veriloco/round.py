@@ -58,6 +58,7 @@ import math
 import os
 import resource
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -95,6 +96,7 @@ from .model import model_from
 from .outer import OuterOptimizer
 from .packet import (
     HEADER_FIXED_BYTES,
+    PacketError,
     decode_bundle,
     decode_packet,
     encode_bundle,
@@ -104,7 +106,7 @@ from .packet import (
 )
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, metrics_of, prune_checkpoints
-from .store import LocalStore, mark_peer, seen_peers
+from .store import LocalStore, StoreError, atomic_write, mark_peer, seen_peers
 from .task import (
     CorpusTask,
     Task,
@@ -123,8 +125,10 @@ from .verify.check import RoundCheck, check_round, hex_root, take_whole_workers
 from .verify.commitment import (
     SALT_BYTES,
     Commitment,
+    CommitmentError,
     EquivocationDetector,
     commitment_bytes,
+    parse_signed_commitment,
     round_salt,
     sign_commitment,
     sign_reveal,
@@ -747,6 +751,9 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     # the budget hides the exchange under the next round's inner steps (measured: this round's), or
     # under the first overlap_steps of them, after which the update must land
     window_s = result.seconds * (cfg.outer.overlap_steps or steps) / max(steps, 1)
+    before = sent_note(w, r)  # a redo of a round whose bundle went out (a restart): the same budget
+    if before is not None:
+        window_s = before["window_s"]
     packet, decoded, codec_log = w.encoder.encode(delta, window_s)
     packet = adv.packet(r, packet, view)
     if w.adversary is not None:  # what receivers decode is what it really sent
@@ -774,12 +781,73 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     # stored by its sender before anyone has it, so a receiver that shares the store finds it there
     # and writes nothing (finish_round's put); one copy of each bundle per store, not one per process
     bundle_hash = w.store.put(bundle)
+    if before is not None and before["bundle"] != bundle_hash:  # the redo did not reproduce what it sent
+        bundle, bundle_hash, own_commitment, packet = _resend(w, r, before["bundle"])
+        packet_hash, codec_log = sha256_hex(packet), before["codec_log"]
+        write_sent_note(w, r, before["window_s"], bundle_hash, codec_log, resent=True)
+        if w.own_decoded:
+            w.own_decoded = [decode_packet(packet, w.encoder.shapes, len(packet) + 1)]
+    elif before is None:
+        write_sent_note(w, r, window_s, bundle_hash, codec_log)
     reveal = None
     if reveals_salts(cfg.verify):  # sent once every bundle is in, signed for the commitment it opens
         reveal = sign_reveal(w.identity.key, sha256_hex(commitment_bytes(own_commitment)),
                              adv.reveal(r, salt)[:SALT_BYTES].ljust(SALT_BYTES, b"\0"))
     return Sent(r, w.exchange.start(bundle, reveal=reveal), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash,
                 batch_root=own_root)
+
+
+def sent_note(w: Worker, r: int) -> dict | None:
+    """What this worker noted of round r's bundle before it went out (write_sent_note), or None.
+
+    A worker killed after its bundle left, and started again (elastic `[run] max_restarts`, a
+    `restart` fault, a resumed run), redoes the round from its saved state. The others may hold
+    the commitment it sent: a different one would be equivocation (EQUIVOCATION, both signed),
+    and until the forty-first session the adaptive codec, whose budget follows the measured
+    seconds of the inner steps, chose other rungs on the redo, so every restarted honest worker
+    equivocated. The redo now encodes under the noted budget window, so the same state makes the
+    same bundle; where it still differs (inner steps that do not reproduce: a GPU's
+    nondeterministic kernels), run_inner_and_send sends the noted bundle again (`_resend`)."""
+    path = w.run.worker_dir(w.rank) / f"sent-{r}.json"
+    try:
+        note = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{path}: unreadable ({e})") from None
+    ok = (isinstance(note, dict) and note.get("round") == r and isinstance(note.get("window_s"), int | float)
+          and math.isfinite(note["window_s"]) and note["window_s"] >= 0 and isinstance(note.get("codec_log"), dict)
+          and isinstance(note.get("bundle"), str) and len(note["bundle"]) == 64
+          and all(c in "0123456789abcdef" for c in note["bundle"]))
+    if not ok:
+        raise RuntimeError(f"{path}: not a note of round {r}'s bundle (round, window_s, bundle, codec_log)")
+    return note
+
+
+def write_sent_note(w: Worker, r: int, window_s: float, bundle_hash: str, codec_log: dict, resent: bool = False) -> None:
+    """Note round r's bundle (its store hash) and the budget window it was encoded under, before it
+    goes out (sent_note); the note of round r-2 goes (a redo is of the round in flight, or with
+    delay 1 of the one before it). `resent`: a redo sent it again (_resend), as the note says."""
+    d = w.run.worker_dir(w.rank)
+    d.mkdir(parents=True, exist_ok=True)
+    note = {"round": r, "window_s": window_s, "bundle": bundle_hash, "codec_log": codec_log, "resent": resent}
+    atomic_write(d / f"sent-{r}.json", json.dumps(note).encode())
+    (d / f"sent-{r - 2}.json").unlink(missing_ok=True)
+
+
+def _resend(w: Worker, r: int, bundle_hash: str) -> tuple[bytes, str, Commitment, bytes]:
+    """The bundle of round r this worker sent before a restart, from the store (sent_note):
+    (bundle, its hash, its commitment, its packet)."""
+    try:
+        bundle = w.store.get(bundle_hash)
+        signed, packet, _ = decode_bundle(bundle)
+        commitment = parse_signed_commitment(signed).commitment
+    except (StoreError, PacketError, CommitmentError) as e:
+        raise RuntimeError(f"worker {w.worker}: round {r}'s redo made another bundle than the one it sent, "
+                           f"and that one cannot be sent again ({e}); a second one would be equivocation") from None
+    print(f"worker {w.worker}: round {r}'s redo made another bundle than the one it sent before its restart "
+          f"(inner steps that do not reproduce?); sending that one again", file=sys.stderr, flush=True)
+    return bundle, bundle_hash, commitment, packet
 
 
 def loss_gain_fn(w: Worker, r: int):
