@@ -577,3 +577,56 @@ class WithholdSkim(_PatchingSkim):
                 w.wait()
 
         exchange.Exchange._transfer = transfer
+
+
+class DiesOnceSent(Jitter):
+    """Fault injection that old and new code both take (bench/restart_redo.py; the fault
+    `die:W@R.sent` is new): kill -9 of the worker once its round-`at` exchange returned (every
+    member holds its bundle and reveal), the first time only (the file `once`), by a patch of
+    ExchangeHandle.wait in its process. `jitter=1`: its delta does not reproduce either (Jitter).
+    `recommit=RUN`: an attacker, not a fault: started again (a resumed static run, an elastic
+    restart), it deletes its note of the bundle it sent (RUN/workers/W/sent-AT.json, which an
+    honest redo sends again) and commits anew for round `at`, having seen every salt of the
+    first try, as a grinder would (its last loss nudged: the draw is not what this tests)."""
+
+    kind = "dies_once_sent"
+
+    def _again(self, r):
+        from pathlib import Path
+
+        return r == int(self.params.get("at", "2")) and "recommit" in self.params and Path(self.params["once"]).exists()
+
+    def inner_steps(self, r, steps):
+        if self._again(r):
+            from pathlib import Path
+
+            (Path(self.params["recommit"]) / "workers" / str(self.worker) / f"sent-{r}.json").unlink(missing_ok=True)
+        return steps
+
+    def commitment(self, r, c):
+        if self._again(r):
+            return {**c, "losses": [*c["losses"][:-1], c["losses"][-1] + 1e-3]}
+        return c
+
+    def delta(self, r, delta, view):
+        from veriloco.exchange import ExchangeHandle
+
+        if not getattr(self, "_patched", False):
+            self._patched, original, adv = True, ExchangeHandle.wait, self
+
+            def wait(handle):
+                out = original(handle)
+                if adv._round == int(adv.params.get("at", "2")):
+                    import os
+                    import signal
+                    from pathlib import Path
+
+                    once = Path(adv.params["once"])
+                    if not once.exists():
+                        once.write_text("died")
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return out
+
+            ExchangeHandle.wait = wait
+        self._round = r
+        return super().delta(r, delta, view) if self.params.get("jitter", "0") == "1" else delta

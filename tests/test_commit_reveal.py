@@ -282,3 +282,29 @@ def test_a_worker_that_keeps_its_reveal_when_it_would_be_drawn_is_replayed_anywa
     assert recs[first]["evidence"]["3"]["suspect"] == {"reveal": "none signed for its commitment"}
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
+
+
+def test_a_worker_that_kills_the_run_after_the_salts_cannot_commit_anew_in_the_resume(tmp_path, monkeypatch):
+    """A static run stops when a worker's process dies. A worker that has taken every salt of
+    round 2 can so kill the run (red_team.DiesOnceSent) and, once it is resumed, commit anew for
+    round 2 (recommit: it also deletes its note of what it sent, which an honest redo sends
+    again), free to choose what the draw then sees. Until the forty-first session the resume
+    forgot the first commitments; every worker now writes down those it received before its own
+    reveal goes out (round.keep_seen), and the resume (round.load_seen) convicts the second one:
+    an equivocation, both signed, that the audit re-derives from the record."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    from veriloco.run import resume
+
+    run_dir = tmp_path / "k"
+    attacker = f"--adversary.2=red_team:DiesOnceSent:at=2,once={tmp_path / 'died'},recommit={run_dir}"
+    with pytest.raises(Exception, match="exit code|exited|died|killed|terminated"):
+        train(tiny("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=4", "--verify.trace_every=4",
+                   "--train.inner_state=reset", "--verify.replay_probability=0.5", attacker), str(run_dir), quiet=True)
+    assert len(rounds_of(run_dir)) == 2 and (tmp_path / "died").exists()
+    resume(str(run_dir), quiet=True)
+    verdicts = [r["verdicts"][2] for r in rounds_of(run_dir)]
+    assert verdicts == ["accept", "accept", "equivocation", "banned"], verdicts
+    report = audit_run(run_dir, replay=100)
+    assert report.ok, report.first_failure

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 from safetensors.torch import load as st_load
@@ -74,6 +75,8 @@ from .round import (
     append_entry,
     carried,
     finish_round,
+    keep_seen,
+    load_seen,
     open_ledger,
     progress_line,
     run_inner_and_send,
@@ -332,8 +335,8 @@ class _Flight:
                 if view.round == self.sent.round and len(view.active) >= ctx.min_active:
                     view, comm = _group(ctx, view)
                     ctx.injector.in_exchange(self.sent.round)
-                    handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(
-                        self.bundle, reveal=self.reveal)
+                    handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
+                                      on_packets=partial(keep_seen, ctx.w)).start(self.bundle, reveal=self.reveal)
                     handle.wait()  # the bytes move now, under the next round's inner steps
                 self.first = (view, comm, handle, None)
             except Exception as e:  # settle() decides: retry, or behind
@@ -397,8 +400,8 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
         if handle is None:
             view, comm = _group(ctx, view)
             ctx.injector.in_exchange(r)
-            handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm).start(flight.bundle,
-                                                                                               reveal=flight.reveal)
+            handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
+                              on_packets=partial(keep_seen, w)).start(flight.bundle, reveal=flight.reveal)
         sent.handle = handle
         ctx.injector.after_sent(r, handle.wait)
         outside = [j for j in range(w.workers) if j not in view.active]
@@ -552,6 +555,7 @@ def heal(w: Worker, to_round: int) -> int:
         w.encoder.load_state_tensors(state)
         if w.replicas is not None:  # the whole inner state goes to its replicas with the next round
             w.replicas.state_sent = False
+    load_seen(w, to_round)  # what it received of round to_round before it died (a restart)
     w.own_decoded, w.own_packet = [], None
     w.bases, w.base_hashes, w.base_momenta, w.start_states, w.starts = {}, {}, {}, {}, {}  # (for rounds it will not finish)
     done = w.run.rounds()[:to_round]  # the bans in force: the last record it can see

@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,9 +113,12 @@ class Exchange:
     """All-gather of packets among the ranks of `group` (None: the default group)."""
 
     def __init__(self, group: dist.ProcessGroup | None, max_packet_bytes: int, link=None, device: str = "cpu",
-                 comm=None) -> None:
-        """`comm`: a membership.PgComm (a quorum's own group) to run over instead of `group`."""
-        self.group, self.comm = group, comm
+                 comm=None, on_packets: Callable[[list], None] | None = None) -> None:
+        """`comm`: a membership.PgComm (a quorum's own group) to run over instead of `group`.
+        `on_packets(packets)`: called with every rank's packet once all are in and before this
+        rank's reveal goes out (exchanges with a reveal only): round.keep_seen writes down the
+        commitments they carry before any salt is known."""
+        self.group, self.comm, self.on_packets = group, comm, on_packets
         self.max_packet_bytes = max_packet_bytes
         self.link = link
         self._last: threading.Thread | None = None  # the thread of the latest start()
@@ -190,6 +194,8 @@ class Exchange:
             box["sent"] = (len(packet) + 8) * peers
             box["received"] = sum(sizes_list) - len(packet) + 8 * peers
             if reveal is not None:  # every packet is here: now, and only now, this rank's reveal goes out
+                if self.on_packets is not None:
+                    self.on_packets(box["packets"])
                 bufs = {r: torch.empty(len(reveal), dtype=torch.uint8, device=self.device)
                         for r in range(self.size) if r != self.rank}
                 self._transfer(_send_view(reveal).to(self.device), bufs)

@@ -439,6 +439,8 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     ledger = open_ledger(cfg, run) if rank == 0 or elastic else None  # elastic: whoever commits first records
     w = Worker(cfg, rank, topo, worker_group, stage_group, task, run, store, model, inner, outer, exchange,
                encoder, eval_set, identity, ledger, device=device)
+    if exchange is not None and reveals_salts(cfg.verify):
+        exchange.on_packets = partial(keep_seen, w)
     if replica_group is not None:
         w.replicas, w.protocol_group = ReplicaSync(replica_group, inner), protocol_group
         inner.ask_state = w.replicas.ask_state
@@ -532,6 +534,7 @@ def restore(w: Worker, next_round: int) -> None:
         before = part(records[next_round - 2]) if next_round >= 2 and screens_earlier(cfg) else {"verdicts": []}
         w.resumed_view = {j: delta_of(j, before) for j, v in enumerate(before["verdicts"]) if v == "accept"}
         w.earlier = w.resumed_view
+    load_seen(w, next_round)
     path = w.run.worker_dir(w.rank) / f"state-{next_round - 1}.safetensors"
     state = st_load(path.read_bytes())
     w.inner.load_state_tensors({k: v for k, v in state.items() if k.startswith("inner/")})
@@ -833,6 +836,67 @@ def write_sent_note(w: Worker, r: int, window_s: float, bundle_hash: str, codec_
     note = {"round": r, "window_s": window_s, "bundle": bundle_hash, "codec_log": codec_log, "resent": resent}
     atomic_write(d / f"sent-{r}.json", json.dumps(note).encode())
     (d / f"sent-{r - 2}.json").unlink(missing_ok=True)
+
+
+def keep_seen(w: Worker, packets: list) -> None:
+    """Exchange.on_packets: write down the round's signed commitments this worker received
+    (RUN/workers/W/seen-R.json), once every bundle is in and before its own reveal goes out;
+    load_seen gives them back to its equivocation detector when it redoes the round.
+
+    A worker that has seen every salt can kill the run (its own process: a static run stops) and
+    commit anew in the resumed round with a salt chosen so that the draw passes it over. An
+    elastic worker restarted after a failed try forgot the commitments `elastic._pin` had kept.
+    Until the forty-first session both forgot what they had been sent; now a second commitment
+    is an equivocation (both signed) for every member that received the first."""
+    kept, r = [], None
+    for data in packets:
+        try:
+            raw = decode_bundle(data, view=True)[0]
+            c = parse_signed_commitment(raw).commitment
+        except (PacketError, CommitmentError):
+            continue
+        if c.run_id == w.identity.run_id:
+            kept.append((c.round, bytes(raw).decode()))
+            if c.worker == w.worker:
+                r = c.round
+    if r is None:  # its own bundle is not one (an adversary's): nothing names the round
+        return
+    d = w.run.worker_dir(w.rank)
+    d.mkdir(parents=True, exist_ok=True)
+    # its own too: the redo of an honest worker sends the same (sent_note), and a worker that
+    # commits anew then convicts itself as every other member does (the params stay agreed).
+    # An elastic retry of the round adds to what the failed try brought (a second commitment
+    # of a sender is the evidence, not a replacement of the first)
+    texts = _seen_texts(d / f"seen-{r}.json", r) or []
+    texts += [text for q, text in kept if q == r and text not in texts]
+    atomic_write(d / f"seen-{r}.json", json.dumps({"round": r, "commitments": texts}).encode())
+    (d / f"seen-{r - 2}.json").unlink(missing_ok=True)
+
+
+def load_seen(w: Worker, r: int) -> None:
+    """The commitments of round r this worker received before it was stopped (keep_seen), into
+    its equivocation detector, when it redoes round r (a resume, a restart)."""
+    for text in _seen_texts(w.run.worker_dir(w.rank) / f"seen-{r}.json", r) or []:
+        try:
+            signed = parse_signed_commitment(text.encode())
+        except CommitmentError:
+            continue
+        if signed.commitment.run_id == w.identity.run_id and signed.commitment.round == r:
+            w.identity.equivocation.observe(signed)  # (a signature that does not verify counts for nothing)
+
+
+def _seen_texts(path: Path, r: int) -> list[str] | None:
+    """The commitments a seen note holds (keep_seen), or None when there is none."""
+    try:
+        note = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{path}: unreadable ({e})") from None
+    if not (isinstance(note, dict) and note.get("round") == r and isinstance(note.get("commitments"), list)
+            and all(isinstance(t, str) for t in note["commitments"])):
+        raise RuntimeError(f"{path}: not a list of round {r}'s commitments (round, commitments)")
+    return note["commitments"]
 
 
 def _resend(w: Worker, r: int, bundle_hash: str) -> tuple[bytes, str, Commitment, bytes]:

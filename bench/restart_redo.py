@@ -1,0 +1,111 @@
+"""An honest worker killed once its round's packet is out, and restarted: before and after the
+sent note (round.sent_note, forty-first session).
+
+    python bench/restart_redo.py [--old 3d73748] [--seeds 0,1,2] [--rounds 5]
+                                 [--out bench/results/restart_redo.json]
+
+3 workers of configs/tiny.toml under elastic membership, `min_workers = 3` (no round commits
+without the dead one), `max_restarts = 1`, the adaptive codec on a 20 Mbit/s, 1 ms link (its
+budget, and so its rungs, follow the measured seconds of the inner steps). Worker 2 is killed
+(kill -9) once its round-3 exchange returned (every other member holds its bundle and reveal),
+the first time only (`red_team:DiesOnceSent`, a patch that old and new code both take), and
+the launcher starts it again. Two workers: `honest` (its redo is deterministic on this CPU) and
+`nondeterministic` (`jitter=1`: 1e-6 of fresh noise on its delta each process, as a GPU's
+kernels may give). Every seed (`--run.seed`) runs both with `--old` (default: the revision
+before the note) and with the working tree. Per run: did it complete, worker 2's verdicts,
+every verdict of the run that is not `accept`, the audit, and the wall time. Writes
+`{"rows": [...], "summary": {...}, "config": {...}}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from grind import new_side, veriloco
+from round_cost import source_of
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = {"honest": "0", "nondeterministic": "1"}
+AT = 3  # the round worker 2 dies in; its note (kept two rounds) is read after the run
+
+
+def run_one(src: Path, jitter: str, seed: int, rounds: int, out: Path) -> dict:
+    """One run: the restarted worker 2's verdicts, what else was not accepted, the audit."""
+    t0 = time.perf_counter()
+    done = veriloco(src, "train", str(ROOT / "configs" / "tiny.toml"), "--topology.workers=3", f"--train.rounds={rounds}",
+                    "--run.membership=elastic", "--run.min_workers=3", "--run.max_restarts=1", "--run.timeout_s=10",
+                    "--run.heartbeat_timeout_s=1.5", "--compress.codec=adaptive", "--link.bandwidth=20mbit",
+                    "--link.latency=1ms", f"--run.seed={seed}",
+                    f"--adversary.2=red_team:DiesOnceSent:at={AT},jitter={jitter},once={out.parent / (out.name + '.died')}",
+                    "--out", str(out), "--quiet")
+    wall = time.perf_counter() - t0
+    recs = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()] if (out / "rounds.jsonl").exists() else []
+    audit = veriloco(src, "audit", str(out), "--replay", "100") if done.returncode == 0 else None
+    note = out / "workers" / "2" / f"sent-{AT}.json"  # the new side's: did its redo resend the noted bundle
+    resent = json.loads(note.read_text())["resent"] if note.exists() else None
+    return {"complete": done.returncode == 0 and len(recs) == rounds, "recorded_rounds": len(recs),
+            "verdicts_2": [rec["verdicts"][2] for rec in recs],
+            "not_accepted": sorted({v for rec in recs for v in rec["verdicts"] if v != "accept"}),
+            "audit_ok": audit is not None and audit.returncode == 0, "wall_s": round(wall, 1), "resent": resent,
+            "error": None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", default="3d73748", help="git revision of the old side (default: before the sent note)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "restart_redo.json"))
+    args = ap.parse_args()
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds must be integers, got {args.seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds has a seed twice: {args.seeds!r}")
+    if args.rounds < AT + 2:
+        ap.error(f"--rounds must be >= {AT + 2} (worker 2 dies in round {AT}), got {args.rounds}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "old").mkdir()
+        try:
+            sides = {"old": source_of(args.old, Path(tmp) / "old"), "new": ROOT / "src"}
+        except subprocess.CalledProcessError:
+            ap.error(f"--old {args.old!r} is not a git revision of {ROOT}")
+        for seed in seeds:
+            for side, src in sides.items():
+                for worker, jitter in WORKERS.items():
+                    row = {"side": side, "worker": worker, "seed": seed,
+                           **run_one(src, jitter, seed, args.rounds, Path(tmp) / f"{side}-{seed}-{worker}")}
+                    rows.append(row)
+                    print(f"{side:4s} seed {seed} {worker:16s} complete {row['complete']!s:5s} "
+                          f"worker 2: {' '.join(row['verdicts_2']) or '-'}; audit {'ok' if row['audit_ok'] else 'no'}; "
+                          f"{row['wall_s']:.1f} s; resent {row['resent']}" + (f"; {row['error']}" if row["error"] else ""), flush=True)
+    summary = {}
+    for side in sides:
+        for worker in WORKERS:
+            mine = [r for r in rows if r["side"] == side and r["worker"] == worker]
+            summary[f"{side}/{worker}"] = {"runs": len(mine), "complete": sum(r["complete"] for r in mine),
+                                           "audits_ok": sum(r["audit_ok"] for r in mine),
+                                           "convicted": sum("equivocation" in r["not_accepted"] for r in mine),
+                                           "wall_s": round(sum(r["wall_s"] for r in mine) / len(mine), 1)}
+    print()
+    for key, s in summary.items():
+        print(f"{key:21s} complete {s['complete']} of {s['runs']}; audits passed {s['audits_ok']}; "
+              f"an equivocation recorded in {s['convicted']}; mean wall {s['wall_s']} s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "config": {
+        "old": args.old, "new": new_side(), "seeds": seeds, "rounds": args.rounds, "workers": 3, "min_workers": 3,
+        "codec": "adaptive", "link": "20mbit, 1ms", "dies": f"worker 2, round {AT}, once its exchange returned"}},
+        indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
