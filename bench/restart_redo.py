@@ -1,20 +1,25 @@
-"""An honest worker killed once its round's packet is out, and restarted: before and after the
-sent note (round.sent_note, forty-first session).
+"""A worker killed once its round's packet is out, then started again: before and after the sent
+and seen notes (round.sent_note, round.keep_seen; fortieth session).
 
     python bench/restart_redo.py [--old 3d73748] [--seeds 0,1,2] [--rounds 5]
                                  [--out bench/results/restart_redo.json]
 
-3 workers of configs/tiny.toml under elastic membership, `min_workers = 3` (no round commits
-without the dead one), `max_restarts = 1`, the adaptive codec on a 20 Mbit/s, 1 ms link (its
-budget, and so its rungs, follow the measured seconds of the inner steps). Worker 2 is killed
-(kill -9) once its round-3 exchange returned (every other member holds its bundle and reveal),
-the first time only (`red_team:DiesOnceSent`, a patch that old and new code both take), and
-the launcher starts it again. Two workers: `honest` (its redo is deterministic on this CPU) and
-`nondeterministic` (`jitter=1`: 1e-6 of fresh noise on its delta each process, as a GPU's
-kernels may give). Every seed (`--run.seed`) runs both with `--old` (default: the revision
-before the note) and with the working tree. Per run: did it complete, worker 2's verdicts,
-every verdict of the run that is not `accept`, the audit, and the wall time. Writes
-`{"rows": [...], "summary": {...}, "config": {...}}`.
+3 workers of configs/tiny.toml. Worker 2 is killed (kill -9) once its round-3 exchange returned
+(every other member holds its bundle and reveal), the first time only (`red_team:DiesOnceSent`,
+a patch that old and new code both take). Three workers 2:
+- `honest`: elastic membership, `min_workers = 3` (no round commits without the dead one),
+  `max_restarts = 1` (the launcher starts it again), the adaptive codec on a 20 Mbit/s, 1 ms
+  link (its budget, and so its rungs, follow the measured seconds of the inner steps); its redo
+  is deterministic on this CPU;
+- `nondeterministic`: the same, with `jitter=1` (1e-6 of fresh noise on its delta in each
+  process, as a GPU's kernels may give);
+- `recommit`: an attacker in a static run (replays at p = 0.5, so every worker reveals a
+  salt): its death stops the run, which is resumed (`veriloco train --resume`); started again,
+  it deletes its note of what it sent and commits anew for round 3, having seen every salt.
+Every seed (`--run.seed`) runs all three with `--old` (default: the revision before the notes)
+and with the working tree. Per run: did it complete, worker 2's verdicts, every verdict that is
+not `accept`, the audit, the wall time, and whether the new side's redo sent its noted bundle
+again. Writes `{"rows": [...], "summary": {...}, "config": {...}}`.
 """
 
 from __future__ import annotations
@@ -31,19 +36,24 @@ from grind import new_side, veriloco
 from round_cost import source_of
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS = {"honest": "0", "nondeterministic": "1"}
+WORKERS = {"honest": "jitter=0", "nondeterministic": "jitter=1", "recommit": "recommit={out}"}
 AT = 3  # the round worker 2 dies in; its note (kept two rounds) is read after the run
 
 
-def run_one(src: Path, jitter: str, seed: int, rounds: int, out: Path) -> dict:
+def run_one(src: Path, worker: str, seed: int, rounds: int, out: Path) -> dict:
     """One run: the restarted worker 2's verdicts, what else was not accepted, the audit."""
     t0 = time.perf_counter()
-    done = veriloco(src, "train", str(ROOT / "configs" / "tiny.toml"), "--topology.workers=3", f"--train.rounds={rounds}",
-                    "--run.membership=elastic", "--run.min_workers=3", "--run.max_restarts=1", "--run.timeout_s=10",
-                    "--run.heartbeat_timeout_s=1.5", "--compress.codec=adaptive", "--link.bandwidth=20mbit",
-                    "--link.latency=1ms", f"--run.seed={seed}",
-                    f"--adversary.2=red_team:DiesOnceSent:at={AT},jitter={jitter},once={out.parent / (out.name + '.died')}",
-                    "--out", str(out), "--quiet")
+    spec = f"red_team:DiesOnceSent:at={AT},once={out.parent / (out.name + '.died')},{WORKERS[worker].format(out=out)}"
+    common = (str(ROOT / "configs" / "tiny.toml"), "--topology.workers=3", f"--train.rounds={rounds}", f"--run.seed={seed}",
+              f"--adversary.2={spec}", "--out", str(out), "--quiet")
+    if worker == "recommit":  # a static run: its death stops the run, which is then resumed
+        killed = veriloco(src, "train", *common, "--train.inner_state=reset", "--verify.trace_every=5",
+                           "--verify.replay_probability=0.5")
+        done = veriloco(src, "train", "--resume", str(out), "--quiet") if killed.returncode != 0 else killed
+    else:
+        done = veriloco(src, "train", *common, "--run.membership=elastic", "--run.min_workers=3", "--run.max_restarts=1",
+                        "--run.timeout_s=10", "--run.heartbeat_timeout_s=1.5", "--compress.codec=adaptive",
+                        "--link.bandwidth=20mbit", "--link.latency=1ms")
     wall = time.perf_counter() - t0
     recs = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()] if (out / "rounds.jsonl").exists() else []
     audit = veriloco(src, "audit", str(out), "--replay", "100") if done.returncode == 0 else None
@@ -80,9 +90,9 @@ def main() -> int:
             ap.error(f"--old {args.old!r} is not a git revision of {ROOT}")
         for seed in seeds:
             for side, src in sides.items():
-                for worker, jitter in WORKERS.items():
+                for worker in WORKERS:
                     row = {"side": side, "worker": worker, "seed": seed,
-                           **run_one(src, jitter, seed, args.rounds, Path(tmp) / f"{side}-{seed}-{worker}")}
+                           **run_one(src, worker, seed, args.rounds, Path(tmp) / f"{side}-{seed}-{worker}")}
                     rows.append(row)
                     print(f"{side:4s} seed {seed} {worker:16s} complete {row['complete']!s:5s} "
                           f"worker 2: {' '.join(row['verdicts_2']) or '-'}; audit {'ok' if row['audit_ok'] else 'no'}; "
@@ -102,7 +112,7 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "summary": summary, "config": {
         "old": args.old, "new": new_side(), "seeds": seeds, "rounds": args.rounds, "workers": 3, "min_workers": 3,
-        "codec": "adaptive", "link": "20mbit, 1ms", "dies": f"worker 2, round {AT}, once its exchange returned"}},
+        "codec": "adaptive (elastic rows)", "link": "20mbit, 1ms (elastic rows)", "dies": f"worker 2, round {AT}, once its exchange returned"}},
         indent=1) + "\n")
     return 0
 

@@ -288,7 +288,7 @@ def test_a_worker_that_kills_the_run_after_the_salts_cannot_commit_anew_in_the_r
     """A static run stops when a worker's process dies. A worker that has taken every salt of
     round 2 can so kill the run (red_team.DiesOnceSent) and, once it is resumed, commit anew for
     round 2 (recommit: it also deletes its note of what it sent, which an honest redo sends
-    again), free to choose what the draw then sees. Until the forty-first session the resume
+    again), free to choose what the draw then sees. Until the fortieth session the resume
     forgot the first commitments; every worker now writes down those it received before its own
     reveal goes out (round.keep_seen), and the resume (round.load_seen) convicts the second one:
     an equivocation, both signed, that the audit re-derives from the record."""

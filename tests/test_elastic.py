@@ -1132,7 +1132,7 @@ def test_a_worker_restarted_after_its_packet_went_out_sends_that_packet_again(tm
     """Killed once its round's bundle was out (the others hold its commitment) and started again,
     a worker redoes the round from its saved state. Its redo must make the same bundle, or the
     others convict it of equivocation (and, as it does not know that, disagree with it on the
-    params: until the forty-first session the whole run died). Worker 2 is honest under the
+    params: until the fortieth session the whole run died). Worker 2 is honest under the
     adaptive codec, whose budget followed the redo's own timing: the noted budget window makes
     the redo reproduce. Worker 1's delta does not reproduce (red_team.Jitter, as a GPU's might):
     it sends the noted bundle again. min_workers = 3: no round commits without the dead one."""

@@ -806,7 +806,7 @@ def sent_note(w: Worker, r: int) -> dict | None:
     A worker killed after its bundle left, and started again (elastic `[run] max_restarts`, a
     `restart` fault, a resumed run), redoes the round from its saved state. The others may hold
     the commitment it sent: a different one would be equivocation (EQUIVOCATION, both signed),
-    and until the forty-first session the adaptive codec, whose budget follows the measured
+    and until the fortieth session the adaptive codec, whose budget follows the measured
     seconds of the inner steps, chose other rungs on the redo, so every restarted honest worker
     equivocated. The redo now encodes under the noted budget window, so the same state makes the
     same bundle; where it still differs (inner steps that do not reproduce: a GPU's
@@ -846,7 +846,7 @@ def keep_seen(w: Worker, packets: list) -> None:
     A worker that has seen every salt can kill the run (its own process: a static run stops) and
     commit anew in the resumed round with a salt chosen so that the draw passes it over. An
     elastic worker restarted after a failed try forgot the commitments `elastic._pin` had kept.
-    Until the forty-first session both forgot what they had been sent; now a second commitment
+    Until the fortieth session both forgot what they had been sent; now a second commitment
     is an equivocation (both signed) for every member that received the first."""
     kept, r = [], None
     for data in packets:
