@@ -1128,17 +1128,21 @@ def test_a_users_task_trains_across_machines_with_join_task(tmp_path):
     assert report.ok, report.first_failure
 
 
-def test_a_worker_restarted_after_its_packet_went_out_sends_that_packet_again(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_worker_restarted_after_its_packet_went_out_sends_that_packet_again(tmp_path, delay):
     """Killed once its round's bundle was out (the others hold its commitment) and started again,
     a worker redoes the round from its saved state. Its redo must make the same bundle, or the
     others convict it of equivocation (and, as it does not know that, disagree with it on the
     params: until the fortieth session the whole run died). Worker 2 is honest under the
     adaptive codec, whose budget followed the redo's own timing: the noted budget window makes
     the redo reproduce. Worker 1's delta does not reproduce (red_team.Jitter, as a GPU's might):
-    it sends the noted bundle again. min_workers = 3: no round commits without the dead one."""
+    it sends the noted bundle again. min_workers = 3: no round commits without the dead one. With
+    delay 1 the round's exchange ran under the next round's steps, whose bundle (held, not sent)
+    the restarted worker makes again too."""
     run_dir = tmp_path / "run"
     cfg = tiny("--topology.workers=3", "--train.rounds=5", "--run.min_workers=3", "--compress.codec=adaptive",
-               "--link.bandwidth=20mbit", "--link.latency=1ms", "--adversary.1=red_team:Jitter", *ELASTIC)
+               "--link.bandwidth=20mbit", "--link.latency=1ms", "--adversary.1=red_team:Jitter", f"--outer.delay={delay}",
+               *ELASTIC)
     _, summary = train(cfg, str(run_dir), quiet=True, faults=["die:2@3.sent", "die:1@4.sent", "restart:1+1",
                                                                 "restart:2+1"])
     assert summary["complete"]

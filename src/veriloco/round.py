@@ -874,15 +874,20 @@ def keep_seen(w: Worker, packets: list) -> None:
 
 
 def load_seen(w: Worker, r: int) -> None:
-    """The commitments of round r this worker received before it was stopped (keep_seen), into
-    its equivocation detector, when it redoes round r (a resume, a restart)."""
-    for text in _seen_texts(w.run.worker_dir(w.rank) / f"seen-{r}.json", r) or []:
-        try:
-            signed = parse_signed_commitment(text.encode())
-        except CommitmentError:
+    """The commitments of round r and later this worker received before it was stopped
+    (keep_seen), into its equivocation detector, when it redoes them from round r (a resume, a
+    restart; with delay 1 a process can have exchanged a round past the last recorded one's next)."""
+    for path in sorted(w.run.worker_dir(w.rank).glob("seen-*.json")):
+        q = path.name[len("seen-"):-len(".json")]
+        if not q.isdigit() or int(q) < r:
             continue
-        if signed.commitment.run_id == w.identity.run_id and signed.commitment.round == r:
-            w.identity.equivocation.observe(signed)  # (a signature that does not verify counts for nothing)
+        for text in _seen_texts(path, int(q)) or []:
+            try:
+                signed = parse_signed_commitment(text.encode())
+            except CommitmentError:
+                continue
+            if signed.commitment.run_id == w.identity.run_id and signed.commitment.round == int(q):
+                w.identity.equivocation.observe(signed)  # (a signature that does not verify counts for nothing)
 
 
 def _seen_texts(path: Path, r: int) -> list[str] | None:
