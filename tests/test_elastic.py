@@ -1155,3 +1155,48 @@ def test_a_worker_restarted_after_its_packet_went_out_sends_that_packet_again(tm
     assert [k for k, n in notes.items() if n["resent"]] == [(1, 4)]  # worker 2's redo made the same bytes
     report = audit_run(run_dir)
     assert report.ok, report.first_failure
+
+
+def test_a_noted_bundle_of_other_work_is_not_sent_again(tmp_path):
+    """With delay 1 a round's bundle is noted while it is held for the round before it. Worker 2,
+    late for round 2, is left out of it and heals into round 3 from another start (no eager delta
+    of its own): its redo is other work, and the note is stale. Sending the noted bundle again
+    (the review's reproduction, fortieth session) got the honest worker convicted of
+    replay_mismatch and banned; a note binds a redo only once its bundle went out (`out`, set
+    as the quorum forms). Worker 1 dies in round 3, so the others heal and retry around it."""
+    run_dir = tmp_path / "run"
+    cfg = tiny("--topology.workers=3", "--train.rounds=6", "--outer.delay=1", "--run.min_workers=2",
+               "--run.round_deadline=1", "--verify.replay_probability=1.0", "--train.inner_state=reset",
+               "--verify.trace_every=5", "--run.membership=elastic", "--run.timeout_s=6", "--run.heartbeat_timeout_s=1.5")
+    _, summary = train(cfg, str(run_dir), quiet=True, faults=["late:2@2+3", "die:1@3"])
+    assert summary["complete"]
+    verdicts = [r["verdicts"][2] for r in rounds_of(run_dir)]
+    assert not {"replay_mismatch", "banned", "equivocation"} & set(verdicts), verdicts
+    report = audit_run(run_dir)
+    assert report.ok, report.first_failure
+
+
+def test_a_sent_note_is_checked_before_it_is_trusted(tmp_path):
+    """A note the worker cannot read, or one that is not of the round, is a one-line error naming
+    the file, never a silent guess (a bool is not a round number)."""
+    from types import SimpleNamespace
+
+    from veriloco.records import RunDir
+    from veriloco.round import sent_note
+
+    w = SimpleNamespace(run=RunDir(tmp_path), rank=0)
+    d = tmp_path / "workers" / "0"
+    d.mkdir(parents=True)
+    assert sent_note(w, 1) is None
+    good = {"round": 1, "window_s": 0.5, "bundle": "ab" * 32, "codec_log": {}, "out": True, "resent": False}
+    (d / "sent-1.json").write_text(json.dumps(good))
+    assert sent_note(w, 1) == good
+    for bad in ({**good, "round": True}, {**good, "round": 2}, {**good, "window_s": float("nan")},
+                {**good, "window_s": -1}, {**good, "bundle": "xy" * 32}, {**good, "codec_log": []}, {**good, "out": 1},
+                [good]):
+        (d / "sent-1.json").write_text(json.dumps(bad))
+        with pytest.raises(RuntimeError, match="not a note of round 1's bundle"):
+            sent_note(w, 1)
+    (d / "sent-1.json").write_text("{")
+    with pytest.raises(RuntimeError, match="sent-1.json: unreadable"):
+        sent_note(w, 1)

@@ -77,6 +77,7 @@ from .round import (
     finish_round,
     keep_seen,
     load_seen,
+    mark_out,
     open_ledger,
     progress_line,
     run_inner_and_send,
@@ -99,6 +100,8 @@ class Held:
 
 class HoldingExchange:
     """Stands in for round.py's Exchange until the quorum is known (start/wait seam)."""
+
+    holds = True  # the bundle goes out later (round.mark_out notes when)
 
     def start(self, bundle: bytes, reveal: bytes | None = None) -> Held:
         return Held(bundle, reveal)
@@ -335,6 +338,7 @@ class _Flight:
                 if view.round == self.sent.round and len(view.active) >= ctx.min_active:
                     view, comm = _group(ctx, view)
                     ctx.injector.in_exchange(self.sent.round)
+                    mark_out(ctx.w, self.sent.round, self.sent.bundle_hash)
                     handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
                                       on_packets=partial(keep_seen, ctx.w)).start(self.bundle, reveal=self.reveal)
                     handle.wait()  # the bytes move now, under the next round's inner steps
@@ -400,6 +404,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
         if handle is None:
             view, comm = _group(ctx, view)
             ctx.injector.in_exchange(r)
+            mark_out(w, r, sent.bundle_hash)
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
                               on_packets=partial(keep_seen, w)).start(flight.bundle, reveal=flight.reveal)
         sent.handle = handle

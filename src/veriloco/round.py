@@ -303,6 +303,7 @@ class DeltaEncoder:
         self.cfg, self.shapes, self.link, self.workers = cfg.compress, shapes, link, workers
         self.hops = exchange_hops(cfg.verify)
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
+        self._target: dict[str, torch.Tensor] = {}  # the last compensated delta, until done() (adopt)
         if cfg.compress.codec == "adaptive":
             ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
             # the budget covers the wire, not just the payload: charge each tensor its share of the
@@ -340,7 +341,19 @@ class DeltaEncoder:
         if self.feedback is not None:
             for k in delta:
                 self.feedback.update(k, delta[k], decoded[k])
+            self._target = delta
         return packet, decoded, log
+
+    def adopt(self, decoded: dict[str, torch.Tensor]) -> None:
+        """The packet sent instead of the last one encoded (round._noted): error feedback keeps
+        what that one dropped of the last compensated delta."""
+        if self.feedback is not None:
+            for k, v in self._target.items():
+                self.feedback.update(k, v, decoded[k])
+
+    def done(self) -> None:
+        """The round's packet is settled: the compensated delta kept for `adopt` goes."""
+        self._target = {}
 
     def _stateful(self) -> dict[tuple[str, str], Codec]:
         """(tensor, spec) -> the codec objects that keep sender state (PowerSGD's warm start)."""
@@ -784,14 +797,18 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     # stored by its sender before anyone has it, so a receiver that shares the store finds it there
     # and writes nothing (finish_round's put); one copy of each bundle per store, not one per process
     bundle_hash = w.store.put(bundle)
-    if before is not None and before["bundle"] != bundle_hash:  # the redo did not reproduce what it sent
-        bundle, bundle_hash, own_commitment, packet = _resend(w, r, before["bundle"])
+    held = getattr(w.exchange, "holds", False)  # elastic: it goes out once the round's quorum forms (mark_out)
+    if before is not None and before["bundle"] != bundle_hash and before["out"]:  # the others may hold the noted one
+        bundle, bundle_hash, own_commitment, packet = _noted(w, r, before["bundle"])
         packet_hash, codec_log = sha256_hex(packet), before["codec_log"]
-        write_sent_note(w, r, before["window_s"], bundle_hash, codec_log, resent=True)
+        write_sent_note(w, r, before["window_s"], bundle_hash, codec_log, out=True, resent=True)
+        decoded = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
+        w.encoder.adopt(decoded)
         if w.own_decoded:
-            w.own_decoded = [decode_packet(packet, w.encoder.shapes, len(packet) + 1)]
-    elif before is None:
-        write_sent_note(w, r, window_s, bundle_hash, codec_log)
+            w.own_decoded = [decoded]
+    elif before is None or before["bundle"] != bundle_hash:  # first made, or noted but never sent (other work now)
+        write_sent_note(w, r, window_s, bundle_hash, codec_log, out=not held)
+    w.encoder.done()
     reveal = None
     if reveals_salts(cfg.verify):  # sent once every bundle is in, signed for the commitment it opens
         reveal = sign_reveal(w.identity.key, sha256_hex(commitment_bytes(own_commitment)),
@@ -809,8 +826,13 @@ def sent_note(w: Worker, r: int) -> dict | None:
     and until the fortieth session the adaptive codec, whose budget follows the measured
     seconds of the inner steps, chose other rungs on the redo, so every restarted honest worker
     equivocated. The redo now encodes under the noted budget window, so the same state makes the
-    same bundle; where it still differs (inner steps that do not reproduce: a GPU's
-    nondeterministic kernels), run_inner_and_send sends the noted bundle again (`_resend`)."""
+    same bundle; where it still differs (a delta or inner steps that do not reproduce: a GPU's
+    nondeterministic kernels; a redo from another start), run_inner_and_send sends the noted
+    bundle again (`_noted`) if it went out (`out`: an elastic worker notes a bundle as it is
+    made and holds it for the round's quorum, mark_out). A note of a bundle that never went out
+    binds nothing: the redo's goes out (the review's case, fortieth session: with delay 1 a
+    worker left out of the round before heals and redoes the held round from another start, and
+    its held bundle, sent instead, was convicted of replay_mismatch)."""
     path = w.run.worker_dir(w.rank) / f"sent-{r}.json"
     try:
         note = json.loads(path.read_bytes())
@@ -818,24 +840,35 @@ def sent_note(w: Worker, r: int) -> dict | None:
         return None
     except (OSError, ValueError) as e:
         raise RuntimeError(f"{path}: unreadable ({e})") from None
-    ok = (isinstance(note, dict) and note.get("round") == r and isinstance(note.get("window_s"), int | float)
+    ok = (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
+          and type(note.get("window_s")) in (int, float)
           and math.isfinite(note["window_s"]) and note["window_s"] >= 0 and isinstance(note.get("codec_log"), dict)
-          and isinstance(note.get("bundle"), str) and len(note["bundle"]) == 64
+          and isinstance(note.get("out"), bool) and isinstance(note.get("bundle"), str) and len(note["bundle"]) == 64
           and all(c in "0123456789abcdef" for c in note["bundle"]))
     if not ok:
-        raise RuntimeError(f"{path}: not a note of round {r}'s bundle (round, window_s, bundle, codec_log)")
+        raise RuntimeError(f"{path}: not a note of round {r}'s bundle (round, window_s, bundle, codec_log, out)")
     return note
 
 
-def write_sent_note(w: Worker, r: int, window_s: float, bundle_hash: str, codec_log: dict, resent: bool = False) -> None:
+def write_sent_note(w: Worker, r: int, window_s: float, bundle_hash: str, codec_log: dict, out: bool,
+                    resent: bool = False) -> None:
     """Note round r's bundle (its store hash) and the budget window it was encoded under, before it
-    goes out (sent_note); the note of round r-2 goes (a redo is of the round in flight, or with
-    delay 1 of the one before it). `resent`: a redo sent it again (_resend), as the note says."""
+    goes out (sent_note; `out`: it goes out now, not held for a quorum); the note of round r-2
+    goes (a redo is of the round in flight, or with delay 1 of the one before it). `resent`: a
+    redo sent it again (_noted), as the note says."""
     d = w.run.worker_dir(w.rank)
     d.mkdir(parents=True, exist_ok=True)
-    note = {"round": r, "window_s": window_s, "bundle": bundle_hash, "codec_log": codec_log, "resent": resent}
+    note = {"round": r, "window_s": window_s, "bundle": bundle_hash, "codec_log": codec_log, "out": out, "resent": resent}
     atomic_write(d / f"sent-{r}.json", json.dumps(note).encode())
     (d / f"sent-{r - 2}.json").unlink(missing_ok=True)
+
+
+def mark_out(w: Worker, r: int, bundle_hash: str) -> None:
+    """An elastic worker's held bundle of round r goes out now (its quorum formed): its note says
+    so, so that a redo after a restart sends it again (sent_note)."""
+    note = sent_note(w, r)
+    if note is not None and not note["out"] and note["bundle"] == bundle_hash:
+        write_sent_note(w, r, note["window_s"], note["bundle"], note["codec_log"], out=True, resent=note.get("resent") is True)
 
 
 def keep_seen(w: Worker, packets: list) -> None:
@@ -898,24 +931,27 @@ def _seen_texts(path: Path, r: int) -> list[str] | None:
         return None
     except (OSError, ValueError) as e:
         raise RuntimeError(f"{path}: unreadable ({e})") from None
-    if not (isinstance(note, dict) and note.get("round") == r and isinstance(note.get("commitments"), list)
+    if not (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
+            and isinstance(note.get("commitments"), list)
             and all(isinstance(t, str) for t in note["commitments"])):
         raise RuntimeError(f"{path}: not a list of round {r}'s commitments (round, commitments)")
     return note["commitments"]
 
 
-def _resend(w: Worker, r: int, bundle_hash: str) -> tuple[bytes, str, Commitment, bytes]:
-    """The bundle of round r this worker sent before a restart, from the store (sent_note):
+def _noted(w: Worker, r: int, bundle_hash: str) -> tuple[bytes, str, Commitment, bytes]:
+    """The bundle of round r this worker sent before a restart (sent_note), from the store:
     (bundle, its hash, its commitment, its packet)."""
     try:
         bundle = w.store.get(bundle_hash)
         signed, packet, _ = decode_bundle(bundle)
         commitment = parse_signed_commitment(signed).commitment
     except (StoreError, PacketError, CommitmentError) as e:
-        raise RuntimeError(f"worker {w.worker}: round {r}'s redo made another bundle than the one it sent, "
-                           f"and that one cannot be sent again ({e}); a second one would be equivocation") from None
-    print(f"worker {w.worker}: round {r}'s redo made another bundle than the one it sent before its restart "
-          f"(inner steps that do not reproduce?); sending that one again", file=sys.stderr, flush=True)
+        raise RuntimeError(f"worker {w.worker}: round {r}'s noted bundle {bundle_hash[:12]} cannot be read ({e}); "
+                           f"its redo made another one, and sending that would be equivocation") from None
+    if (commitment.run_id, commitment.round, commitment.worker) != (w.identity.run_id, r, w.worker):
+        raise RuntimeError(f"worker {w.worker}: round {r}'s note names a bundle that is not its own for the round")
+    print(f"worker {w.worker}: round {r}'s redo made another bundle than the one it sent before its restart; "
+          f"sending that one again", file=sys.stderr, flush=True)
     return bundle, bundle_hash, commitment, packet
 
 
