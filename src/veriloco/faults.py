@@ -4,10 +4,10 @@ A fault is a short spec, given to `veriloco train --fault SPEC` (repeatable) or 
 
     die:W@R.S      worker W kills itself with SIGKILL (kill -9) at inner step S of round R
     die:W@R        ... in the middle of round R's exchange (after the quorum, before its packet is out)
-    die:W@R.sent   ... once its round-R packet and reveal are out (the others hold its commitment),
-                   before the round's checks and commit: restarted, it must send that packet again
                    (a worker that healed past that point, left out of an earlier round as late,
                    dies at the first step or exchange it reaches after it instead)
+    die:W@R.sent   ... once its round-R packet and reveal are out (the others hold its commitment),
+                   before the round's checks and commit: restarted, it must send that packet again
     stop:W@R+T     worker W freezes (SIGSTOP; a helper process sends SIGCONT after T seconds) in the
                    middle of round R's exchange, after the round's group formed: its sockets stay
                    open and its heartbeats stop, as in a paused VM or a partition
