@@ -46,6 +46,26 @@ def new_side() -> str:
     return head + ("+changes" if dirty.strip() else "")
 
 
+def seeds_of(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    """--seeds "0,1,2" -> [0, 1, 2]; ap.error (exit 2) for anything else or a seed twice."""
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        ap.error(f"--seeds must be integers, got {text!r}")
+    if len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds has a seed twice: {text!r}")
+    return seeds
+
+
+def sides_of(ap: argparse.ArgumentParser, old: str, tmp: Path) -> dict[str, Path]:
+    """{"old": `src` of git revision `old` unpacked under tmp, "new": the working tree's `src`}."""
+    (tmp / "old").mkdir()
+    try:
+        return {"old": source_of(old, tmp / "old"), "new": ROOT / "src"}
+    except subprocess.CalledProcessError:
+        ap.error(f"--old {old!r} is not a git revision of {ROOT}")
+
+
 def run_one(src: Path, attack: str, seed: int, rounds: int, p: float, out: Path) -> dict:
     """One run of worker 3's `attack` at `seed`: its verdicts, and whether the run's audit passed."""
     done = veriloco(src, "train", str(ROOT / "configs" / "tiny.toml"), "--topology.workers=4", f"--train.rounds={rounds}",
@@ -70,21 +90,12 @@ def main() -> int:
     ap.add_argument("--p", type=float, default=0.5, help="[verify] replay_probability")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "grind.json"))
     args = ap.parse_args()
-    try:
-        seeds = [int(x) for x in args.seeds.split(",")]
-    except ValueError:
-        ap.error(f"--seeds must be integers, got {args.seeds!r}")
-    if len(set(seeds)) != len(seeds):
-        ap.error(f"--seeds has a seed twice: {args.seeds!r}")
+    seeds = seeds_of(ap, args.seeds)
     if not 0 < args.p <= 1 or args.rounds < 1:
         ap.error("--p must be in (0, 1] and --rounds at least 1")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "old").mkdir()
-        try:
-            sides = {"old": source_of(args.old, Path(tmp) / "old"), "new": ROOT / "src"}
-        except subprocess.CalledProcessError:
-            ap.error(f"--old {args.old!r} is not a git revision of {ROOT}")
+        sides = sides_of(ap, args.old, Path(tmp))
         for seed in seeds:
             for side, src in sides.items():
                 for i, attack in enumerate(ATTACKS):

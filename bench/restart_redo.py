@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from grind import new_side, veriloco
-from round_cost import source_of
+from grind import new_side, seeds_of, sides_of, veriloco
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = {"honest": "jitter=0", "nondeterministic": "jitter=1", "recommit": "recommit={out}"}
@@ -73,21 +71,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "restart_redo.json"))
     args = ap.parse_args()
-    try:
-        seeds = [int(x) for x in args.seeds.split(",")]
-    except ValueError:
-        ap.error(f"--seeds must be integers, got {args.seeds!r}")
-    if len(set(seeds)) != len(seeds):
-        ap.error(f"--seeds has a seed twice: {args.seeds!r}")
+    seeds = seeds_of(ap, args.seeds)
     if args.rounds < AT + 2:
         ap.error(f"--rounds must be >= {AT + 2} (worker 2 dies in round {AT}), got {args.rounds}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "old").mkdir()
-        try:
-            sides = {"old": source_of(args.old, Path(tmp) / "old"), "new": ROOT / "src"}
-        except subprocess.CalledProcessError:
-            ap.error(f"--old {args.old!r} is not a git revision of {ROOT}")
+        sides = sides_of(ap, args.old, Path(tmp))
         for seed in seeds:
             for side, src in sides.items():
                 for worker in WORKERS:
