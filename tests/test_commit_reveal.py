@@ -308,3 +308,31 @@ def test_a_worker_that_kills_the_run_after_the_salts_cannot_commit_anew_in_the_r
     assert verdicts == ["accept", "accept", "equivocation", "banned"], verdicts
     report = audit_run(run_dir, replay=100)
     assert report.ok, report.first_failure
+
+
+def test_the_seen_note_is_of_the_round_of_its_own_bundle(tmp_path):
+    """keep_seen writes the round its own bundle (this rank's) names; another's bundle that claims
+    this worker and round 9 (the second review's forgery, fortieth session) moved the note to
+    seen-9 and kept nothing of round 4, the round being exchanged."""
+    import json
+    from types import SimpleNamespace
+
+    from veriloco.hashing import canonical_json
+    from veriloco.packet import encode_bundle
+    from veriloco.records import RunDir
+    from veriloco.round import keep_seen
+    from veriloco.verify.commitment import Commitment, sign_commitment
+    from veriloco.verify.identity import generate_key
+
+    h = "ab" * 32
+
+    def bundle(key, round, worker):
+        c = Commitment(run_id=h, round=round, worker=worker, base_hash=h, batch_root=h, trace_root=h, trace=(h,),
+                       losses=(1.0,), packet_hash=h, packet_bytes=1, codec="fp32", salt_hash=h)
+        return encode_bundle(canonical_json(sign_commitment(c, key)), b"x")
+
+    w = SimpleNamespace(run=RunDir(tmp_path), rank=0, worker=0, identity=SimpleNamespace(run_id=h))
+    k0, k1, k2 = (generate_key()[0] for _ in range(3))
+    keep_seen(w, [bundle(k0, 4, 0), bundle(k1, 4, 1), bundle(k2, 9, 0)], 0)
+    notes = {p.name: json.loads(p.read_text()) for p in (tmp_path / "workers" / "0").iterdir()}
+    assert list(notes) == ["seen-4.json"] and len(notes["seen-4.json"]["commitments"]) == 2, notes

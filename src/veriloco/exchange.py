@@ -113,9 +113,9 @@ class Exchange:
     """All-gather of packets among the ranks of `group` (None: the default group)."""
 
     def __init__(self, group: dist.ProcessGroup | None, max_packet_bytes: int, link=None, device: str = "cpu",
-                 comm=None, on_packets: Callable[[list], None] | None = None) -> None:
+                 comm=None, on_packets: Callable[[list, int], None] | None = None) -> None:
         """`comm`: a membership.PgComm (a quorum's own group) to run over instead of `group`.
-        `on_packets(packets)`: called with every rank's packet once all are in and before this
+        `on_packets(packets, rank)`: called with every rank's packet (and this rank) once all are in and before this
         rank's reveal goes out (exchanges with a reveal only): round.keep_seen writes down the
         commitments they carry before any salt is known."""
         self.group, self.comm, self.on_packets = group, comm, on_packets
@@ -195,7 +195,7 @@ class Exchange:
             box["received"] = sum(sizes_list) - len(packet) + 8 * peers
             if reveal is not None:  # every packet is here: now, and only now, this rank's reveal goes out
                 if self.on_packets is not None:
-                    self.on_packets(box["packets"])
+                    self.on_packets(box["packets"], self.rank)
                 bufs = {r: torch.empty(len(reveal), dtype=torch.uint8, device=self.device)
                         for r in range(self.size) if r != self.rank}
                 self._transfer(_send_view(reveal).to(self.device), bufs)

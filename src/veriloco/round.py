@@ -871,29 +871,31 @@ def mark_out(w: Worker, r: int, bundle_hash: str) -> None:
         write_sent_note(w, r, note["window_s"], note["bundle"], note["codec_log"], out=True, resent=note.get("resent") is True)
 
 
-def keep_seen(w: Worker, packets: list) -> None:
+def keep_seen(w: Worker, packets: list, rank: int) -> None:
     """Exchange.on_packets: write down the round's signed commitments this worker received
     (RUN/workers/W/seen-R.json), once every bundle is in and before its own reveal goes out;
-    load_seen gives them back to its equivocation detector when it redoes the round.
+    load_seen gives them back to its equivocation detector when it redoes the round. The round
+    is its own bundle's (packets[rank]); another's bundle cannot name it (the second review: a
+    bundle that claimed this worker's name and round 9 made it write seen-9 and keep nothing of
+    the round being exchanged).
 
     A worker that has seen every salt can kill the run (its own process: a static run stops) and
     commit anew in the resumed round with a salt chosen so that the draw passes it over. An
     elastic worker restarted after a failed try forgot the commitments `elastic._pin` had kept.
     Until the fortieth session both forgot what they had been sent; now a second commitment
     is an equivocation (both signed) for every member that received the first."""
-    kept, r = [], None
-    for data in packets:
+    def parsed(data) -> tuple[bytes, Commitment] | None:
         try:
             raw = decode_bundle(data, view=True)[0]
-            c = parse_signed_commitment(raw).commitment
+            return bytes(raw), parse_signed_commitment(raw).commitment
         except (PacketError, CommitmentError):
-            continue
-        if c.run_id == w.identity.run_id:
-            kept.append((c.round, bytes(raw).decode()))
-            if c.worker == w.worker:
-                r = c.round
-    if r is None:  # its own bundle is not one (an adversary's): nothing names the round
+            return None
+
+    own = parsed(packets[rank])
+    if own is None or own[1].run_id != w.identity.run_id:  # its own bundle is not one (an adversary's)
         return
+    r = own[1].round
+    kept = [(c.round, raw.decode()) for raw, c in filter(None, map(parsed, packets)) if c.run_id == w.identity.run_id]
     d = w.run.worker_dir(w.rank)
     d.mkdir(parents=True, exist_ok=True)
     # its own too: the redo of an honest worker sends the same (sent_note), and a worker that
