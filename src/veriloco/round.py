@@ -834,12 +834,9 @@ def sent_note(w: Worker, r: int) -> dict | None:
     worker left out of the round before heals and redoes the held round from another start, and
     its held bundle, sent instead, was convicted of replay_mismatch)."""
     path = w.run.worker_dir(w.rank) / f"sent-{r}.json"
-    try:
-        note = json.loads(path.read_bytes())
-    except FileNotFoundError:
+    note = _read_note(path)
+    if note is None:
         return None
-    except (OSError, ValueError) as e:
-        raise RuntimeError(f"{path}: unreadable ({e})") from None
     ok = (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
           and type(note.get("window_s")) in (int, float)
           and math.isfinite(note["window_s"]) and note["window_s"] >= 0 and isinstance(note.get("codec_log"), dict)
@@ -925,14 +922,22 @@ def load_seen(w: Worker, r: int) -> None:
                 w.identity.equivocation.observe(signed)  # (a signature that does not verify counts for nothing)
 
 
-def _seen_texts(path: Path, r: int) -> list[str] | None:
-    """The commitments a seen note holds (keep_seen), or None when there is none."""
+def _read_note(path: Path) -> Any:
+    """A worker's own note (sent_note, keep_seen) as JSON, or None when there is none; one line
+    naming the file when it cannot be read."""
     try:
-        note = json.loads(path.read_bytes())
+        return json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
         raise RuntimeError(f"{path}: unreadable ({e})") from None
+
+
+def _seen_texts(path: Path, r: int) -> list[str] | None:
+    """The commitments a seen note holds (keep_seen), or None when there is none."""
+    note = _read_note(path)
+    if note is None:
+        return None
     if not (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
             and isinstance(note.get("commitments"), list)
             and all(isinstance(t, str) for t in note["commitments"])):
