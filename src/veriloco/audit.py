@@ -121,7 +121,7 @@ from .verify import (
     OTHER_STAGE,
     REPLAY_MISMATCH,
 )
-from .verify.check import RoundCheck, check_bundles, screen_checked, screen_seed, take_whole_workers
+from .verify.check import RoundCheck, check_bundles, round_seed, screen_checked, take_whole_workers
 from .verify.commitment import REVEAL_BYTES, EquivocationDetector, verify_equivocation_evidence
 from .verify.lossgain import (
     LOSS_TOLERANCE,
@@ -1003,7 +1003,7 @@ def _stage_settled(cfg, task: _AuditTask, slices: list[_Slice], checked: list[_C
     """The loss gains of a pipelined round as its workers settled them (round.StageLossGains): the
     audit's own numbers (_stage_gains), or with checkers the recorded reports settled as the
     workers did, from the seed and the banned their stages pooled."""
-    seed = stage_seed([screen_seed(c.check, c.base) for c in checked])
+    seed = stage_seed([round_seed(c.check, c.base) for c in checked])
     gains = _stage_gains(cfg, task, slices, checked, r, seed)
     if not loss_gain_checkers(cfg.verify):
         return Settled(gains)

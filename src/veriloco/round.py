@@ -303,7 +303,6 @@ class DeltaEncoder:
         self.cfg, self.shapes, self.link, self.workers = cfg.compress, shapes, link, workers
         self.hops = exchange_hops(cfg.verify)
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
-        self._target: dict[str, torch.Tensor] = {}  # the last compensated delta, until done() (adopt)
         if cfg.compress.codec == "adaptive":
             ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
             # the budget covers the wire, not just the payload: charge each tensor its share of the
@@ -341,19 +340,15 @@ class DeltaEncoder:
         if self.feedback is not None:
             for k in delta:
                 self.feedback.update(k, delta[k], decoded[k])
-            self._target = delta
         return packet, decoded, log
 
-    def adopt(self, decoded: dict[str, torch.Tensor]) -> None:
-        """The packet sent instead of the last one encoded (round._noted): error feedback keeps
-        what that one dropped of the last compensated delta."""
+    def adopt(self, encoded: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
+        """`sent` (decoded) went out instead of `encoded`, the last packet encode() made
+        (round._noted): error feedback keeps what `sent` dropped of the compensated delta, the
+        residual moved by what the two packets differ in."""
         if self.feedback is not None:
-            for k, v in self._target.items():
-                self.feedback.update(k, v, decoded[k])
-
-    def done(self) -> None:
-        """The round's packet is settled: the compensated delta kept for `adopt` goes."""
-        self._target = {}
+            for k, v in sent.items():
+                self.feedback.update(k, self.feedback.residual(k) + encoded[k], v)
 
     def _stateful(self) -> dict[tuple[str, str], Codec]:
         """(tensor, spec) -> the codec objects that keep sender state (PowerSGD's warm start)."""
@@ -802,13 +797,12 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
         bundle, bundle_hash, own_commitment, packet = _noted(w, r, before["bundle"])
         packet_hash, codec_log = sha256_hex(packet), before["codec_log"]
         write_sent_note(w, r, before["window_s"], bundle_hash, codec_log, out=True, resent=True)
-        decoded = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
-        w.encoder.adopt(decoded)
+        sent = decode_packet(packet, w.encoder.shapes, len(packet) + 1)
+        w.encoder.adopt(decoded, sent)
         if w.own_decoded:
-            w.own_decoded = [decoded]
+            w.own_decoded = [sent]
     elif before is None or before["bundle"] != bundle_hash:  # first made, or noted but never sent (other work now)
         write_sent_note(w, r, window_s, bundle_hash, codec_log, out=not held)
-    w.encoder.done()
     reveal = None
     if reveals_salts(cfg.verify):  # sent once every bundle is in, signed for the commitment it opens
         reveal = sign_reveal(w.identity.key, sha256_hex(commitment_bytes(own_commitment)),

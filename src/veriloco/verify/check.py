@@ -243,11 +243,6 @@ def round_seed(check: RoundCheck, base_hash: str) -> str:
     return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts))
 
 
-def screen_seed(check: RoundCheck, base_hash: str) -> str:
-    """The seed of the round's loss-gain checker and batch draw (round_seed)."""
-    return round_seed(check, base_hash)
-
-
 def screen_checked(
     check: RoundCheck,
     *,
@@ -269,7 +264,7 @@ def screen_checked(
     settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
-        seed = screen_seed(check, base_hash)  # also draws the batches each loss gain is measured on
+        seed = round_seed(check, base_hash)  # also draws the batches each loss gain is measured on
         if loss_gains_of is not None:
             settled = loss_gains_of(decoded, seed)
             gains: dict[int, LossGain] | None = settled.gains
