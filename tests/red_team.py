@@ -630,3 +630,52 @@ class DiesOnceSent(Jitter):
             ExchangeHandle.wait = wait
         self._round = r
         return super().delta(r, delta, view) if self.params.get("jitter", "0") == "1" else delta
+
+
+class JunkFirst(Skim):
+    """`skim` (only a replay catches it) that sends junk as its first bundle of round `at` and so
+    signs nothing, yet receives every salt, since the reveal waits for every bundle to arrive,
+    not to verify (the second review of the seen notes, fortieth session). Once its exchange
+    has returned it kills its own process (the static run stops; the file `once` marks that it
+    did), and in the resume it deletes its note of what it sent (RUN/workers/W/sent-AT.json,
+    under `recommit=RUN`, which an honest redo would send again) and commits for the first time,
+    free to choose its salt against the salts it saw (with a replay probability near 0 the draw
+    passes it over anyway). Until the forty-first session nobody had a first commitment of it
+    and it went in unreplayed; now every member noted the junk (round.keep_seen), and the redo
+    replays it whatever the draw, or rejects it (`withheld`) where the run does not replay."""
+
+    kind = "junk_first"
+    PARAMS = None  # at, once, recommit
+
+    def _first(self, r):
+        from pathlib import Path
+
+        return r == int(self.params.get("at", "2")) and not Path(self.params["once"]).exists()
+
+    def inner_steps(self, r, steps):
+        from pathlib import Path
+
+        if r == int(self.params.get("at", "2")) and not self._first(r):
+            (Path(self.params["recommit"]) / "workers" / str(self.worker) / f"sent-{r}.json").unlink(missing_ok=True)
+        return steps
+
+    def bundle(self, r, bundle, view):
+        if not self._first(r):
+            return bundle
+        from veriloco.exchange import ExchangeHandle
+
+        original, once = ExchangeHandle.wait, self.params["once"]
+
+        def wait(handle):  # every salt in: die (the first time only)
+            import os
+            import signal
+            from pathlib import Path
+
+            out = original(handle)
+            if not Path(once).exists():
+                Path(once).write_text("died")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        ExchangeHandle.wait = wait
+        return bytes(len(bundle))  # as long as its bundle, and no bundle at all

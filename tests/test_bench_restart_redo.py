@@ -10,6 +10,8 @@ from conftest import bench_arguments
     (["--seeds", "1,1"], "--seeds has a seed twice"),
     (["--seeds", "a"], "--seeds must be integers"),
     (["--old", "no-such-revision", "--seeds", "0"], "is not a git revision"),
+    (["--kinds", "honest,grind"], "--kinds must be distinct names among honest, nondeterministic, recommit, junk_first"),
+    (["--kinds", "honest,honest"], "--kinds must be distinct names"),
 ])
 def test_restart_redo_refuses_what_it_cannot_run(args, needle):
     done = bench_arguments("restart_redo.py", *args)

@@ -117,6 +117,38 @@ def test_a_rejected_senders_reveal_is_not_examined_and_does_not_seed():
     assert check.verdicts[1] != ACCEPT and sorted(check.reveals) == [0, 2] and sorted(check.salts) == [0, 2]
 
 
+def test_a_sender_whose_earlier_bundle_signed_nothing_is_replayed_whatever_the_draw_or_rejected():
+    """A sender whose bundle of an earlier try of the round held no commitment it signed (junk) was
+    bound by nothing and saw every salt of that try (round.keep_seen notes it): its first
+    commitment, now, is a suspect replayed whatever the draw where the run replays, and is
+    rejected (withheld, no offence) where it does not; a run that reveals nothing ignores it."""
+    reveals, junk = {j: _reveal(j) for j in range(3)}, "cd" * 32
+
+    def check(reveals, action="replay", bundles=None):
+        return check_bundles(bundles or {j: _bundle(j) for j in range(3)}, run_id=RUN, round=2, base_hash=BASE,
+                             admitted_keys={j: public_key_hex(k) for j, k in KEYS.items()}, shapes=SHAPES,
+                             max_packet_bytes=1 << 20, batch_root_of=lambda j: sha256_hex(b"%d" % j),
+                             equivocation=EquivocationDetector(), reveals=reveals, unsigned_reveal=action,
+                             unsigned_earlier={1: junk})
+
+    replayed = check(reveals)
+    assert replayed.verdicts == {0: ACCEPT, 1: ACCEPT, 2: ACCEPT} and sorted(replayed.salts) == [0, 1, 2]
+    assert replayed.suspects == {1: {"unsigned_earlier_bundle": junk}}
+    assert [a.worker for a in PlanInputs.of_round(BASE, replayed, set()).audits(tiny().verify, tiny().train, [0, 1, 2])] \
+        == [1]  # (the defaults draw no replay: the suspect is replayed all the same)
+    both = check({**reveals, 1: b""})  # and without a signed reveal either: both reasons
+    assert both.suspects == {1: {"unsigned_earlier_bundle": junk, "reveal": "none signed for its commitment"}}
+    wrong = check({**reveals, 1: _reveal(1, bytes(SALT_BYTES))})  # its own signed wrong salt: an offence still
+    assert wrong.verdicts[1] == UNREVEALED and wrong.suspects == {}
+    rejected = check(reveals, "reject")
+    assert rejected.verdicts[1] == WITHHELD and rejected.evidence[1] == {"unsigned_earlier_bundle": junk}
+    assert 1 not in rejected.decoded and sorted(rejected.salts) == sorted(rejected.reveals) == [0, 2]
+    again = check(reveals, bundles={0: _bundle(0), 1: b"junk again", 2: _bundle(2)})
+    assert again.verdicts[1] != ACCEPT and again.suspects == {}
+    plain = check(None)  # a run that draws nothing revealed no salt to see
+    assert plain.verdicts[1] == ACCEPT and plain.suspects == {}
+
+
 def test_only_runs_that_draw_reveal():
     from dataclasses import replace
 
@@ -310,6 +342,58 @@ def test_a_worker_that_kills_the_run_after_the_salts_cannot_commit_anew_in_the_r
     assert report.ok, report.first_failure
 
 
+def test_a_worker_whose_first_bundle_was_junk_is_replayed_in_the_resume(tmp_path, monkeypatch):
+    """The gap the second review of the seen notes left (fortieth session): a worker whose first
+    bundle of round 2 is junk signs nothing, yet receives every salt, kills the run, and commits
+    for the first time in the resume (red_team.JunkFirst, a skimmer; a replay probability near 0
+    stands for a salt it ground against the salts it saw). Before, it went in unreplayed in
+    every round; now every member noted the junk (round.keep_seen) and the resumed round replays
+    it whatever the draw: convicted and banned, the audit re-checking the noted bundle."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    from veriloco.run import resume
+
+    run_dir = tmp_path / "k"
+    attacker = f"--adversary.2=red_team:JunkFirst:at=2,once={tmp_path / 'died'},recommit={run_dir}"
+    with pytest.raises(Exception, match="exit code|exited|died|killed|terminated"):
+        train(tiny("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=4", "--verify.trace_every=4",
+                   "--train.inner_state=reset", "--verify.replay_probability=0.0001", attacker), str(run_dir), quiet=True)
+    assert len(rounds_of(run_dir)) == 2 and (tmp_path / "died").exists()
+    noted = {j: json.loads((run_dir / "workers" / str(j) / "seen-2.json").read_text())["unsigned"] for j in (0, 1)}
+    assert list(noted[0]) == ["2"] and noted[0] == noted[1], noted
+    resume(str(run_dir), quiet=True)
+    recs = rounds_of(run_dir)
+    assert [r["verdicts"][2] for r in recs] == ["accept", "accept", "replay_mismatch", "banned"], recs
+    assert recs[2]["evidence"]["2"]["suspect"] == {"unsigned_earlier_bundle": noted[0]["2"]}
+    report = audit_run(run_dir, replay=100)
+    assert report.ok, report.first_failure
+
+
+def test_the_audit_checks_a_noted_junk_bundle(tmp_path):
+    """The audit takes a record's word that a sender's earlier bundle signed nothing only where
+    that bundle is stored and binds its sender to nothing in the round (it replays the sender or
+    rejects it, never convicts it)."""
+    from veriloco.audit import AuditFailure, _unsigned_earlier
+    from veriloco.store import LocalStore
+
+    store, cfg = LocalStore(tmp_path / "store"), tiny("--topology.workers=3")
+    admitted = {j: public_key_hex(k) for j, k in KEYS.items()}
+    junk, signed = store.put(b"no bundle"), store.put(_bundle(1))
+
+    def claims(ev):
+        return _unsigned_earlier(cfg, store, {"evidence": ev}, "round 2: ", 2, RUN, admitted)
+
+    assert claims({"1": {"unsigned_earlier_bundle": junk}, "0": {"replayed": {}}}) == {1: junk}
+    assert claims({"1": {"suspect": {"unsigned_earlier_bundle": junk}}}) == {1: junk}
+    assert claims({"2": {"unsigned_earlier_bundle": signed}}) == {2: signed}  # (1's commitment, not 2's)
+    for ev, says in [({"1": {"unsigned_earlier_bundle": signed}}, "holds its signed commitment"),
+                     ({"1": {"unsigned_earlier_bundle": "ab" * 32}}, "missing"),
+                     ({"1": {"suspect": {"unsigned_earlier_bundle": 5}}}, "not a sha256")]:
+        with pytest.raises(AuditFailure, match=says):
+            claims(ev)
+
+
 def test_the_seen_note_is_of_the_round_of_its_own_bundle(tmp_path):
     """keep_seen writes the round its own bundle (this rank's) names; another's bundle that claims
     this worker and round 9 (the second review's forgery, fortieth session) moved the note to
@@ -320,7 +404,8 @@ def test_the_seen_note_is_of_the_round_of_its_own_bundle(tmp_path):
     from veriloco.hashing import canonical_json
     from veriloco.packet import encode_bundle
     from veriloco.records import RunDir
-    from veriloco.round import keep_seen
+    from veriloco.round import Identity, keep_seen
+    from veriloco.store import LocalStore
     from veriloco.verify.commitment import Commitment, sign_commitment
     from veriloco.verify.identity import generate_key
 
@@ -331,8 +416,51 @@ def test_the_seen_note_is_of_the_round_of_its_own_bundle(tmp_path):
                        losses=(1.0,), packet_hash=h, packet_bytes=1, codec="fp32", salt_hash=h)
         return encode_bundle(canonical_json(sign_commitment(c, key)), b"x")
 
-    w = SimpleNamespace(run=RunDir(tmp_path), rank=0, worker=0, identity=SimpleNamespace(run_id=h))
     k0, k1, k2 = (generate_key()[0] for _ in range(3))
-    keep_seen(w, [bundle(k0, 4, 0), bundle(k1, 4, 1), bundle(k2, 9, 0)], 0)
+    w = SimpleNamespace(run=RunDir(tmp_path), rank=0, worker=0, store=LocalStore(tmp_path / "store"),
+                        identity=Identity(h, k0, {j: public_key_hex(k) for j, k in enumerate((k0, k1, k2))}, None))
+    forged = bundle(k2, 9, 0)
+    keep_seen(w, [bundle(k0, 4, 0), bundle(k1, 4, 1), forged], 0)
     notes = {p.name: json.loads(p.read_text()) for p in (tmp_path / "workers" / "0").iterdir()}
     assert list(notes) == ["seen-4.json"] and len(notes["seen-4.json"]["commitments"]) == 2, notes
+    # (and worker 2's bundle bound worker 2 to nothing in round 4: noted as such, see the next test)
+    assert notes["seen-4.json"]["unsigned"] == {"2": sha256_hex(forged)} and w.store.get(sha256_hex(forged)) == forged
+
+
+def test_the_seen_note_names_each_sender_that_signed_nothing_and_a_redo_gets_them_back(tmp_path):
+    """keep_seen notes (and stores) a sender's bundle that holds no commitment of the round that the
+    sender's admitted key signed: junk, another's commitment, another round's, a signature of another
+    key. The worker of each rank is the try's member (elastic), the first junk of a sender stays
+    across tries, and load_seen gives the senders back to a resumed or restarted worker's checks."""
+    from types import SimpleNamespace
+
+    from veriloco.records import RunDir
+    from veriloco.round import Identity, keep_seen, load_seen
+    from veriloco.store import LocalStore
+
+    admitted = {j: public_key_hex(k) for j, k in KEYS.items()} | {5: public_key_hex(derive_worker_key(7, 5))}
+    keys = KEYS | {5: derive_worker_key(7, 5)}
+
+    def worker(run):
+        return SimpleNamespace(run=run, rank=0, worker=0, store=LocalStore(tmp_path / "store"),
+                               identity=Identity(RUN, KEYS[0], admitted, EquivocationDetector(admitted)))
+
+    def as_signed_by(j, key):
+        return encode_bundle(canonical_json(sign_commitment(_commitment(j), keys[key])), b"p")
+
+    w = worker(RunDir(tmp_path / "run"))
+    first = [_bundle(0), b"junk", _bundle(2), as_signed_by(2, 2)]  # members 0, 1, 2, 5: 5 sent 2's commitment
+    keep_seen(w, first, 0, members=[0, 1, 2, 5])
+    want = {1: sha256_hex(b"junk"), 5: sha256_hex(first[3])}
+    assert w.identity.unsigned == {2: want} and w.store.get(want[1]) == b"junk"
+    keep_seen(w, [_bundle(0), _bundle(1), b"other junk"], 0, members=[0, 1, 5])  # a retry: 1 signs now
+    assert w.identity.unsigned == {2: want}  # the first junk of each stays
+    note = json.loads((tmp_path / "run" / "workers" / "0" / "seen-2.json").read_text())
+    assert note["unsigned"] == {str(j): x for j, x in want.items()}
+    resumed = worker(RunDir(tmp_path / "run"))
+    load_seen(resumed, 2)
+    assert resumed.identity.unsigned == {2: want}
+    for bad in ({"1": "xy"}, {"one": want[1]}, ["1"]):
+        (tmp_path / "run" / "workers" / "0" / "seen-2.json").write_text(json.dumps(note | {"unsigned": bad}))
+        with pytest.raises(RuntimeError, match="seen-2.json: not a list of round 2's commitments"):
+            load_seen(worker(RunDir(tmp_path / "run")), 2)

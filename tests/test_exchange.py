@@ -12,7 +12,7 @@ def test_a_new_exchange_waits_for_the_previous_ones_collectives():
     # two exchanges in flight on one process group would issue their collectives from two
     # threads; ranks could order them differently and deadlock (seen under heavy load)
     ex = Exchange.__new__(Exchange)
-    ex.link, ex._last = None, None
+    ex.link, ex._last, ex.on_packets = None, None, None
     spans: list[tuple[str, float, float]] = []
     lock = threading.Lock()
 
@@ -45,7 +45,7 @@ def test_a_forgotten_exchange_holds_no_packet():
         pass
 
     ex = Exchange.__new__(Exchange)
-    ex.link, ex._last = None, None
+    ex.link, ex._last, ex.on_packets = None, None, None
     ex._run = lambda packet, box: box.update(packets=[packet, Packet(b"theirs")], sent=0, received=0)
     handle = ex.start(b"mine")
     got = handle.wait()

@@ -121,7 +121,14 @@ from .verify import (
     OTHER_STAGE,
     REPLAY_MISMATCH,
 )
-from .verify.check import RoundCheck, check_bundles, round_seed, screen_checked, take_whole_workers
+from .verify.check import (
+    RoundCheck,
+    binds,
+    check_bundles,
+    round_seed,
+    screen_checked,
+    take_whole_workers,
+)
 from .verify.commitment import REVEAL_BYTES, EquivocationDetector, verify_equivocation_evidence
 from .verify.lossgain import (
     LOSS_TOLERANCE,
@@ -947,6 +954,7 @@ def _check_slice(
         equivocation=sl.detector, trace_entries=trace_entries(cfg), banned=sl.banned, bundle_hashes=digests,
         packet_hashes_known=packet_hashes, reveals=_recorded_reveals(cfg, part, where),
         unsigned_reveal=unsigned_reveal_action(cfg.verify),
+        unsigned_earlier=_unsigned_earlier(cfg, store, part, where, r, run_id, admitted),
     )
     if "reveals" in part and [check.reveals.get(j) for j in range(cfg.topology.workers)] != part["reveals"]:
         for c in recorded:  # a sender this check rejects and the round did not: that is the first thing wrong
@@ -956,6 +964,37 @@ def _check_slice(
         _fail(f"{where}the record's reveals are not the ones the round examined (one for each sender that passed "
               "the checks, none for the others)")
     return _Checked(check, base, set(bundles))
+
+
+def _unsigned_earlier(cfg, store: Any, part: dict, where: str, r: int, run_id: str, admitted: dict) -> dict[int, str]:
+    """The senders the round's record names as having sent, in an earlier try of the round, a
+    bundle that held no commitment they signed (evidence `unsigned_earlier_bundle`, or a suspect's
+    for it: round.keep_seen), each with that bundle's store hash: check_bundles' unsigned_earlier.
+    That bundle must be stored and must indeed bind its sender to nothing in this round (no
+    commitment of this run and round that names it and that its admitted key signed). Who sent
+    those bytes no one can prove (they are no one's word), as with a missing reveal; what the
+    claim does is replay the sender whatever the draw (or reject it, where the run does not
+    replay), never convict it."""
+    out: dict[int, str] = {}
+    for key, ev in (part.get("evidence") or {}).items():
+        if not (isinstance(ev, dict) and key.isascii() and key.isdigit() and int(key) < cfg.topology.workers):
+            continue
+        claim = ev.get("unsigned_earlier_bundle", (ev.get("suspect") or {}).get("unsigned_earlier_bundle")
+                       if isinstance(ev.get("suspect"), dict) else None)
+        if claim is None:
+            continue
+        j = int(key)
+        if not (isinstance(claim, str) and re.fullmatch("[0-9a-f]{64}", claim)):
+            _fail(f"{where}worker {j}'s unsigned earlier bundle is not a sha256: {claim!r:.80}")
+        try:
+            data = store.get(claim, max_bytes=cfg.run.max_packet_bytes + (1 << 20))
+        except StoreError as e:
+            _fail(f"{where}worker {j}'s unsigned earlier bundle: {e}")
+        if binds(data, run_id=run_id, round=r, worker=j, admitted_keys=admitted):
+            _fail(f"{where}worker {j}'s earlier bundle {claim[:12]} is recorded as signing nothing, but it holds "
+                  "its signed commitment of the round")
+        out[j] = claim
+    return out
 
 
 def _recorded_reveals(cfg, part: dict, where: str) -> dict[int, bytes] | None:

@@ -103,7 +103,7 @@ class HoldingExchange:
 
     holds = True  # the bundle goes out later (round.mark_out notes when)
 
-    def start(self, bundle: bytes, reveal: bytes | None = None) -> Held:
+    def start(self, bundle: bytes, reveal: bytes | None = None, on_packets=None) -> Held:
         return Held(bundle, reveal)
 
 
@@ -340,7 +340,8 @@ class _Flight:
                     ctx.injector.in_exchange(self.sent.round)
                     mark_out(ctx.w, self.sent.round, self.sent.bundle_hash)
                     handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
-                                      on_packets=partial(keep_seen, ctx.w)).start(self.bundle, reveal=self.reveal)
+                                      on_packets=partial(keep_seen, ctx.w, members=view.active, round=self.sent.round)).start(
+                        self.bundle, reveal=self.reveal)
                     handle.wait()  # the bytes move now, under the next round's inner steps
                 self.first = (view, comm, handle, None)
             except Exception as e:  # settle() decides: retry, or behind
@@ -406,7 +407,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
             ctx.injector.in_exchange(r)
             mark_out(w, r, sent.bundle_hash)
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
-                              on_packets=partial(keep_seen, w)).start(flight.bundle, reveal=flight.reveal)
+                              on_packets=partial(keep_seen, w, members=view.active, round=r)).start(flight.bundle, reveal=flight.reveal)
         sent.handle = handle
         ctx.injector.after_sent(r, handle.wait)
         outside = [j for j in range(w.workers) if j not in view.active]

@@ -131,16 +131,19 @@ class Exchange:
             self.size = dist.get_world_size(group)
             self._ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(self.size)]
 
-    def start(self, packet: bytes, reveal: bytes | None = None) -> ExchangeHandle:
+    def start(self, packet: bytes, reveal: bytes | None = None,
+              on_packets: Callable[[list, int], None] | None = None) -> ExchangeHandle:
         """Begin sending `packet` (and then `reveal`, once every packet is in: the module
         docstring; every rank passes a reveal of the same length, or none); returns at once,
         unless the previous exchange of this object is still moving bytes: two exchanges on one group must not issue their collectives
         concurrently (each rank would order them by thread timing, and ranks that order them
         differently deadlock or swap packets). With delay 1 the previous one normally finished
-        under the inner steps, so this waits for nothing."""
+        under the inner steps, so this waits for nothing. `on_packets`: this exchange's, instead
+        of the object's (the constructor's)."""
         if self._last is not None:
             self._last.join()
         box: dict = {} if reveal is None else {"reveal": reveal}
+        box["on_packets"] = on_packets or self.on_packets
         started = time.perf_counter()
         thread = threading.Thread(target=self._run, args=(packet, box), daemon=True)
         self._last = thread
@@ -194,8 +197,8 @@ class Exchange:
             box["sent"] = (len(packet) + 8) * peers
             box["received"] = sum(sizes_list) - len(packet) + 8 * peers
             if reveal is not None:  # every packet is here: now, and only now, this rank's reveal goes out
-                if self.on_packets is not None:
-                    self.on_packets(box["packets"], self.rank)
+                if box["on_packets"] is not None:
+                    box["on_packets"](box["packets"], self.rank)
                 bufs = {r: torch.empty(len(reveal), dtype=torch.uint8, device=self.device)
                         for r in range(self.size) if r != self.rank}
                 self._transfer(_send_view(reveal).to(self.device), bufs)

@@ -121,7 +121,7 @@ from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
-from .verify.check import RoundCheck, check_round, hex_root, take_whole_workers
+from .verify.check import RoundCheck, binds, check_round, hex_root, take_whole_workers
 from .verify.commitment import (
     SALT_BYTES,
     Commitment,
@@ -268,6 +268,9 @@ class Identity:
     key: Ed25519PrivateKey
     admitted: dict[int, str]
     equivocation: EquivocationDetector
+    # round -> worker -> the store hash of a bundle of the round that it received from that worker and that
+    # held no commitment the worker signed for the round (keep_seen): check_bundles' unsigned_earlier
+    unsigned: dict[int, dict[int, str]] = field(default_factory=dict)
 
 
 def worker_key(cfg: Config, worker: int) -> Ed25519PrivateKey:
@@ -447,8 +450,6 @@ def setup_worker(cfg: Config, rank: int, world: int, task: Task, run_dir: str, r
     ledger = open_ledger(cfg, run) if rank == 0 or elastic else None  # elastic: whoever commits first records
     w = Worker(cfg, rank, topo, worker_group, stage_group, task, run, store, model, inner, outer, exchange,
                encoder, eval_set, identity, ledger, device=device)
-    if exchange is not None and reveals_salts(cfg.verify):
-        exchange.on_packets = partial(keep_seen, w)
     if replica_group is not None:
         w.replicas, w.protocol_group = ReplicaSync(replica_group, inner), protocol_group
         inner.ask_state = w.replicas.ask_state
@@ -807,7 +808,8 @@ def run_inner_and_send(w: Worker, r: int, land: Callable[[float], None] | None =
     if reveals_salts(cfg.verify):  # sent once every bundle is in, signed for the commitment it opens
         reveal = sign_reveal(w.identity.key, sha256_hex(commitment_bytes(own_commitment)),
                              adv.reveal(r, salt)[:SALT_BYTES].ljust(SALT_BYTES, b"\0"))
-    return Sent(r, w.exchange.start(bundle, reveal=reveal), packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash,
+    handle = w.exchange.start(bundle, reveal=reveal, on_packets=partial(keep_seen, w, round=r) if reveal is not None else None)
+    return Sent(r, handle, packet_hash, result, codec_log, t0, bundle=bundle, bundle_hash=bundle_hash,
                 batch_root=own_root)
 
 
@@ -834,8 +836,7 @@ def sent_note(w: Worker, r: int) -> dict | None:
     ok = (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
           and type(note.get("window_s")) in (int, float)
           and math.isfinite(note["window_s"]) and note["window_s"] >= 0 and isinstance(note.get("codec_log"), dict)
-          and isinstance(note.get("out"), bool) and isinstance(note.get("bundle"), str) and len(note["bundle"]) == 64
-          and all(c in "0123456789abcdef" for c in note["bundle"]))
+          and isinstance(note.get("out"), bool) and _hex64(note.get("bundle")))
     if not ok:
         raise RuntimeError(f"{path}: not a note of round {r}'s bundle (round, window_s, bundle, codec_log, out)")
     return note
@@ -862,19 +863,29 @@ def mark_out(w: Worker, r: int, bundle_hash: str) -> None:
         write_sent_note(w, r, note["window_s"], note["bundle"], note["codec_log"], out=True, resent=note.get("resent") is True)
 
 
-def keep_seen(w: Worker, packets: list, rank: int) -> None:
+def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = None, round: int | None = None) -> None:
     """Exchange.on_packets: write down the round's signed commitments this worker received
     (RUN/workers/W/seen-R.json), once every bundle is in and before its own reveal goes out;
     load_seen gives them back to its equivocation detector when it redoes the round. The round
     is its own bundle's (packets[rank]); another's bundle cannot name it (the second review: a
     bundle that claimed this worker's name and round 9 made it write seen-9 and keep nothing of
-    the round being exchanged).
+    the round being exchanged); `round` names it where the caller knows it (its own bundle may be
+    junk: an adversary's, which notes itself as one). `members`: the worker of each rank
+    (elastic: the try's members; by default rank = worker).
 
     A worker that has seen every salt can kill the run (its own process: a static run stops) and
     commit anew in the resumed round with a salt chosen so that the draw passes it over. An
     elastic worker restarted after a failed try forgot the commitments `elastic._pin` had kept.
     Until the fortieth session both forgot what they had been sent; now a second commitment
-    is an equivocation (both signed) for every member that received the first."""
+    is an equivocation (both signed) for every member that received the first.
+
+    A sender whose bundle holds no commitment it signed for this run and round (junk) is bound
+    by nothing, yet it receives every salt too (the reveal waits for every bundle to arrive, not
+    to verify). Its bundle goes into the store and the note names it (`unsigned`: worker -> store
+    hash), so that a redo's check makes its first commitment of the round a suspect, replayed
+    whatever the draw, or rejects it where the run does not replay (check_bundles'
+    unsigned_earlier; forty-first session: until then it could commit in the redo with a salt
+    ground against the salts it had seen, and skim unreplayed)."""
     def parsed(data) -> tuple[bytes, Commitment] | None:
         try:
             raw = decode_bundle(data, view=True)[0]
@@ -883,37 +894,60 @@ def keep_seen(w: Worker, packets: list, rank: int) -> None:
             return None
 
     own = parsed(packets[rank])
-    if own is None or own[1].run_id != w.identity.run_id:  # its own bundle is not one (an adversary's)
+    if round is None and (own is None or own[1].run_id != w.identity.run_id):  # its own bundle is not one (an adversary's)
         return
-    r = own[1].round
+    r = own[1].round if round is None else round
     kept = [(c.round, raw.decode()) for raw, c in filter(None, map(parsed, packets)) if c.run_id == w.identity.run_id]
+    workers = range(len(packets)) if members is None else members
+    unsigned = {j: w.store.put(bytes(data)) for j, data in zip(workers, packets, strict=True)
+                if not binds(data, run_id=w.identity.run_id, round=r, worker=j, admitted_keys=w.identity.admitted)}
     d = w.run.worker_dir(w.rank)
     d.mkdir(parents=True, exist_ok=True)
     # its own too: the redo of an honest worker sends the same (sent_note), and a worker that
     # commits anew then convicts itself as every other member does (the params stay agreed).
     # An elastic retry of the round adds to what the failed try brought (a second commitment
     # of a sender is the evidence, not a replacement of the first)
-    texts = _seen_texts(d / f"seen-{r}.json", r) or []
+    texts, earlier = _seen_note(d / f"seen-{r}.json", r) or ([], {})
     texts += [text for q, text in kept if q == r and text not in texts]
-    atomic_write(d / f"seen-{r}.json", json.dumps({"round": r, "commitments": texts}).encode())
+    unsigned |= earlier  # (a sender's first junk of the round stays)
+    note = {"round": r, "commitments": texts} | ({"unsigned": {str(j): h for j, h in sorted(unsigned.items())}} if unsigned else {})
+    atomic_write(d / f"seen-{r}.json", json.dumps(note).encode())
     (d / f"seen-{r - 2}.json").unlink(missing_ok=True)
+    _remember_unsigned(w, r, unsigned)
+
+
+def _remember_unsigned(w: Worker, r: int, unsigned: dict[int, str]) -> None:
+    """Round r's junk senders (keep_seen) for this process's checks; rounds before r-1 are done."""
+    for q in [q for q in w.identity.unsigned if q < r - 1]:
+        del w.identity.unsigned[q]
+    if unsigned:
+        w.identity.unsigned[r] = dict(unsigned)
 
 
 def load_seen(w: Worker, r: int) -> None:
     """The commitments of round r and later this worker received before it was stopped
-    (keep_seen), into its equivocation detector, when it redoes them from round r (a resume, a
-    restart; with delay 1 a process can have exchanged a round past the last recorded one's next)."""
+    (keep_seen), into its equivocation detector, and the senders whose bundle held no signed
+    commitment, when it redoes them from round r (a resume, a restart; with delay 1 a process
+    can have exchanged a round past the last recorded one's next)."""
     for path in sorted(w.run.worker_dir(w.rank).glob("seen-*.json")):
         q = path.name[len("seen-"):-len(".json")]
         if not q.isdigit() or int(q) < r:
             continue
-        for text in _seen_texts(path, int(q)) or []:
+        texts, unsigned = _seen_note(path, int(q)) or ([], {})
+        for text in texts:
             try:
                 signed = parse_signed_commitment(text.encode())
             except CommitmentError:
                 continue
             if signed.commitment.run_id == w.identity.run_id and signed.commitment.round == int(q):
                 w.identity.equivocation.observe(signed)  # (a signature that does not verify counts for nothing)
+        if unsigned:
+            w.identity.unsigned[int(q)] = unsigned
+
+
+def _hex64(x: Any) -> bool:
+    """Whether `x` is a sha256 as the store names blobs (64 lowercase hex)."""
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
 
 
 def _read_note(path: Path) -> Any:
@@ -927,16 +961,19 @@ def _read_note(path: Path) -> Any:
         raise RuntimeError(f"{path}: unreadable ({e})") from None
 
 
-def _seen_texts(path: Path, r: int) -> list[str] | None:
-    """The commitments a seen note holds (keep_seen), or None when there is none."""
+def _seen_note(path: Path, r: int) -> tuple[list[str], dict[int, str]] | None:
+    """The commitments a seen note holds (keep_seen) and its junk senders (worker -> store hash),
+    or None when there is none."""
     note = _read_note(path)
     if note is None:
         return None
+    unsigned = note.get("unsigned", {}) if isinstance(note, dict) else None
     if not (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
             and isinstance(note.get("commitments"), list)
-            and all(isinstance(t, str) for t in note["commitments"])):
-        raise RuntimeError(f"{path}: not a list of round {r}'s commitments (round, commitments)")
-    return note["commitments"]
+            and all(isinstance(t, str) for t in note["commitments"])
+            and isinstance(unsigned, dict) and all(k.isascii() and k.isdigit() and _hex64(h) for k, h in unsigned.items())):
+        raise RuntimeError(f"{path}: not a list of round {r}'s commitments (round, commitments, unsigned)")
+    return note["commitments"], {int(k): h for k, h in unsigned.items()}
 
 
 def _noted(w: Worker, r: int, bundle_hash: str) -> tuple[bytes, str, Commitment, bytes]:
@@ -1457,7 +1494,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
             banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
-            unsigned_reveal=unsigned_reveal_action(cfg.verify),
+            unsigned_reveal=unsigned_reveal_action(cfg.verify), unsigned_earlier=w.identity.unsigned.get(r),
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])

@@ -13,7 +13,8 @@ For each worker's bundle, in order (the first failure is its verdict):
   7. with reveals (the run draws replays or loss-gain batches): the salt it revealed after every
      bundle was in is signed for its commitment (else WITHHELD; where the run replays, a suspect
      replayed whatever the draw) and opens its salt_hash (UNREVEALED, an offence: its own signed
-     word)
+     word); a sender whose bundle of an earlier try of the round signed nothing is a suspect
+     too, or WITHHELD where the run does not replay (`unsigned_earlier`)
 then the screen over the decodable deltas (verify/screen.py: norms, cosine to a robust centre,
 copies, replays). A rejected packet never reaches the aggregate.
 
@@ -55,6 +56,7 @@ from .commitment import (
     SignedCommitment,
     check_commitment,
     check_packet,
+    check_signature,
     open_reveal,
     parse_signed_commitment,
 )
@@ -133,6 +135,7 @@ def check_bundles(
     consume: bool = False,
     reveals: Mapping[int, bytes | memoryview] | None = None,
     unsigned_reveal: str = "reject",
+    unsigned_earlier: Mapping[int, str] | None = None,
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
     hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
@@ -151,7 +154,13 @@ def check_bundles(
     `unsigned_reveal` = "replay" (the run replays): a sender without a signed reveal is not
     rejected but made a suspect, replayed whole this round whatever the draw, and the replay
     decides. Rejected (WITHHELD, no offence: the bytes are no one's word), it could keep its
-    reveal whenever it saw that the draw would replay it, and be rejected, never convicted."""
+    reveal whenever it saw that the draw would replay it, and be rejected, never convicted.
+    `unsigned_earlier`: the senders whose bundle of this round in an earlier try (before a
+    resume, a restart, an elastic retry) held no commitment they signed (round.keep_seen), each
+    with that bundle's store hash. Bound by nothing, they received every salt of that try, which
+    an honest redo reveals again, so the commitment such a sender signs now may be ground against
+    the draw: where the run replays it is a suspect, as one without a signed reveal is; else
+    it is rejected (WITHHELD: it withheld its commitment until it had seen the salts)."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -216,14 +225,22 @@ def check_bundles(
     for w in sorted(decoded) if reveals is not None else ():  # the senders that passed so far
         signed, raw = commitments[w], bytes(reveals.get(w, b""))
         assert signed is not None
+        earlier = (unsigned_earlier or {}).get(w)  # (a run that reveals nothing had no salt to see)
+        if earlier is not None and unsigned_reveal != "replay":
+            verdicts[w], evidence[w] = WITHHELD, {"unsigned_earlier_bundle": earlier}
+            del decoded[w]
+            continue
+        if earlier is not None:
+            suspects[w] = {"unsigned_earlier_bundle": earlier}
         examined[w] = raw.hex()
         salt = open_reveal(signed, raw, admitted_keys.get(w))
         if salt:
             salts[w] = salt
             continue
         if salt is None and unsigned_reveal == "replay":  # no draw to dodge: it is replayed whatever the draw
-            suspects[w] = {"reveal": "none signed for its commitment"}
+            suspects[w] = suspects.get(w, {}) | {"reveal": "none signed for its commitment"}
             continue
+        suspects.pop(w, None)
         if salt is None:  # no signed reveal: no one's word, so no offence (a recorder could write any bytes)
             verdicts[w], evidence[w] = WITHHELD, {"reveal": "none signed for its commitment"}
         else:
@@ -231,6 +248,19 @@ def check_bundles(
         del decoded[w]
     return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded,
                       suspects=suspects, salts=salts, reveals=examined)
+
+
+def binds(data: bytes | memoryview, *, run_id: str, round: int, worker: int, admitted_keys: Mapping[int, str]) -> bool:
+    """Whether a bundle (bytes as received) holds a commitment that binds `worker` in this run
+    and round: one that names them and that the worker's admitted key signed, which an
+    equivocation detector would hold it to. A sender whose bundle does not is bound by nothing,
+    and yet it receives the round's salts (check_bundles' unsigned_earlier)."""
+    try:
+        signed = parse_signed_commitment(decode_bundle(data, view=True)[0])
+    except (PacketError, CommitmentError):
+        return False
+    c = signed.commitment
+    return (c.run_id, c.round, c.worker) == (run_id, round, worker) and check_signature(signed, admitted_keys) is None
 
 
 def round_seed(check: RoundCheck, base_hash: str) -> str:
