@@ -117,10 +117,11 @@ def test_a_rejected_senders_reveal_is_not_examined_and_does_not_seed():
     assert check.verdicts[1] != ACCEPT and sorted(check.reveals) == [0, 2] and sorted(check.salts) == [0, 2]
 
 
-def test_a_sender_whose_earlier_bundle_signed_nothing_is_replayed_whatever_the_draw_or_rejected():
+def test_a_sender_whose_earlier_bundle_signed_nothing_is_unbound_or_rejected():
     """A sender whose bundle of an earlier try of the round held no commitment it signed (junk) was
     bound by nothing and saw every salt of that try (round.keep_seen notes it): its first
-    commitment, now, is a suspect replayed whatever the draw where the run replays, and is
+    commitment, now, is `unbound` where the run replays (each member that noted it replays it
+    itself, whatever the draw: the draw, and the auditor it names, may be its choice), and is
     rejected (withheld, no offence) where it does not; a run that reveals nothing ignores it."""
     reveals, junk = {j: _reveal(j) for j in range(3)}, "cd" * 32
 
@@ -133,20 +134,36 @@ def test_a_sender_whose_earlier_bundle_signed_nothing_is_replayed_whatever_the_d
 
     replayed = check(reveals)
     assert replayed.verdicts == {0: ACCEPT, 1: ACCEPT, 2: ACCEPT} and sorted(replayed.salts) == [0, 1, 2]
-    assert replayed.suspects == {1: {"unsigned_earlier_bundle": junk}}
-    assert [a.worker for a in PlanInputs.of_round(BASE, replayed, set()).audits(tiny().verify, tiny().train, [0, 1, 2])] \
-        == [1]  # (the defaults draw no replay: the suspect is replayed all the same)
-    both = check({**reveals, 1: b""})  # and without a signed reveal either: both reasons
-    assert both.suspects == {1: {"unsigned_earlier_bundle": junk, "reveal": "none signed for its commitment"}}
+    assert replayed.unbound == {1: junk} and replayed.suspects == {}  # (not the draw's: no auditor is drawn for it)
+    assert PlanInputs.of_round(BASE, replayed, set()).audits(tiny().verify, tiny().train, [0, 1, 2]) == []
+    both = check({**reveals, 1: b""})  # and without a signed reveal either: the draw's suspect too
+    assert both.unbound == {1: junk} and both.suspects == {1: {"reveal": "none signed for its commitment"}}
     wrong = check({**reveals, 1: _reveal(1, bytes(SALT_BYTES))})  # its own signed wrong salt: an offence still
-    assert wrong.verdicts[1] == UNREVEALED and wrong.suspects == {}
+    assert wrong.verdicts[1] == UNREVEALED and wrong.unbound == wrong.suspects == {}
     rejected = check(reveals, "reject")
     assert rejected.verdicts[1] == WITHHELD and rejected.evidence[1] == {"unsigned_earlier_bundle": junk}
     assert 1 not in rejected.decoded and sorted(rejected.salts) == sorted(rejected.reveals) == [0, 2]
     again = check(reveals, bundles={0: _bundle(0), 1: b"junk again", 2: _bundle(2)})
-    assert again.verdicts[1] != ACCEPT and again.suspects == {}
+    assert again.verdicts[1] != ACCEPT and again.unbound == {}
     plain = check(None)  # a run that draws nothing revealed no salt to see
-    assert plain.verdicts[1] == ACCEPT and plain.suspects == {}
+    assert plain.verdicts[1] == ACCEPT and plain.unbound == {}
+
+
+def test_a_judge_convicts_an_unbound_sender_by_its_own_replay():
+    """replay.judge_unbound: the judge's own replay of an unbound sender's whole round decides;
+    the evidence names the noted bundle either way."""
+    from veriloco.verify import REPLAY_MISMATCH
+    from veriloco.verify.replay import judge_unbound, unbound_audit
+
+    v, t, junk = tiny("--train.inner_steps=4", "--verify.trace_every=2").verify, tiny("--train.inner_steps=4").train, "cd" * 32
+    a = unbound_audit(v, t, 1, 0)
+    assert (a.worker, a.segment, a.auditor, a.whole) == (1, 1, 0, True)  # its last segment, from the round's start
+    for score, verdict in [(-1.0, ACCEPT), (1.0, REPLAY_MISMATCH)]:  # exact: -1 passes, an entry index fails
+        check = _check({j: _reveal(j) for j in range(3)})
+        check.accepted, check.unbound = dict(check.decoded), {1: junk}
+        judge_unbound(v, check, a, score)
+        assert check.verdicts[1] == verdict and (1 in check.accepted) == (verdict == ACCEPT)
+        assert junk in json.dumps(check.evidence[1])
 
 
 def test_only_runs_that_draw_reveal():
@@ -347,8 +364,9 @@ def test_a_worker_whose_first_bundle_was_junk_is_replayed_in_the_resume(tmp_path
     bundle of round 2 is junk signs nothing, yet receives every salt, kills the run, and commits
     for the first time in the resume (red_team.JunkFirst, a skimmer; a replay probability near 0
     stands for a salt it ground against the salts it saw). Before, it went in unreplayed in
-    every round; now every member noted the junk (round.keep_seen) and the resumed round replays
-    it whatever the draw: convicted and banned, the audit re-checking the noted bundle."""
+    every round; now every member noted the junk (round.keep_seen) and in the resumed round replays
+    it itself, whatever the draw: convicted and banned, the audit re-checking the noted bundle
+    and replaying the worker as the recorder did."""
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)
     sys.path.insert(0, tests_dir)
@@ -365,7 +383,7 @@ def test_a_worker_whose_first_bundle_was_junk_is_replayed_in_the_resume(tmp_path
     resume(str(run_dir), quiet=True)
     recs = rounds_of(run_dir)
     assert [r["verdicts"][2] for r in recs] == ["accept", "accept", "replay_mismatch", "banned"], recs
-    assert recs[2]["evidence"]["2"]["suspect"] == {"unsigned_earlier_bundle": noted[0]["2"]}
+    assert recs[2]["evidence"]["2"]["unsigned_earlier_bundle"] == noted[0]["2"], recs[2]["evidence"]
     report = audit_run(run_dir, replay=100)
     assert report.ok, report.first_failure
 
@@ -385,11 +403,11 @@ def test_the_audit_checks_a_noted_junk_bundle(tmp_path):
         return _unsigned_earlier(cfg, store, {"evidence": ev}, "round 2: ", 2, RUN, admitted)
 
     assert claims({"1": {"unsigned_earlier_bundle": junk}, "0": {"replayed": {}}}) == {1: junk}
-    assert claims({"1": {"suspect": {"unsigned_earlier_bundle": junk}}}) == {1: junk}
+    assert claims({"1": {"unsigned_earlier": {"bundle": junk, "auditor": 0, "segment": 0}}}) == {1: junk}
     assert claims({"2": {"unsigned_earlier_bundle": signed}}) == {2: signed}  # (1's commitment, not 2's)
     for ev, says in [({"1": {"unsigned_earlier_bundle": signed}}, "holds its signed commitment"),
                      ({"1": {"unsigned_earlier_bundle": "ab" * 32}}, "missing"),
-                     ({"1": {"suspect": {"unsigned_earlier_bundle": 5}}}, "not a sha256")]:
+                     ({"1": {"unsigned_earlier": {"bundle": 5}}}, "not a sha256")]:
         with pytest.raises(AuditFailure, match=says):
             claims(ev)
 

@@ -141,12 +141,14 @@ from .verify.lossgain import (
     stage_seed,
 )
 from .verify.replay import (
+    Audit,
     PlanInputs,
     Replayer,
     exchange_hops,
     from_state,
     hashes_match,
     judge_reported,
+    judge_unbound,
     plain_replayer,
     replay_failed,
     replay_run,
@@ -156,6 +158,7 @@ from .verify.replay import (
     state_layout,
     state_nbytes,
     state_ref,
+    unbound_audit,
     unsigned_reveal_action,
     worker_score,
 )
@@ -968,19 +971,20 @@ def _check_slice(
 
 def _unsigned_earlier(cfg, store: Any, part: dict, where: str, r: int, run_id: str, admitted: dict) -> dict[int, str]:
     """The senders the round's record names as having sent, in an earlier try of the round, a
-    bundle that held no commitment they signed (evidence `unsigned_earlier_bundle`, or a suspect's
-    for it: round.keep_seen), each with that bundle's store hash: check_bundles' unsigned_earlier.
+    bundle that held no commitment they signed (round.keep_seen: evidence `unsigned_earlier_bundle`
+    of a rejected one, `unsigned_earlier` of one the recorder replayed and accepted), each with
+    that bundle's store hash: check_bundles' unsigned_earlier.
     That bundle must be stored and must indeed bind its sender to nothing in this round (no
     commitment of this run and round that names it and that its admitted key signed). Who sent
     those bytes no one can prove (they are no one's word), as with a missing reveal; what the
-    claim does is replay the sender whatever the draw (or reject it, where the run does not
+    claim does is have the sender replayed whatever the draw (or rejected, where the run does not
     replay), never convict it."""
     out: dict[int, str] = {}
     for key, ev in (part.get("evidence") or {}).items():
         if not (isinstance(ev, dict) and key.isascii() and key.isdigit() and int(key) < cfg.topology.workers):
             continue
-        claim = ev.get("unsigned_earlier_bundle", (ev.get("suspect") or {}).get("unsigned_earlier_bundle")
-                       if isinstance(ev.get("suspect"), dict) else None)
+        claim = ev.get("unsigned_earlier_bundle", ev["unsigned_earlier"].get("bundle")
+                       if isinstance(ev.get("unsigned_earlier"), dict) else None)
         if claim is None:
             continue
         j = int(key)
@@ -1235,7 +1239,7 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]
     for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
         for j, v in mine.items():
-            if v == REPLAY_MISMATCH and j not in sampled:
+            if v == REPLAY_MISMATCH and j not in sampled and j not in checked.check.unbound:
                 _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
             lied_on_gain = "loss_gain" in (checked.check.evidence.get(j) or {})  # convicted by the audit's own check_round
             if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
@@ -1251,6 +1255,25 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     if cfg.outer.overlap_steps:  # round r-1's update landed inside round r, before this step
         land = (cfg.outer.overlap_steps, {k: v for sl in slices for k, v in sl.start_of(r - 1).items()})
     disputes: set[tuple[int, int]] = set()  # the round's new unattributable disputes
+
+    def replayed_score(a: Audit) -> float:  # the audit's own replay of `a`, its number as the round's
+        counts["replays"] += 1
+        start: dict[str, torch.Tensor] = {}  # the whole worker's start point, slice by slice
+        for sl in slices:
+            own = sl.history.get(a.worker, []) if cfg.outer.delay else []
+            start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
+        signed = [c.check.commitments[a.worker].commitment for c in checks]
+        stored = state_of(r, a.worker, a.segment) if from_state(cfg.verify, a) and state_of else None
+        state = {k: v for x in stored for k, v in x.items()} if stored else None  # the stages' slices, merged
+        if from_state(cfg.verify, a) and not (
+                stored and hashes_match([tensors_hash(x) for x in stored], list(signed[0].trace), a.segment)):
+            return float(a.segment)  # no stored state that hashes to the segment's start
+        replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
+                              lambda step, j=a.worker: t.batch(j, r, step), a, land,
+                              steps_before=before, total_steps=total, state=state)
+        return worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
+                                                      replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])
+
     for a in audits:
         evidence = [part.get("evidence") or {} for part in parts]
         evs = [ev.get(str(a.worker)) if isinstance(ev.get(str(a.worker)), dict) else {} for ev in evidence]
@@ -1263,23 +1286,7 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
             disputes.add((a.auditor, a.worker))
         if replays_left > 0:
             replays_left -= 1
-            counts["replays"] += 1
-            start: dict[str, torch.Tensor] = {}  # the whole worker's start point, slice by slice
-            for sl in slices:
-                own = sl.history.get(a.worker, []) if cfg.outer.delay else []
-                start |= start_point(cfg, sl.start_of(back), own, cfg.topology.workers, sl.momentum_of(back))
-            signed = [c.check.commitments[a.worker].commitment for c in checks]
-            stored = state_of(r, a.worker, a.segment) if from_state(cfg.verify, a) and state_of else None
-            state = {k: v for x in stored for k, v in x.items()} if stored else None  # the stages' slices, merged
-            if from_state(cfg.verify, a) and not (
-                    stored and hashes_match([tensors_hash(x) for x in stored], list(signed[0].trace), a.segment)):
-                score = float(a.segment)  # no stored state that hashes to the segment's start
-            else:
-                replayed = replay_run(cfg.verify, replayer, cfg.train, start, r,
-                                      lambda step, j=a.worker: t.batch(j, r, step), a, land,
-                                      steps_before=before, total_steps=total, state=state)
-                score = worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
-                                                               replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])
+            score = replayed_score(a)
             for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
                 if replay_failed(cfg.verify, score) and mine.get(a.worker) == ACCEPT:
                     _fail(f"{where}worker {a.worker}'s replay fails, but the round accepted it: its auditor, "
@@ -1307,6 +1314,27 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
             if isinstance(rep, dict) and (rep.get("auditor") != a.auditor or rep.get("segment", a.segment) != a.segment):
                 _fail(f"{where}the record's replay of worker {a.worker} is not the draw's (auditor {a.auditor}, segment "
                       f"{a.segment}): {str(rep)[:80]}")
+    # the senders noted as having signed nothing in an earlier try: each member that noted one replayed it itself
+    unbound = {j: h for c in checks for j, h in c.check.unbound.items()}
+    for j in sorted(unbound):
+        if any(j not in c.check.accepted for c in checks):
+            continue
+        a = unbound_audit(cfg.verify, cfg.train, j, -1)
+        for c in checks:
+            c.check.unbound.setdefault(j, unbound[j])
+        if replays_left > 0:
+            replays_left -= 1
+            score = replayed_score(a)
+            for mine, where in zip(verdicts, wheres, strict=True):
+                if replay_failed(cfg.verify, score) and mine.get(j) == ACCEPT:
+                    _fail(f"{where}worker {j}'s replay fails, but the round accepted it (its bundle of an earlier try, "
+                          f"{unbound[j][:12]}, had signed nothing, so the recorder replayed it itself)")
+        else:  # not re-run: the record's verdict stands
+            failed = any(mine.get(j) == REPLAY_MISMATCH for mine in verdicts)
+            score = (0.0 if cfg.verify.replay_match == "exact" else math.inf) if failed else (
+                -1.0 if cfg.verify.replay_match == "exact" else 0.0)
+        for checked in checks:
+            judge_unbound(cfg.verify, checked.check, a, score)
     for sl in slices:
         sl.disputes |= disputes
     return replays_left

@@ -159,6 +159,7 @@ from .verify.replay import (
     from_state,
     hashes_match,
     judge_reported,
+    judge_unbound,
     plain_replayer,
     replay_evidence,
     replay_failed,
@@ -171,6 +172,7 @@ from .verify.replay import (
     state_nbytes,
     state_ref,
     state_to_bytes,
+    unbound_audit,
     unsigned_reveal_action,
     worker_score,
 )
@@ -918,8 +920,8 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
 
 def _remember_unsigned(w: Worker, r: int, unsigned: dict[int, str]) -> None:
     """Round r's junk senders (keep_seen) for this process's checks; rounds before r-1 are done."""
-    for q in [q for q in w.identity.unsigned if q < r - 1]:
-        del w.identity.unsigned[q]
+    for q in [q for q in list(w.identity.unsigned) if q < r - 1]:  # (an elastic flight's thread may note too)
+        w.identity.unsigned.pop(q, None)
     if unsigned:
         w.identity.unsigned[r] = dict(unsigned)
 
@@ -971,7 +973,7 @@ def _seen_note(path: Path, r: int) -> tuple[list[str], dict[int, str]] | None:
     if not (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
             and isinstance(note.get("commitments"), list)
             and all(isinstance(t, str) for t in note["commitments"])
-            and isinstance(unsigned, dict) and all(k.isascii() and k.isdigit() and _hex64(h) for k, h in unsigned.items())):
+            and isinstance(unsigned, dict) and all(k.isascii() and k.isdigit() and len(k) <= 10 and _hex64(h) for k, h in unsigned.items())):
         raise RuntimeError(f"{path}: not a list of round {r}'s commitments (round, commitments, unsigned)")
     return note["commitments"], {int(k): h for k, h in unsigned.items()}
 
@@ -1196,6 +1198,15 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             mine.pop(a.worker, None)
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score, public or attributable(cfg.verify, a, reported))
+    unbound = check.unbound
+    if w.topo.stages > 1:  # its stages replay together: the senders any of them noted
+        unbound = {int(j): h for d in _gather_json({str(j): h for j, h in unbound.items()}, w.worker_group)
+                   for j, h in d.items()}
+        check.unbound = {j: unbound[j] for j in sorted(unbound)}
+    for j in sorted(unbound):  # noted as having signed nothing in an earlier try: replayed here, by this member itself
+        if j in check.accepted and G_r is not None:
+            judge_unbound(cfg.verify, check, unbound_audit(cfg.verify, cfg.train, j, w.worker),
+                          replay(unbound_audit(cfg.verify, cfg.train, j, w.worker)))
     w.disputes |= disputed_pairs(audits, check)
     for x in [x for x in w.kept if x <= r]:  # their memory (or file) is done with
         w.kept.pop(x).release()

@@ -13,8 +13,8 @@ For each worker's bundle, in order (the first failure is its verdict):
   7. with reveals (the run draws replays or loss-gain batches): the salt it revealed after every
      bundle was in is signed for its commitment (else WITHHELD; where the run replays, a suspect
      replayed whatever the draw) and opens its salt_hash (UNREVEALED, an offence: its own signed
-     word); a sender whose bundle of an earlier try of the round signed nothing is a suspect
-     too, or WITHHELD where the run does not replay (`unsigned_earlier`)
+     word); a sender whose bundle of an earlier try of the round signed nothing is replayed
+     by every member that noted it, or WITHHELD where the run does not replay (`unsigned_earlier`)
 then the screen over the decodable deltas (verify/screen.py: norms, cosine to a robust centre,
 copies, replays). A rejected packet never reaches the aggregate.
 
@@ -83,6 +83,9 @@ class RoundCheck:
     loss_gains: Settled | None = None  # shared loss gains (lossgain.py), when checkers computed them
     salts: dict[int, str] = field(default_factory=dict)  # the salts of the senders that passed (hex)
     reveals: dict[int, str] = field(default_factory=dict)  # the reveals it examined (hex): the round records them
+    # senders whose bundle of an earlier try of the round signed nothing, as this worker noted (round.keep_seen):
+    # worker -> that bundle's store hash; every member that noted one replays it itself (replay.judge_unbound)
+    unbound: dict[int, str] = field(default_factory=dict)
 
 
 def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) -> None:
@@ -159,8 +162,12 @@ def check_bundles(
     resume, a restart, an elastic retry) held no commitment they signed (round.keep_seen), each
     with that bundle's store hash. Bound by nothing, they received every salt of that try, which
     an honest redo reveals again, so the commitment such a sender signs now may be ground against
-    the draw: where the run replays it is a suspect, as one without a signed reveal is; else
-    it is rejected (WITHHELD: it withheld its commitment until it had seen the salts)."""
+    the draw, and so its auditor: where the run replays, it is `unbound`, and every member that
+    noted it replays its whole round itself and judges by its own number (round.replay_audits,
+    replay.judge_unbound: no auditor for it to choose, no note that must be the same everywhere;
+    a member without the note accepts it, and where the others convict it the round's agreement
+    check stops the run); else it is rejected (WITHHELD: it withheld its commitment until it had
+    seen the salts)."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -222,6 +229,7 @@ def check_bundles(
     salts: dict[int, str] = {}
     examined: dict[int, str] = {}
     suspects: dict[int, dict] = {}
+    unbound: dict[int, str] = {}
     for w in sorted(decoded) if reveals is not None else ():  # the senders that passed so far
         signed, raw = commitments[w], bytes(reveals.get(w, b""))
         assert signed is not None
@@ -231,23 +239,23 @@ def check_bundles(
             del decoded[w]
             continue
         if earlier is not None:
-            suspects[w] = {"unsigned_earlier_bundle": earlier}
+            unbound[w] = earlier
         examined[w] = raw.hex()
         salt = open_reveal(signed, raw, admitted_keys.get(w))
         if salt:
             salts[w] = salt
             continue
         if salt is None and unsigned_reveal == "replay":  # no draw to dodge: it is replayed whatever the draw
-            suspects[w] = suspects.get(w, {}) | {"reveal": "none signed for its commitment"}
+            suspects[w] = {"reveal": "none signed for its commitment"}
             continue
-        suspects.pop(w, None)
+        unbound.pop(w, None)
         if salt is None:  # no signed reveal: no one's word, so no offence (a recorder could write any bytes)
             verdicts[w], evidence[w] = WITHHELD, {"reveal": "none signed for its commitment"}
         else:
             verdicts[w], evidence[w] = UNREVEALED, {"reveal": raw.hex(), "salt_hash": signed.commitment.salt_hash}
         del decoded[w]
     return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded,
-                      suspects=suspects, salts=salts, reveals=examined)
+                      suspects=suspects, salts=salts, reveals=examined, unbound=unbound)
 
 
 def binds(data: bytes | memoryview, *, run_id: str, round: int, worker: int, admitted_keys: Mapping[int, str]) -> bool:
@@ -328,4 +336,4 @@ def screen_checked(
                 suspects.pop(c, None)
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
     return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded,
-                      suspects, settled, check.salts, check.reveals)
+                      suspects, settled, check.salts, check.reveals, check.unbound)

@@ -523,6 +523,28 @@ def attributable(verify: VerifyConfig, audit: Audit, reported: float) -> bool:
     return not (from_state(verify, audit) and verify.replay_match == "exact" and reported <= audit.segment)
 
 
+def unbound_audit(verify: VerifyConfig, train: TrainConfig, worker: int, judge: int) -> Audit:
+    """A judge's own replay of a sender its check holds `unbound` (check_bundles' unsigned_earlier):
+    its whole round, to the last segment, as a suspect's."""
+    return Audit(worker, segments_to_sample(verify, train) - 1, judge, True)
+
+
+def judge_unbound(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: float) -> None:
+    """Judge a sender whose bundle of an earlier try of the round signed nothing (check.unbound) by
+    `score`, this judge's own replay of it (unbound_audit). Every member that noted such a bundle
+    replays the sender itself: the sender saw every salt before it first committed, so it may
+    have chosen the round's draw, and with it the auditor a drawn replay would have; and a note
+    is one member's own, not one every member holds. Failed: REPLAY_MISMATCH. round.py and
+    audit.py both judge with this."""
+    j, bundle = audit.worker, check.unbound[audit.worker]
+    if replay_failed(verify, score):
+        check.verdicts[j] = REPLAY_MISMATCH
+        check.evidence[j] = replay_evidence(verify, audit, score) | {"unsigned_earlier_bundle": bundle}
+        check.accepted.pop(j, None)
+    else:
+        check.evidence.setdefault(j, {})["unsigned_earlier"] = replay_evidence(verify, audit, score) | {"bundle": bundle}
+
+
 def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, reported: float, score: float,
                    blame: bool = True) -> None:
     """Judge an audit whose auditor reported `reported`, a failure, by `score`: the judge's own
