@@ -637,15 +637,16 @@ class JunkFirst(Skim):
     signs nothing, yet receives every salt, since the reveal waits for every bundle to arrive,
     not to verify (the second review of the seen notes, fortieth session). Once its exchange
     has returned it kills its own process (the static run stops; the file `once` marks that it
-    did), and in the resume it deletes its note of what it sent (RUN/workers/W/sent-AT.json,
-    under `recommit=RUN`, which an honest redo would send again) and commits for the first time,
-    free to choose its salt against the salts it saw (with a replay probability near 0 the draw
-    passes it over anyway). Until the forty-first session nobody had a first commitment of it
-    and it went in unreplayed; now every member noted the junk (round.keep_seen), and the redo
-    replays it whatever the draw, or rejects it (`withheld`) where the run does not replay."""
+    did), and in the resume it deletes its notes of what it sent (RUN/workers/*/sent-AT.json
+    that name its junk, under `recommit=RUN`: an honest redo would send the noted bundle again)
+    and commits for the first time, free to choose its salt against the salts it saw (with a
+    replay probability near 0 the draw passes it over anyway). Until the forty-first session
+    nobody had a first commitment of it and it went in unreplayed; now every member that noted
+    the junk (round.keep_seen) replays it itself, or rejects it (`withheld`) where the run does
+    not replay."""
 
     kind = "junk_first"
-    PARAMS = None  # at, once, recommit
+    PARAMS = None  # at, once, recommit, skip
 
     def _first(self, r):
         from pathlib import Path
@@ -653,18 +654,26 @@ class JunkFirst(Skim):
         return r == int(self.params.get("at", "2")) and not Path(self.params["once"]).exists()
 
     def inner_steps(self, r, steps):
+        import json
         from pathlib import Path
 
         if r == int(self.params.get("at", "2")) and not self._first(r):
-            (Path(self.params["recommit"]) / "workers" / str(self.worker) / f"sent-{r}.json").unlink(missing_ok=True)
+            junk = Path(self.params["once"] + ".junk").read_text().split()
+            for note in (Path(self.params["recommit"]) / "workers").glob(f"*/sent-{r}.json"):
+                if json.loads(note.read_text())["bundle"] in junk:
+                    note.unlink()
         return steps
 
     def bundle(self, r, bundle, view):
         if not self._first(r):
             return bundle
+        import hashlib
+
         from veriloco.exchange import ExchangeHandle
 
-        original, once = ExchangeHandle.wait, self.params["once"]
+        original, once, junk = ExchangeHandle.wait, self.params["once"], bytes(len(bundle))  # no bundle at all
+        with open(once + ".junk", "a") as f:  # (each of its processes, where it has pipeline stages)
+            f.write(hashlib.sha256(junk).hexdigest() + "\n")
 
         def wait(handle):  # every salt in: die (the first time only)
             import os
@@ -678,4 +687,4 @@ class JunkFirst(Skim):
             return out
 
         ExchangeHandle.wait = wait
-        return bytes(len(bundle))  # as long as its bundle, and no bundle at all
+        return junk

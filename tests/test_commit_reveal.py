@@ -359,31 +359,45 @@ def test_a_worker_that_kills_the_run_after_the_salts_cannot_commit_anew_in_the_r
     assert report.ok, report.first_failure
 
 
-def test_a_worker_whose_first_bundle_was_junk_is_replayed_in_the_resume(tmp_path, monkeypatch):
+@pytest.mark.parametrize("run", ["static", "stages", "elastic"])
+def test_a_worker_whose_first_bundle_was_junk_is_replayed_in_the_redo(tmp_path, monkeypatch, run):
     """The gap the second review of the seen notes left (fortieth session): a worker whose first
-    bundle of round 2 is junk signs nothing, yet receives every salt, kills the run, and commits
-    for the first time in the resume (red_team.JunkFirst, a skimmer; a replay probability near 0
-    stands for a salt it ground against the salts it saw). Before, it went in unreplayed in
-    every round; now every member noted the junk (round.keep_seen) and in the resumed round replays
-    it itself, whatever the draw: convicted and banned, the audit re-checking the noted bundle
-    and replaying the worker as the recorder did."""
+    bundle of round 1 is junk signs nothing, yet receives every salt, kills its process, and
+    commits for the first time in the redo (red_team.JunkFirst, a skimmer; a replay probability
+    near 0 stands for a salt it ground against the salts it saw): the resume of a static run
+    (with 2 pipeline stages: each stage process notes, and they replay together), or an elastic
+    round's retry once the launcher has started it again. Before, it went in unreplayed; now
+    every member noted the junk (round.keep_seen) and in the redo replays it itself, whatever the
+    draw: convicted and banned, the audit re-checking the noted bundle and replaying the worker
+    as the recorder did."""
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)
     sys.path.insert(0, tests_dir)
     from veriloco.run import resume
 
     run_dir = tmp_path / "k"
-    attacker = f"--adversary.2=red_team:JunkFirst:at=2,once={tmp_path / 'died'},recommit={run_dir}"
-    with pytest.raises(Exception, match="exit code|exited|died|killed|terminated"):
-        train(tiny("--topology.workers=3", "--train.rounds=4", "--train.inner_steps=4", "--verify.trace_every=4",
-                   "--train.inner_state=reset", "--verify.replay_probability=0.0001", attacker), str(run_dir), quiet=True)
-    assert len(rounds_of(run_dir)) == 2 and (tmp_path / "died").exists()
-    noted = {j: json.loads((run_dir / "workers" / str(j) / "seen-2.json").read_text())["unsigned"] for j in (0, 1)}
-    assert list(noted[0]) == ["2"] and noted[0] == noted[1], noted
-    resume(str(run_dir), quiet=True)
+    attacker = f"--adversary.2=red_team:JunkFirst:at=1,once={tmp_path / 'died'},recommit={run_dir}"
+    cfg = tiny("--topology.workers=3", "--train.rounds=3", "--train.inner_steps=4", "--verify.trace_every=4",
+               "--train.inner_state=reset", "--verify.replay_probability=0.0001", attacker,
+               *{"static": [], "stages": ["--topology.stages=2"],
+                 "elastic": ["--run.membership=elastic", "--run.min_workers=3", "--run.max_restarts=1",
+                             "--run.timeout_s=10", "--run.heartbeat_timeout_s=1.5"]}[run])
+    if run == "elastic":  # started again by its launcher, it takes part in round 1's retry
+        train(cfg, str(run_dir), quiet=True)
+    else:
+        with pytest.raises(Exception, match="exit code|exited|died|killed|terminated"):
+            train(cfg, str(run_dir), quiet=True)
+        assert len(rounds_of(run_dir)) == 1
+        noted = [json.loads(p.read_text())["unsigned"] for p in sorted(run_dir.glob("workers/*/seen-1.json"))]
+        # every process's (the attacker's own too: it runs this code, and so judges itself as the others do)
+        assert len(noted) == (6 if run == "stages" else 3) and all(list(x) == ["2"] for x in noted), noted
+        resume(str(run_dir), quiet=True)
+    assert (tmp_path / "died").exists()
     recs = rounds_of(run_dir)
-    assert [r["verdicts"][2] for r in recs] == ["accept", "accept", "replay_mismatch", "banned"], recs
-    assert recs[2]["evidence"]["2"]["unsigned_earlier_bundle"] == noted[0]["2"], recs[2]["evidence"]
+    assert [r["verdicts"][2] for r in recs] == ["accept", "replay_mismatch", "banned"], recs
+    evidence = [part["evidence"]["2"] for part in recs[1].get("stages", [recs[1]])]
+    junk = set((tmp_path / "died.junk").read_text().split())
+    assert all(ev["unsigned_earlier_bundle"] in junk for ev in evidence), evidence
     report = audit_run(run_dir, replay=100)
     assert report.ok, report.first_failure
 
