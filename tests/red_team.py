@@ -675,13 +675,13 @@ class JunkFirst(Skim):
         with open(once + ".junk", "a") as f:  # (each of its processes, where it has pipeline stages)
             f.write(hashlib.sha256(junk).hexdigest() + "\n")
 
-        def wait(handle):  # every salt in: die (the first time only)
+        def wait(handle):  # every salt of the exchange that carried its junk in: die (the first time only)
             import os
             import signal
             from pathlib import Path
 
             out = original(handle)
-            if not Path(once).exists():
+            if any(p is junk for p in out) and not Path(once).exists():  # (with delay 1, not the round before's)
                 Path(once).write_text("died")
                 os.kill(os.getpid(), signal.SIGKILL)
             return out

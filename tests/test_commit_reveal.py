@@ -120,9 +120,10 @@ def test_a_rejected_senders_reveal_is_not_examined_and_does_not_seed():
 def test_a_sender_whose_earlier_bundle_signed_nothing_is_unbound_or_rejected():
     """A sender whose bundle of an earlier try of the round held no commitment it signed (junk) was
     bound by nothing and saw every salt of that try (round.keep_seen notes it): its first
-    commitment, now, is `unbound` where the run replays (each member that noted it replays it
-    itself, whatever the draw: the draw, and the auditor it names, may be its choice), and is
-    rejected (withheld, no offence) where it does not; a run that reveals nothing ignores it."""
+    commitment, now, is `unbound`, whatever its bundle: its commitment and salt stay out of the
+    round's seed (else it chose the draw, and so which others are replayed and by whom), each
+    member that noted it replays it itself where the run replays, and it is rejected (withheld,
+    no offence) where the run does not; a run that reveals nothing ignores it."""
     reveals, junk = {j: _reveal(j) for j in range(3)}, "cd" * 32
 
     def check(reveals, action="replay", bundles=None):
@@ -136,15 +137,23 @@ def test_a_sender_whose_earlier_bundle_signed_nothing_is_unbound_or_rejected():
     assert replayed.verdicts == {0: ACCEPT, 1: ACCEPT, 2: ACCEPT} and sorted(replayed.salts) == [0, 1, 2]
     assert replayed.unbound == {1: junk} and replayed.suspects == {}  # (not the draw's: no auditor is drawn for it)
     assert PlanInputs.of_round(BASE, replayed, set()).audits(tiny().verify, tiny().train, [0, 1, 2]) == []
+    digests = sorted(sha256_hex(commitment_bytes(_commitment(j))) for j in (0, 2))
+    assert round_seed(replayed, BASE) == BASE + "".join(digests) + "".join(replayed.salts[j] for j in (0, 2))
     both = check({**reveals, 1: b""})  # and without a signed reveal either: the draw's suspect too
     assert both.unbound == {1: junk} and both.suspects == {1: {"reveal": "none signed for its commitment"}}
     wrong = check({**reveals, 1: _reveal(1, bytes(SALT_BYTES))})  # its own signed wrong salt: an offence still
-    assert wrong.verdicts[1] == UNREVEALED and wrong.unbound == wrong.suspects == {}
+    assert wrong.verdicts[1] == UNREVEALED and wrong.unbound == {1: junk} and wrong.suspects == {}
     rejected = check(reveals, "reject")
     assert rejected.verdicts[1] == WITHHELD and rejected.evidence[1] == {"unsigned_earlier_bundle": junk}
     assert 1 not in rejected.decoded and sorted(rejected.salts) == sorted(rejected.reveals) == [0, 2]
-    again = check(reveals, bundles={0: _bundle(0), 1: b"junk again", 2: _bundle(2)})
-    assert again.verdicts[1] != ACCEPT and again.unbound == {}
+    assert round_seed(rejected, BASE) == round_seed(replayed, BASE)  # (its commitment is no say in the draw)
+    # a commitment rejected now for another reason (here a stale base) is out of the seed too: else a grinder
+    # gave up its own update to choose the draw for a colluder's
+    stale = dict(_commitment(1).to_dict(), base_hash=sha256_hex(b"another"))
+    stale_bundle = encode_bundle(canonical_json(sign_commitment(Commitment.from_dict(stale), KEYS[1])), b"p")
+    again = check(reveals, bundles={0: _bundle(0), 1: stale_bundle, 2: _bundle(2)})
+    assert again.verdicts[1] != ACCEPT and again.commitments[1] is not None and again.unbound == {1: junk}
+    assert round_seed(again, BASE) == round_seed(replayed, BASE)
     plain = check(None)  # a run that draws nothing revealed no salt to see
     assert plain.verdicts[1] == ACCEPT and plain.unbound == {}
 
@@ -161,9 +170,10 @@ def test_a_judge_convicts_an_unbound_sender_by_its_own_replay():
     for score, verdict in [(-1.0, ACCEPT), (1.0, REPLAY_MISMATCH)]:  # exact: -1 passes, an entry index fails
         check = _check({j: _reveal(j) for j in range(3)})
         check.accepted, check.unbound = dict(check.decoded), {1: junk}
-        judge_unbound(v, check, a, score)
+        check.evidence[1] = {"replayed": {"auditor": 2, "segment": 0, "disputed": True}}  # a drawn replay's dispute
+        judge_unbound(v, check, a, score, junk)
         assert check.verdicts[1] == verdict and (1 in check.accepted) == (verdict == ACCEPT)
-        assert junk in json.dumps(check.evidence[1])
+        assert junk in json.dumps(check.evidence[1]) and check.evidence[1]["replayed"]["disputed"] is True
 
 
 def test_only_runs_that_draw_reveal():
@@ -395,17 +405,18 @@ def test_a_worker_whose_first_bundle_was_junk_is_replayed_in_the_redo(tmp_path, 
     assert (tmp_path / "died").exists()
     recs = rounds_of(run_dir)
     assert [r["verdicts"][2] for r in recs] == ["accept", "replay_mismatch", "banned"], recs
-    evidence = [part["evidence"]["2"] for part in recs[1].get("stages", [recs[1]])]
+    parts = recs[1].get("stages", [recs[1]])
     junk = set((tmp_path / "died.junk").read_text().split())
-    assert all(ev["unsigned_earlier_bundle"] in junk for ev in evidence), evidence
+    assert all(part["evidence"]["2"]["unsigned_earlier_bundle"] in junk for part in parts), parts
+    assert all(list(part["unbound"]) == ["2"] and part["unbound"]["2"] in junk for part in parts), parts
     report = audit_run(run_dir, replay=100)
     assert report.ok, report.first_failure
 
 
 def test_the_audit_checks_a_noted_junk_bundle(tmp_path):
-    """The audit takes a record's word that a sender's earlier bundle signed nothing only where
-    that bundle is stored and binds its sender to nothing in the round (it replays the sender or
-    rejects it, never convicts it)."""
+    """The audit takes a record's word that a sender's earlier bundle signed nothing (`unbound`)
+    only where that bundle is stored and binds its sender to nothing in the round (it replays the
+    sender or rejects it, never convicts it)."""
     from veriloco.audit import AuditFailure, _unsigned_earlier
     from veriloco.store import LocalStore
 
@@ -413,17 +424,16 @@ def test_the_audit_checks_a_noted_junk_bundle(tmp_path):
     admitted = {j: public_key_hex(k) for j, k in KEYS.items()}
     junk, signed = store.put(b"no bundle"), store.put(_bundle(1))
 
-    def claims(ev):
-        return _unsigned_earlier(cfg, store, {"evidence": ev}, "round 2: ", 2, RUN, admitted)
+    def claims(unbound):
+        return _unsigned_earlier(cfg, store, {"unbound": unbound}, "round 2: ", 2, RUN, admitted)
 
-    assert claims({"1": {"unsigned_earlier_bundle": junk}, "0": {"replayed": {}}}) == {1: junk}
-    assert claims({"1": {"unsigned_earlier": {"bundle": junk, "auditor": 0, "segment": 0}}}) == {1: junk}
-    assert claims({"2": {"unsigned_earlier_bundle": signed}}) == {2: signed}  # (1's commitment, not 2's)
-    for ev, says in [({"1": {"unsigned_earlier_bundle": signed}}, "holds its signed commitment"),
-                     ({"1": {"unsigned_earlier_bundle": "ab" * 32}}, "missing"),
-                     ({"1": {"unsigned_earlier": {"bundle": 5}}}, "not a sha256")]:
+    assert claims({"1": junk, "0": junk}) == {0: junk, 1: junk} and _unsigned_earlier(cfg, store, {}, "", 2, RUN, admitted) == {}
+    assert claims({"2": signed}) == {2: signed}  # (1's commitment, not 2's)
+    for unbound, says in [({"1": signed}, "holds its signed commitment"), ({"1": "ab" * 32}, "missing"),
+                          ({"1": 5}, "not a sha256"), ({"3": junk}, "not a map of worker ids"),
+                          ({"x": junk}, "not a map of worker ids"), (["1"], "not a map of worker ids")]:
         with pytest.raises(AuditFailure, match=says):
-            claims(ev)
+            claims(unbound)
 
 
 def test_the_seen_note_is_of_the_round_of_its_own_bundle(tmp_path):

@@ -971,22 +971,19 @@ def _check_slice(
 
 def _unsigned_earlier(cfg, store: Any, part: dict, where: str, r: int, run_id: str, admitted: dict) -> dict[int, str]:
     """The senders the round's record names as having sent, in an earlier try of the round, a
-    bundle that held no commitment they signed (round.keep_seen: evidence `unsigned_earlier_bundle`
-    of a rejected one, `unsigned_earlier` of one the recorder replayed and accepted), each with
-    that bundle's store hash: check_bundles' unsigned_earlier.
+    bundle that held no commitment they signed (round.keep_seen; the record's `unbound`), each
+    with that bundle's store hash: check_bundles' unsigned_earlier.
     That bundle must be stored and must indeed bind its sender to nothing in this round (no
     commitment of this run and round that names it and that its admitted key signed). Who sent
     those bytes no one can prove (they are no one's word), as with a missing reveal; what the
     claim does is have the sender replayed whatever the draw (or rejected, where the run does not
     replay), never convict it."""
     out: dict[int, str] = {}
-    for key, ev in (part.get("evidence") or {}).items():
-        if not (isinstance(ev, dict) and key.isascii() and key.isdigit() and int(key) < cfg.topology.workers):
-            continue
-        claim = ev.get("unsigned_earlier_bundle", ev["unsigned_earlier"].get("bundle")
-                       if isinstance(ev.get("unsigned_earlier"), dict) else None)
-        if claim is None:
-            continue
+    listed = part.get("unbound", {})
+    if not (isinstance(listed, dict) and all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10
+                                             and int(k) < cfg.topology.workers for k in listed)):
+        _fail(f"{where}the record's unbound senders are not a map of worker ids to bundles: {listed!r:.80}")
+    for key, claim in listed.items():
         j = int(key)
         if not (isinstance(claim, str) and re.fullmatch("[0-9a-f]{64}", claim)):
             _fail(f"{where}worker {j}'s unsigned earlier bundle is not a sha256: {claim!r:.80}")
@@ -1236,10 +1233,11 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     audits = plan.audits(cfg.verify, cfg.train, sorted(checks[0].present))
     sampled = {a.worker for a in audits}
     auditors = {a.auditor for a in audits}
+    unbound = {j: h for c in checks for j, h in c.check.unbound.items()}  # replayed by each member that noted it
     verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]
     for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
         for j, v in mine.items():
-            if v == REPLAY_MISMATCH and j not in sampled and j not in checked.check.unbound:
+            if v == REPLAY_MISMATCH and j not in sampled and j not in unbound:
                 _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
             lied_on_gain = "loss_gain" in (checked.check.evidence.get(j) or {})  # convicted by the audit's own check_round
             if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
@@ -1315,13 +1313,10 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
                 _fail(f"{where}the record's replay of worker {a.worker} is not the draw's (auditor {a.auditor}, segment "
                       f"{a.segment}): {str(rep)[:80]}")
     # the senders noted as having signed nothing in an earlier try: each member that noted one replayed it itself
-    unbound = {j: h for c in checks for j, h in c.check.unbound.items()}
     for j in sorted(unbound):
         if any(j not in c.check.accepted for c in checks):
             continue
         a = unbound_audit(cfg.verify, cfg.train, j, -1)
-        for c in checks:
-            c.check.unbound.setdefault(j, unbound[j])
         if replays_left > 0:
             replays_left -= 1
             score = replayed_score(a)
@@ -1334,7 +1329,7 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
             score = (0.0 if cfg.verify.replay_match == "exact" else math.inf) if failed else (
                 -1.0 if cfg.verify.replay_match == "exact" else 0.0)
         for checked in checks:
-            judge_unbound(cfg.verify, checked.check, a, score)
+            judge_unbound(cfg.verify, checked.check, a, score, unbound[j])
     for sl in slices:
         sl.disputes |= disputes
     return replays_left

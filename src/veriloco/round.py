@@ -1199,14 +1199,13 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score, public or attributable(cfg.verify, a, reported))
     unbound = check.unbound
-    if w.topo.stages > 1:  # its stages replay together: the senders any of them noted
+    if w.topo.stages > 1:  # its stages replay together: the senders any of them noted (each stage's seed left out its own)
         unbound = {int(j): h for d in _gather_json({str(j): h for j, h in unbound.items()}, w.worker_group)
                    for j, h in d.items()}
-        check.unbound = {j: unbound[j] for j in sorted(unbound)}
     for j in sorted(unbound):  # noted as having signed nothing in an earlier try: replayed here, by this member itself
         if j in check.accepted and G_r is not None:
-            judge_unbound(cfg.verify, check, unbound_audit(cfg.verify, cfg.train, j, w.worker),
-                          replay(unbound_audit(cfg.verify, cfg.train, j, w.worker)))
+            a = unbound_audit(cfg.verify, cfg.train, j, w.worker)
+            judge_unbound(cfg.verify, check, a, replay(a), unbound[j])
     w.disputes |= disputed_pairs(audits, check)
     for x in [x for x in w.kept if x <= r]:  # their memory (or file) is done with
         w.kept.pop(x).release()
@@ -1581,6 +1580,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
     }
     if reveals is not None:  # the signed reveals the round examined: the audit redraws from them (check.round_seed)
         stage_record["reveals"] = [check.reveals.get(j) for j in range(W)]
+    if check.unbound:  # noted as having signed nothing in an earlier try: out of the seed, replayed by the noters
+        stage_record["unbound"] = {str(j): h for j, h in sorted(check.unbound.items())}
     if check.loss_gains is not None and check.loss_gains.record is not None:
         stage_record["loss_gain_reports"] = check.loss_gains.record  # the audit re-settles from them
     if w.banned:

@@ -84,7 +84,8 @@ class RoundCheck:
     salts: dict[int, str] = field(default_factory=dict)  # the salts of the senders that passed (hex)
     reveals: dict[int, str] = field(default_factory=dict)  # the reveals it examined (hex): the round records them
     # senders whose bundle of an earlier try of the round signed nothing, as this worker noted (round.keep_seen):
-    # worker -> that bundle's store hash; every member that noted one replays it itself (replay.judge_unbound)
+    # worker -> that bundle's store hash. Their commitments and salts stay out of the round's seed, and every
+    # member that noted one it accepts replays it itself (replay.judge_unbound)
     unbound: dict[int, str] = field(default_factory=dict)
 
 
@@ -162,8 +163,11 @@ def check_bundles(
     resume, a restart, an elastic retry) held no commitment they signed (round.keep_seen), each
     with that bundle's store hash. Bound by nothing, they received every salt of that try, which
     an honest redo reveals again, so the commitment such a sender signs now may be ground against
-    the draw, and so its auditor: where the run replays, it is `unbound`, and every member that
-    noted it replays its whole round itself and judges by its own number (round.replay_audits,
+    the draw, and so its auditor and which others are replayed: such a sender is `unbound`,
+    whatever its bundle now, and its commitment and salt stay out of the round's seed
+    (round_seed: a second review's grinder chose, by its new commitment, a draw that left a
+    colluder's skimmed update unreplayed). Where the run replays, every member that noted it
+    replays its whole round itself and judges by its own number (round.replay_audits,
     replay.judge_unbound: no auditor for it to choose, no note that must be the same everywhere;
     a member without the note accepts it, and where the others convict it the round's agreement
     check stops the run); else it is rejected (WITHHELD: it withheld its commitment until it had
@@ -229,17 +233,15 @@ def check_bundles(
     salts: dict[int, str] = {}
     examined: dict[int, str] = {}
     suspects: dict[int, dict] = {}
-    unbound: dict[int, str] = {}
+    # (a run that reveals nothing had no salt to see)
+    unbound = {w: h for w, h in sorted((unsigned_earlier or {}).items()) if w in verdicts} if reveals is not None else {}
     for w in sorted(decoded) if reveals is not None else ():  # the senders that passed so far
         signed, raw = commitments[w], bytes(reveals.get(w, b""))
         assert signed is not None
-        earlier = (unsigned_earlier or {}).get(w)  # (a run that reveals nothing had no salt to see)
-        if earlier is not None and unsigned_reveal != "replay":
-            verdicts[w], evidence[w] = WITHHELD, {"unsigned_earlier_bundle": earlier}
+        if w in unbound and unsigned_reveal != "replay":
+            verdicts[w], evidence[w] = WITHHELD, {"unsigned_earlier_bundle": unbound[w]}
             del decoded[w]
             continue
-        if earlier is not None:
-            unbound[w] = earlier
         examined[w] = raw.hex()
         salt = open_reveal(signed, raw, admitted_keys.get(w))
         if salt:
@@ -248,7 +250,6 @@ def check_bundles(
         if salt is None and unsigned_reveal == "replay":  # no draw to dodge: it is replayed whatever the draw
             suspects[w] = {"reveal": "none signed for its commitment"}
             continue
-        unbound.pop(w, None)
         if salt is None:  # no signed reveal: no one's word, so no offence (a recorder could write any bytes)
             verdicts[w], evidence[w] = WITHHELD, {"reveal": "none signed for its commitment"}
         else:
@@ -276,9 +277,11 @@ def round_seed(check: RoundCheck, base_hash: str) -> str:
     and checkers): the base, every checked commitment's digest, and the revealed salts of the
     senders that passed the checks (check_bundles). The salts were revealed only after every
     commitment was in, so no sender could know the seed when it committed, however late it
-    sent; a rejected sender's salt is left out, so none decides the draw by being rejected."""
-    digests = "".join(sorted(c.digest for c in check.commitments.values() if c is not None))
-    return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts))
+    sent; a rejected sender's salt is left out, so none decides the draw by being rejected.
+    An unbound sender's commitment and salt are left out too: it saw every other salt of the
+    round before it first committed (check_bundles' unsigned_earlier)."""
+    digests = "".join(sorted(c.digest for w, c in check.commitments.items() if c is not None and w not in check.unbound))
+    return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts) if w not in check.unbound)
 
 
 def screen_checked(

@@ -529,17 +529,19 @@ def unbound_audit(verify: VerifyConfig, train: TrainConfig, worker: int, judge: 
     return Audit(worker, segments_to_sample(verify, train) - 1, judge, True)
 
 
-def judge_unbound(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: float) -> None:
+def judge_unbound(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: float, bundle: str) -> None:
     """Judge a sender whose bundle of an earlier try of the round signed nothing (check.unbound) by
     `score`, this judge's own replay of it (unbound_audit). Every member that noted such a bundle
     replays the sender itself: the sender saw every salt before it first committed, so it may
     have chosen the round's draw, and with it the auditor a drawn replay would have; and a note
-    is one member's own, not one every member holds. Failed: REPLAY_MISMATCH. round.py and
-    audit.py both judge with this."""
-    j, bundle = audit.worker, check.unbound[audit.worker]
-    if replay_failed(verify, score):
+    is one member's own, not one every member holds. Failed: REPLAY_MISMATCH. `bundle`: the
+    noted one's store hash (a worker's stages pool what they noted). round.py and audit.py both
+    judge with this."""
+    j = audit.worker
+    if replay_failed(verify, score):  # (what the round knew of it stays: a drawn replay's dispute, say)
         check.verdicts[j] = REPLAY_MISMATCH
-        check.evidence[j] = replay_evidence(verify, audit, score) | {"unsigned_earlier_bundle": bundle}
+        check.evidence[j] = (check.evidence.get(j) or {}) | replay_evidence(verify, audit, score) | {
+            "unsigned_earlier_bundle": bundle}
         check.accepted.pop(j, None)
     else:
         check.evidence.setdefault(j, {})["unsigned_earlier"] = replay_evidence(verify, audit, score) | {"bundle": bundle}
