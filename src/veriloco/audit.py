@@ -976,8 +976,8 @@ def _unsigned_earlier(cfg, store: Any, part: dict, where: str, r: int, run_id: s
     That bundle must be stored and must indeed bind its sender to nothing in this round (no
     commitment of this run and round that names it and that its admitted key signed). Who sent
     those bytes no one can prove (they are no one's word), as with a missing reveal; what the
-    claim does is have the sender replayed whatever the draw (or rejected, where the run does not
-    replay), never convict it."""
+    claim does is leave the sender's commitment and salt out of the seed and have it replayed
+    whatever the draw (or rejected, where the run does not replay), never convict it."""
     out: dict[int, str] = {}
     listed = part.get("unbound", {})
     if not (isinstance(listed, dict) and all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10
