@@ -499,6 +499,7 @@ def test_the_seen_note_names_each_sender_that_signed_nothing_and_a_redo_gets_the
     assert w.identity.unsigned == {2: want}  # the first junk of each stays
     note = json.loads((tmp_path / "run" / "workers" / "0" / "seen-2.json").read_text())
     assert note["unsigned"] == {str(j): x for j, x in want.items()}
+    (tmp_path / "run" / "workers" / "0" / "seen-\u00b2.json").write_text("{}")  # a digit, not an ASCII one: not a note
     resumed = worker(RunDir(tmp_path / "run"))
     load_seen(resumed, 2)
     assert resumed.identity.unsigned == {2: want}

@@ -933,7 +933,7 @@ def load_seen(w: Worker, r: int) -> None:
     can have exchanged a round past the last recorded one's next)."""
     for path in sorted(w.run.worker_dir(w.rank).glob("seen-*.json")):
         q = path.name[len("seen-"):-len(".json")]
-        if not q.isdigit() or int(q) < r:
+        if not (q.isascii() and q.isdigit()) or int(q) < r:
             continue
         texts, unsigned = _seen_note(path, int(q)) or ([], {})
         for text in texts:
