@@ -884,10 +884,10 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
     A sender whose bundle holds no commitment it signed for this run and round (junk) is bound
     by nothing, yet it receives every salt too (the reveal waits for every bundle to arrive, not
     to verify). Its bundle goes into the store and the note names it (`unsigned`: worker -> store
-    hash), so that a redo's check makes its first commitment of the round a suspect, replayed
-    whatever the draw, or rejects it where the run does not replay (check_bundles'
-    unsigned_earlier; forty-first session: until then it could commit in the redo with a salt
-    ground against the salts it had seen, and skim unreplayed)."""
+    hash), so that in a redo it is unbound: out of the round's seed, and replayed by every member
+    that noted it, or rejected where the run does not replay (check_bundles' unsigned_earlier;
+    forty-first session: until then it could commit in the redo with a salt ground against the
+    salts it had seen, and skim unreplayed)."""
     def parsed(data) -> tuple[bytes, Commitment] | None:
         try:
             raw = decode_bundle(data, view=True)[0]
@@ -1504,7 +1504,9 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
             banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
-            unsigned_reveal=unsigned_reveal_action(cfg.verify), unsigned_earlier=w.identity.unsigned.get(r),
+            unsigned_reveal=unsigned_reveal_action(cfg.verify),
+            # (not the junk of this try: that is plain malformed, and binds it in no redo yet)
+            unsigned_earlier={j: h for j, h in w.identity.unsigned.get(r, {}).items() if bundle_hashes.get(j) != h},
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])
