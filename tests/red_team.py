@@ -79,6 +79,17 @@ class Vouch(Adversary):
         return LossGain.on_own_batches(gain.own_before, after)
 
 
+class Silent(Adversary):
+    """Trains honestly, but as an auditor reports no number (NaN) for the replays it was given:
+    until the forty-first session a missing number read as -1, a pass, so it covered for a
+    cheating partner as Whitewash does; now each member replays the worker itself."""
+
+    kind = "silent"
+
+    def audit_report(self, r, worker, score):
+        return float("nan")
+
+
 class Mute(Adversary):
     """Trains honestly, but never reports a loss gain it was drawn to check."""
 

@@ -131,6 +131,25 @@ def test_the_audit_names_an_auditor_that_covered_for_a_cheater(tmp_path, monkeyp
     assert "worker 1's replay fails, but the round accepted it: its auditor, worker" in report.first_failure
 
 
+def test_an_auditor_that_reports_no_number_covers_for_no_one(tmp_path, monkeypatch):
+    """An auditor whose row holds no number for its audit (NaN: it kept quiet, or drew another
+    plan from a note it lacked, or had no base) read as -1, a pass, until the forty-first session,
+    so a quiet auditor covered for a cheater as Whitewash does, unseen by the run. Now each member
+    replays that worker itself, blaming no one: the lazy worker is convicted in its first round."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    run, _ = train(tiny(*BASE, "--adversary.1=lazy:skip=0.5", "--adversary.0=red_team:Silent",
+                        "--adversary.2=red_team:Silent", "--adversary.3=red_team:Silent"),
+                   str(tmp_path / "q"), quiet=True)
+    recs = rounds_of(run.root)
+    assert verdicts_of(run.root, 1) == ["replay_mismatch", "banned", "banned"], recs[0]["evidence"]
+    assert all(v == "accept" for rec in recs for j, v in enumerate(rec["verdicts"]) if j != 1)  # no one blamed
+    assert any(ev.get("replayed", {}).get("unreported") for rec in recs for ev in rec["evidence"].values())
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
 def test_a_forged_ban_fails_the_audit(accuser_run, tmp_path):
     root = Path(shutil.copytree(accuser_run[0], tmp_path / "run"))
     lines = (root / "rounds.jsonl").read_text().splitlines()

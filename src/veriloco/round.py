@@ -1176,7 +1176,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
                 return replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
             return stage_replay_score(w, run(), list(signed.trace), committed, codecs)
 
-    scores = torch.full((w.workers,), -1.0, dtype=torch.float64)  # -1: not replayed here
+    scores = torch.full((w.workers,), math.nan, dtype=torch.float64)  # NaN: not replayed here
     for a in audits:
         if a.auditor == w.worker and G_r is not None:
             mine[a.worker] = replay(a)
@@ -1185,9 +1185,22 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     # its audit (a MAX all-reduce let any member raise any slot, and framed an honest auditor as a false reporter)
     rows = signed_gather(w, part, r, "replay scores", scores)
     for a in audits:
-        reported = float(rows[part.members.index(a.auditor)][a.worker]) if a.auditor in part.members else -1.0
+        reported = float(rows[part.members.index(a.auditor)][a.worker]) if a.auditor in part.members else math.nan
+        unreported = math.isnan(reported)
+        if unreported and w.topo.stages == 1 and G_r is not None and not from_state(cfg.verify, a):
+            # its auditor reported no number (it had no base, or drew another plan: a note it lacks, or it keeps
+            # quiet): until the forty-first session that read as -1, a pass. Each member sees for itself, blaming
+            # no one; a replay from its public start needs nothing from anyone
+            score = mine[a.worker] if a.worker in mine else replay(a)
+            if replay_failed(cfg.verify, score):
+                judge_reported(cfg.verify, check, a, reported, score)
+                continue
+            reported = score
+        elif unreported:  # (a state it would need, or its stages' replay together: as before, a pass)
+            reported = -1.0
         if not replay_failed(cfg.verify, reported):
-            check.evidence.setdefault(a.worker, {})["replayed"] = replay_evidence(cfg.verify, a, reported)
+            check.evidence.setdefault(a.worker, {})["replayed"] = replay_evidence(cfg.verify, a, reported) | (
+                {"unreported": True} if unreported else {})
             if a.worker in check.suspects:
                 check.evidence[a.worker]["suspect"] = check.suspects[a.worker]
             continue
