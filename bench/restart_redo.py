@@ -7,7 +7,7 @@ and seen notes (round.sent_note, round.keep_seen; fortieth and forty-first sessi
 
 3 workers of configs/tiny.toml. Worker 2 is killed (kill -9) once its round-3 exchange returned
 (every other member holds its bundle and reveal), the first time only (`red_team:DiesOnceSent`,
-a patch that old and new code both take). Three workers 2:
+a patch that old and new code both take). Four workers 2 (`--kinds`):
 - `honest`: elastic membership, `min_workers = 3` (no round commits without the dead one),
   `max_restarts = 1` (the launcher starts it again), the adaptive codec on a 20 Mbit/s, 1 ms
   link (its budget, and so its rungs, follow the measured seconds of the inner steps); its redo
@@ -22,7 +22,7 @@ a patch that old and new code both take). Three workers 2:
   replay catches it); its death stops the run, and in the resume it commits for the first time.
   Replays at p = 0.0001: the draw passes it over, as a salt ground against the salts it saw
   would make it.
-Every seed (`--run.seed`) runs all three with `--old` (default: the revision before the notes)
+Every seed (`--run.seed`) runs each kind with `--old` (default: the revision before the notes)
 and with the working tree. Per run: did it complete, worker 2's verdicts, every verdict that is
 not `accept`, the audit, the wall time, and whether the new side's redo sent its noted bundle
 again. Writes `{"rows": [...], "summary": {...}, "config": {...}}`.

@@ -590,6 +590,28 @@ class WithholdSkim(_PatchingSkim):
         exchange.Exchange._transfer = transfer
 
 
+def _die_once_after_exchange(once, carried):
+    """Patch ExchangeHandle.wait in this process: once an exchange whose packets satisfy
+    `carried(packets)` has returned (every member holds this worker's bundle and reveal), kill -9
+    this process, the first time only (the file `once` marks that it did)."""
+    from veriloco.exchange import ExchangeHandle
+
+    original = ExchangeHandle.wait
+
+    def wait(handle):
+        import os
+        import signal
+        from pathlib import Path
+
+        out = original(handle)
+        if carried(out) and not Path(once).exists():
+            Path(once).write_text("died")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    ExchangeHandle.wait = wait
+
+
 class DiesOnceSent(Jitter):
     """Fault injection that old and new code both take (bench/restart_redo.py; the fault
     `die:W@R.sent` is new): kill -9 of the worker once its round-`at` exchange returned (every
@@ -620,25 +642,9 @@ class DiesOnceSent(Jitter):
         return c
 
     def delta(self, r, delta, view):
-        from veriloco.exchange import ExchangeHandle
-
         if not getattr(self, "_patched", False):
-            self._patched, original, adv = True, ExchangeHandle.wait, self
-
-            def wait(handle):
-                out = original(handle)
-                if adv._round == int(adv.params.get("at", "2")):
-                    import os
-                    import signal
-                    from pathlib import Path
-
-                    once = Path(adv.params["once"])
-                    if not once.exists():
-                        once.write_text("died")
-                        os.kill(os.getpid(), signal.SIGKILL)
-                return out
-
-            ExchangeHandle.wait = wait
+            self._patched = True
+            _die_once_after_exchange(self.params["once"], lambda out: self._round == int(self.params.get("at", "2")))
         self._round = r
         return super().delta(r, delta, view) if self.params.get("jitter", "0") == "1" else delta
 
@@ -680,22 +686,9 @@ class JunkFirst(Skim):
             return bundle
         import hashlib
 
-        from veriloco.exchange import ExchangeHandle
-
-        original, once, junk = ExchangeHandle.wait, self.params["once"], bytes(len(bundle))  # no bundle at all
-        with open(once + ".junk", "a") as f:  # (each of its processes, where it has pipeline stages)
+        junk = bytes(len(bundle))  # no bundle at all
+        with open(self.params["once"] + ".junk", "a") as f:  # (each of its processes, where it has pipeline stages)
             f.write(hashlib.sha256(junk).hexdigest() + "\n")
-
-        def wait(handle):  # every salt of the exchange that carried its junk in: die (the first time only)
-            import os
-            import signal
-            from pathlib import Path
-
-            out = original(handle)
-            if any(p is junk for p in out) and not Path(once).exists():  # (with delay 1, not the round before's)
-                Path(once).write_text("died")
-                os.kill(os.getpid(), signal.SIGKILL)
-            return out
-
-        ExchangeHandle.wait = wait
+        # every salt of the exchange that carried its junk in (with delay 1, not the round before's): die
+        _die_once_after_exchange(self.params["once"], lambda out: any(p is junk for p in out))
         return junk

@@ -106,7 +106,7 @@ from .packet import (
 )
 from .pipeline import PipelineEval, PipelineInnerLoop
 from .records import RunDir, metrics_of, prune_checkpoints
-from .store import LocalStore, StoreError, atomic_write, mark_peer, seen_peers
+from .store import LocalStore, StoreError, atomic_write, check_digest, mark_peer, seen_peers
 from .task import (
     CorpusTask,
     Task,
@@ -121,12 +121,13 @@ from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
-from .verify.check import RoundCheck, binds, check_round, hex_root, take_whole_workers
+from .verify.check import RoundCheck, binds_commitment, check_round, hex_root, take_whole_workers
 from .verify.commitment import (
     SALT_BYTES,
     Commitment,
     CommitmentError,
     EquivocationDetector,
+    SignedCommitment,
     commitment_bytes,
     parse_signed_commitment,
     round_salt,
@@ -888,21 +889,23 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
     that noted it, or rejected where the run does not replay (check_bundles' unsigned_earlier;
     forty-first session: until then it could commit in the redo with a salt ground against the
     salts it had seen, and skim unreplayed)."""
-    def parsed(data) -> tuple[bytes, Commitment] | None:
+    def parsed(data) -> tuple[bytes, SignedCommitment] | None:
         try:
             raw = decode_bundle(data, view=True)[0]
-            return bytes(raw), parse_signed_commitment(raw).commitment
+            return bytes(raw), parse_signed_commitment(raw)
         except (PacketError, CommitmentError):
             return None
 
-    own = parsed(packets[rank])
-    if round is None and (own is None or own[1].run_id != w.identity.run_id):  # its own bundle is not one (an adversary's)
+    seen = [parsed(data) for data in packets]  # (each bundle parsed once: this runs between packets and reveal)
+    own = seen[rank][1].commitment if seen[rank] is not None else None
+    if round is None and (own is None or own.run_id != w.identity.run_id):  # its own bundle is not one (an adversary's)
         return
-    r = own[1].round if round is None else round
-    kept = [(c.round, raw.decode()) for raw, c in filter(None, map(parsed, packets)) if c.run_id == w.identity.run_id]
+    r = own.round if round is None else round
+    kept = [(s.commitment.round, raw.decode()) for raw, s in filter(None, seen) if s.commitment.run_id == w.identity.run_id]
     workers = range(len(packets)) if members is None else members
-    unsigned = {j: w.store.put(bytes(data)) for j, data in zip(workers, packets, strict=True)
-                if not binds(data, run_id=w.identity.run_id, round=r, worker=j, admitted_keys=w.identity.admitted)}
+    unsigned = {j: w.store.put(bytes(data)) for j, data, x in zip(workers, packets, seen, strict=True)
+                if x is None or not binds_commitment(x[1], run_id=w.identity.run_id, round=r, worker=j,
+                                                     admitted_keys=w.identity.admitted)}
     d = w.run.worker_dir(w.rank)
     d.mkdir(parents=True, exist_ok=True)
     # its own too: the redo of an honest worker sends the same (sent_note), and a worker that
@@ -948,8 +951,12 @@ def load_seen(w: Worker, r: int) -> None:
 
 
 def _hex64(x: Any) -> bool:
-    """Whether `x` is a sha256 as the store names blobs (64 lowercase hex)."""
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+    """Whether `x` is a sha256 as the store names blobs (store.check_digest)."""
+    try:
+        check_digest(x)
+    except StoreError:
+        return False
+    return True
 
 
 def _read_note(path: Path) -> Any:

@@ -268,6 +268,12 @@ def binds(data: bytes | memoryview, *, run_id: str, round: int, worker: int, adm
         signed = parse_signed_commitment(decode_bundle(data, view=True)[0])
     except (PacketError, CommitmentError):
         return False
+    return binds_commitment(signed, run_id=run_id, round=round, worker=worker, admitted_keys=admitted_keys)
+
+
+def binds_commitment(signed: SignedCommitment, *, run_id: str, round: int, worker: int,
+                     admitted_keys: Mapping[int, str]) -> bool:
+    """`binds` of a bundle's commitment, parsed already."""
     c = signed.commitment
     return (c.run_id, c.round, c.worker) == (run_id, round, worker) and check_signature(signed, admitted_keys) is None
 
