@@ -90,6 +90,19 @@ class Silent(Adversary):
         return float("nan")
 
 
+class SilentStage1(Adversary):
+    """Pipelined auditor that reports its number from its stage 0 and none (NaN) from its other
+    stages: were each stage of a judge to act on its own stage's rows, one would replay and the
+    other not, and the judge's pipeline would hang (round.pooled_reports)."""
+
+    kind = "silent_stage1"
+
+    def audit_report(self, r, worker, score):
+        import torch.distributed as dist
+
+        return score if dist.get_rank() % 2 == 0 else float("nan")  # stage 0 of 2 (ranks are worker-major)
+
+
 class Mute(Adversary):
     """Trains honestly, but never reports a loss gain it was drawn to check."""
 

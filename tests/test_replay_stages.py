@@ -242,6 +242,33 @@ def test_a_checker_that_tells_stages_apart_cannot_split_a_pipelined_worker(tmp_p
     assert report.ok, report.first_failure
 
 
+def test_an_auditor_silent_on_one_stage_neither_splits_nor_covers_for_a_pipelined_worker(tmp_path, monkeypatch):
+    """red_team:SilentStage1 reports its replays' numbers to stage 0's processes and none (NaN) to
+    stage 1's. Until the forty-second session a judge's stage 1 read that as a pass (as stage 0
+    did the number) and no member replayed; had stage 1 replayed alone, its pipeline would have
+    hung. The stages pool what they heard (round.pooled_reports): NaN on any stage, and every
+    stage of every member replays the worker itself."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    # one segment per round (trace_every = inner_steps): every replay covers the skipped steps
+    run, _ = train(tiny(*BASE, "--verify.trace_every=6", "--verify.ban=false", "--adversary.1=lazy:skip=0.5",
+                        "--adversary.0=red_team:SilentStage1", "--adversary.2=red_team:SilentStage1"),
+                   str(tmp_path / "q"), quiet=True)
+    recs, unreported = rounds_of(run.root), []
+    for rec in recs:
+        first, second = (part["evidence"] for part in rec["stages"])
+        assert first == second  # the stages acted on one number
+        assert rec["verdicts"] == ["accept", "replay_mismatch", "accept"], (rec["round"], first)
+        for j in (0, 2):  # audited by the other silent one, or by the lazy one, which reports
+            rep = first[str(j)]["replayed"]
+            assert rep.get("unreported", False) is (rep["auditor"] != 1), (rec["round"], first)
+        unreported += [first[str(j)]["replayed"]["auditor"] for j in (0, 2) if "unreported" in first[str(j)]["replayed"]]
+    assert unreported, recs  # (a silent one audited an honest one)
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
 def test_a_pipelined_delay_1_run_resumes_as_it_would_have_run(tmp_path):
     """Stopped after 2 of 4 rounds and resumed: the same records, slice by slice, as uninterrupted
     (each stage restores its slice of the G before the last committed round and its own delta)."""

@@ -167,6 +167,38 @@ def test_lazy_withholding_and_framing_workers_against_state_replays(tmp_path, mo
     assert not report.ok and "worker 0's replay fails" in report.first_failure
 
 
+def test_an_auditor_that_reports_no_number_for_a_state_replay_covers_for_no_one(tmp_path, monkeypatch):
+    """An auditor that reports no number (NaN) for a segment replayed from a state it was sent in
+    private read as a pass until the forty-second session (the others had no state to replay
+    from). Now the worker sends that state to every member, as for a reported failure, and each
+    replays the segment itself: the lazy worker is caught whenever its segment reaches a made-up
+    entry, as under an honest auditor, and no one is blamed."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    cfg = tiny(*STATE, "--topology.workers=4", "--train.rounds=4", "--verify.ban=false",
+               "--adversary.1=lazy:skip=0.4,scale=none", *(f"--adversary.{j}=red_team:Silent" for j in (0, 2, 3)))
+    run, _ = train(cfg, str(tmp_path / "q"), quiet=True)
+    recs, unreported = rounds_of(run.root), []
+    for rec in recs:
+        for w in range(4):
+            ev = rec["evidence"].get(str(w), {})
+            rep = ev.get("replayed", ev)
+            if rep["auditor"] != 1:  # a silent auditor: each member replayed from the state sent to all
+                unreported.append((w, rep["segment"]))
+            if w == 1:  # caught exactly when its segment reaches a made-up entry (lazy does 3 of 5 steps)
+                assert (rec["verdicts"][1] == "replay_mismatch") == (rep["segment"] >= 3), (rec["round"], ev)
+            else:
+                assert rec["verdicts"][w] == "accept", (rec["round"], w, ev)
+                assert ("unreported" in rep) == (rep["auditor"] != 1), (rec["round"], w, ev)
+    assert any(w == 1 and seg >= 3 for w, seg in unreported), unreported  # the lazy one, from a state
+    assert any(w != 1 and seg > 0 for w, seg in unreported), unreported  # an honest one, from a state
+    sent = sum(sum(rec["state_bytes_sent"]) for rec in recs)
+    assert sent == sum(sum(rec["state_bytes_received"]) for rec in recs) > 0
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
 def test_an_auditor_disputes_a_private_state_once_per_worker_then_the_state_is_public(tmp_path, monkeypatch):
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)

@@ -1191,20 +1191,25 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     # the auditor's number reaches everyone: each member's row is its own, and only the auditor's row counts for
     # its audit (a MAX all-reduce let any member raise any slot, and framed an honest auditor as a false reporter)
     rows = signed_gather(w, part, r, "replay scores", scores)
-    for a in audits:
-        reported = float(rows[part.members.index(a.auditor)][a.worker]) if a.auditor in part.members else math.nan
+    reports = pooled_reports(w, [float(rows[part.members.index(a.auditor)][a.worker]) if a.auditor in part.members
+                                 else math.nan for a in audits])
+    for a, reported in zip(audits, reports, strict=True):
         unreported = math.isnan(reported)
-        if unreported and w.topo.stages == 1 and G_r is not None and not from_state(cfg.verify, a):
+        if unreported:
             # its auditor reported no number (it had no base, or drew another plan: a note it lacks, or it keeps
             # quiet): until the forty-first session that read as -1, a pass. Each member sees for itself, blaming
-            # no one; a replay from its public start needs nothing from anyone
-            score = mine[a.worker] if a.worker in mine else replay(a)
+            # no one: from the round's public start, or (replay_extent "state") from the segment's start state,
+            # which the worker now sends every member, as for a reported failure (the auditor's was private)
+            if from_state(cfg.verify, a) and a.worker not in moves.public:
+                with spent.timing():
+                    moves.resend(a, check)
+                moves.public.add(a.worker)
+                mine.pop(a.worker, None)
+            score = (mine[a.worker] if a.worker in mine else replay(a)) if G_r is not None else -1.0
             if replay_failed(cfg.verify, score):
                 judge_reported(cfg.verify, check, a, reported, score)
                 continue
             reported = score
-        elif unreported:  # (a state it would need, or its stages' replay together: as before, a pass)
-            reported = -1.0
         if not replay_failed(cfg.verify, reported):
             check.evidence.setdefault(a.worker, {})["replayed"] = replay_evidence(cfg.verify, a, reported) | (
                 {"unreported": True} if unreported else {})
@@ -1230,6 +1235,20 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     for x in [x for x in w.kept if x <= r]:  # their memory (or file) is done with
         w.kept.pop(x).release()
     return spent, moves
+
+
+def pooled_reports(w: Worker, reports: list[float]) -> list[float]:
+    """The auditors' numbers for a round's audits (NaN: none), one list for all of a worker's
+    stages: with S > 1 each stage learns them from its own stage's rows, and a lying auditor's
+    stages may tell its stages apart, while a replay runs through all of them together. Pooled:
+    NaN where any stage saw none, else the worst any stage saw."""
+    if w.topo.stages == 1 or not reports:
+        return reports
+    mine = torch.tensor(reports, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(w.topo.stages)]
+    dist.all_gather(every, mine, group=w.worker_group)
+    both = torch.stack(every)
+    return [math.nan if bool(col.isnan().any()) else float(col.max()) for col in both.T]
 
 
 def disputed_pairs(audits: list[Audit], check: RoundCheck) -> set[tuple[int, int]]:
