@@ -476,7 +476,7 @@ class AbortRegrind(_PatchingSkim):
         )
         from veriloco.verify.replay import plan_audits
 
-        me, p, segments = self.worker, float(self.params["p"]), int(self.params["segments"])
+        me, p, segments, adv = self.worker, float(self.params["p"]), int(self.params["segments"]), self
         keys, sign = {}, round.sign_commitment
         state = {"known": {}, "cur": None}  # known[r]: the salts of round r it saw in a failed try
 
@@ -510,7 +510,7 @@ class AbortRegrind(_PatchingSkim):
                 salts[me] = bytes(own[:SALT_BYTES].numpy()).hex()
                 state["known"][r] = {w: x for w, x in salts.items() if w != me}
                 seed = cur["base"] + "".join(sorted(cur["digests"])) + "".join(salts[w] for w in sorted(salts))
-                if sampled(seed, sorted(salts)) and cur["chosen"] is None:
+                if sampled(seed, sorted(salts)) and cur["chosen"] is None and adv._aborts:
                     raise RuntimeError(f"abort_regrind: round {r} would replay it; giving the round up")
                 post(ex, own, {}, recv=False)
                 return
@@ -525,7 +525,8 @@ class AbortRegrind(_PatchingSkim):
             r = d["round"]
             cur = {"round": r, "base": d["base_hash"], "workers": workers, "chosen": None,
                    "digest": parse_signed_commitment(raw).digest, "digests": [*others, parse_signed_commitment(raw).digest]}
-            known = state["known"].get(r)
+            known = adv._salts_known(r) or state["known"].get(r)
+            known = {w: x for w, x in (known or {}).items() if w in workers.values() and w != me}
             if known and len(known) == len(others):
                 for nonce in range(100000):
                     salt = hashlib.sha256(b"grind %d %d" % (r, nonce)).digest()
@@ -550,6 +551,114 @@ class AbortRegrind(_PatchingSkim):
             return finish(w, sent, *a, **k)
 
         round.sign_commitment, exchange.Exchange._transfer, round.start_finish = keep_key, transfer, start_finish
+
+
+    _aborts = True  # gives a try up when its draw would replay it
+
+    def _salts_known(self, r):
+        """Round r's salts of the others known from elsewhere than its own failed try: none."""
+        return None
+
+
+class PassSalts(Adversary):
+    """Trains honestly, but colludes with red_team.LateGrind (the third review of the junk-first
+    fix, forty-first session): in the first try of round `at` of an elastic run it receives every
+    other salt before it sends its own, writes them with its own to the file `salts` and gives
+    the try up; it asks for the retry's quorum only once its colluder is ready (the file `ready`),
+    so that the colluder is in it. Params: at, salts, ready."""
+
+    kind = "pass_salts"
+    PARAMS = None
+
+    def delta(self, r, delta, view):
+        if not getattr(self, "_patched", False):
+            self._patched = True
+            self._patch()
+        return delta
+
+    def _patch(self):
+        import json
+        import struct
+        import time
+        from pathlib import Path
+
+        from veriloco import exchange, membership
+        from veriloco.verify.commitment import REVEAL_BYTES, SALT_BYTES, parse_signed_commitment
+
+        at, salts, ready, me = int(self.params["at"]), Path(self.params["salts"]), Path(self.params["ready"]), self.worker
+        state = {"round": None, "workers": {}}
+        transfer_, quorum_ = exchange.Exchange._transfer, membership.Membership.quorum
+
+        def worker_of(b):
+            (n,) = struct.unpack(">I", bytes(b[4:8].numpy()))
+            return parse_signed_commitment(bytes(b[8:8 + n].numpy())).commitment
+
+        def transfer(ex, own, bufs):
+            if own is not None and own.numel() == REVEAL_BYTES:
+                if state["round"] != at or salts.exists():
+                    return transfer_(ex, own, bufs)
+                for w in [ex.comm.irecv(b, q) for q, b in bufs.items()]:  # every other salt first
+                    ex.comm.wait(w)
+                out = {state["workers"][q]: bytes(b[:SALT_BYTES].numpy()).hex() for q, b in bufs.items()}
+                out[me] = bytes(own[:SALT_BYTES].numpy()).hex()
+                salts.with_name(salts.name + ".tmp").write_text(json.dumps(out))
+                salts.with_name(salts.name + ".tmp").rename(salts)
+                raise RuntimeError(f"pass_salts: round {at}'s salts passed on; giving the try up")
+            transfer_(ex, own, bufs)
+            state["round"] = worker_of(own).round
+            state["workers"] = {q: worker_of(b).worker for q, b in bufs.items()}
+
+        def quorum(members, round):
+            if round == at and salts.exists() and not ready.exists():  # the retry: once the colluder asks too
+                deadline = time.monotonic() + 60
+                while not ready.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(1.0)
+            return quorum_(members, round)
+
+        exchange.Exchange._transfer, membership.Membership.quorum = transfer, quorum  # this worker's process only
+
+
+class LateGrind(AbortRegrind):
+    """`abort_regrind`'s grind from a colluder's salts (red_team.PassSalts; the third review of the
+    junk-first fix, forty-first session): it stays out of the first try of round `at` of an
+    elastic run (it waits, heartbeating, until the colluder has written that try's salts to the
+    file `salts`, so that the quorum forms without it), joins the retry, and signs its one
+    commitment of the round with a salt ground against those salts until the draw leaves it out.
+    It skims round `at` only. Until the forty-second session it went in unreplayed: bound by
+    that commitment, no note held anything of it; now every member knows it for a newcomer to
+    the round (round.keep_seen) and replays it itself. Params: at, salts, ready, p, segments."""
+
+    kind = "late_grind"
+    _aborts = False
+
+    def _salts_known(self, r):
+        import json
+        from pathlib import Path
+
+        path = Path(self.params["salts"])
+        if r != int(self.params["at"]) or not path.exists():
+            return None
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+
+    def batch(self, r, step, inputs, targets):
+        import time
+        from pathlib import Path
+
+        at, salts = int(self.params["at"]), Path(self.params["salts"])
+        if r == at and step == 0:  # out of the first try: until its colluder has that try's salts
+            deadline = time.monotonic() + 60
+            while not salts.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        skimmed = super().batch(r, step, inputs, targets)
+        return skimmed if r == at else (inputs, targets)
+
+    def bundle(self, r, bundle, view):
+        from pathlib import Path
+
+        if r == int(self.params["at"]):
+            Path(self.params["ready"]).write_text("1")
+        return bundle
 
 
 class WithholdSkim(_PatchingSkim):

@@ -507,3 +507,95 @@ def test_the_seen_note_names_each_sender_that_signed_nothing_and_a_redo_gets_the
         (tmp_path / "run" / "workers" / "0" / "seen-2.json").write_text(json.dumps(note | {"unsigned": bad}))
         with pytest.raises(RuntimeError, match="seen-2.json: not a list of round 2's commitments"):
             load_seen(worker(RunDir(tmp_path / "run")), 2)
+
+
+def test_a_newcomer_to_a_retried_round_is_replayed_by_every_member(tmp_path, monkeypatch):
+    """The gap the third review of the junk-first fix left (forty-first session): in an elastic
+    run a colluder (red_team.PassSalts) takes every salt of round 1's first try, writes them down
+    and gives the try up; its partner (red_team.LateGrind, a skimmer in round 1) stayed out of that
+    try, joins the retry, and signs its one commitment of the round with a salt ground against
+    those salts until the draw leaves it out. Bound by that commitment, it went in unreplayed.
+    Now every member knows it for a newcomer to the round (round.keep_seen: the members of the
+    first try whose salts went out, from its own note or the coordinator) and replays it itself,
+    whatever the draw: convicted and banned, and the audit replays it as the recorder did."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    salts, ready = tmp_path / "salts", tmp_path / "ready"
+    pair = f"at=1,salts={salts},ready={ready}"
+    cfg = tiny("--topology.workers=4", "--train.rounds=3", "--train.inner_steps=4", "--verify.trace_every=4",
+               "--train.inner_state=reset", "--verify.replay_probability=0.5", "--run.membership=elastic",
+               "--run.min_workers=3", "--run.round_deadline=1", "--run.timeout_s=10", "--run.heartbeat_timeout_s=1.5",
+               f"--adversary.2=red_team:PassSalts:{pair}", f"--adversary.3=red_team:LateGrind:{pair},p=0.5,segments=1")
+    run, _ = train(cfg, str(tmp_path / "k"), quiet=True)
+    assert salts.exists() and ready.exists()  # the pair did its part
+    recs = rounds_of(run.root)
+    first = json.loads((run.root / "workers" / "0" / "seen-1.json").read_text())["members"]
+    assert 3 not in first and recs[1]["newcomers"] == [3], (first, recs[1])
+    assert recs[1]["verdicts"][3] == "replay_mismatch", recs[1]
+    assert recs[1]["evidence"]["3"]["retry_replay"] == "newcomer"
+    assert [r["verdicts"][3] for r in recs] == ["accept", "replay_mismatch", "banned"]
+    # (the colluder gave its try up: it is in the retry, or late for it while the others go on)
+    assert all(r["verdicts"][:2] == ["accept"] * 2 for r in recs) and recs[0]["verdicts"][2] == "accept", recs
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+    # the record's newcomers are what lets the conviction of a worker the draw did not sample stand
+    lines = (run.root / "rounds.jsonl").read_text().splitlines()
+    for newcomers, message in (([], "worker 3 is recorded as replay_mismatch but was not in the replay sample"),
+                               ([3, 3], "the record's newcomers are not an ascending list of the round's members"),
+                               (["3"], "the record's newcomers are not an ascending list of the round's members")):
+        forged = Path(shutil.copytree(run.root, tmp_path / f"forged-{len(list(tmp_path.iterdir()))}"))
+        rec = json.loads(lines[1]) | {"newcomers": newcomers}
+        (forged / "rounds.jsonl").write_text("\n".join([lines[0], json.dumps(rec), *lines[2:]]) + "\n")
+        report = audit_run(forged)
+        assert not report.ok and message in report.first_failure, report.first_failure
+
+
+def test_the_first_try_of_a_round_is_whoever_wrote_first_and_a_malformed_one_is_none():
+    """Membership.first_try: the coordinator's key of a round's first try (first writer wins);
+    anyone can write it, so what is not an ascending list of admitted workers is no answer."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from veriloco.membership import Membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    me = SimpleNamespace(store=store, workers=4)
+    assert Membership.first_try(me, 1, [0, 1, 2]) == [0, 1, 2]
+    assert Membership.first_try(me, 1, [0, 1, 2, 3]) == [0, 1, 2]  # a retry's member learns the first try's
+    assert Membership.first_try(me, 2, [0, 1, 3]) == [0, 1, 3]
+    for r, text in ((3, "0 1 x"), (4, "2 1"), (5, "0 7"), (6, "0 0 1"), (7, " 1")):
+        store.set(f"first/{r}", text)
+        assert Membership.first_try(me, r, [0, 1]) is None, text
+
+
+def test_newcomer_audits_replay_the_newcomers_and_what_the_draw_without_them_replays():
+    """replay.newcomer_audits: each newcomer, plus every worker the draw without the newcomers'
+    say samples and the round's draw does not; the draw without them moves with no newcomer's
+    commitment or salt."""
+    from veriloco.config import TrainConfig, VerifyConfig
+    from veriloco.verify.check import RoundCheck
+    from veriloco.verify.replay import newcomer_audits
+
+    verify, train_cfg = VerifyConfig(replay_probability=0.5), TrainConfig(inner_steps=4)
+    signed = {j: type("C", (), {"digest": f"{j:064x}"})() for j in range(4)}
+
+    def check(newcomer_digest: str) -> RoundCheck:
+        commitments = dict(signed) | {3: type("C", (), {"digest": newcomer_digest})()}
+        return RoundCheck({j: ACCEPT for j in range(4)}, {j: {} for j in range(4)}, commitments, {}, {},
+                          salts={j: f"{j + 10:064x}" for j in range(4)})
+
+    seen = set()
+    for nonce in range(40):
+        c = check(f"{nonce + 100:064x}")
+        audits = PlanInputs.of_round("base", c, set()).audits(verify, train_cfg, [0, 1, 2, 3])
+        extra = newcomer_audits(verify, train_cfg, "base", c, set(), [0, 1, 2, 3], [3], audits)
+        assert extra.pop(3) == "newcomer"
+        without = PlanInputs.of_round("base", c, set(), leave_out=[3]).audits(verify, train_cfg, [0, 1, 2])
+        assert round_seed(c, "base", [3]) == round_seed(check("f" * 64), "base", [3])  # not the newcomer's to move
+        assert extra == {a.worker: "undrawn" for a in without if a.worker not in {b.worker for b in audits}}
+        assert all(a.auditor != 3 for a in without) and 3 not in {a.worker for a in without}
+        seen.add(len(extra))
+    assert any(n > 0 for n in seen), seen  # the newcomer's digest moved the round's draw, and the draw without it caught up

@@ -148,7 +148,9 @@ from .verify.replay import (
     from_state,
     hashes_match,
     judge_reported,
+    judge_retry_replay,
     judge_unbound,
+    newcomer_audits,
     plain_replayer,
     replay_failed,
     replay_run,
@@ -1232,10 +1234,14 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     sampled = {a.worker for a in audits}
     auditors = {a.auditor for a in audits}
     unbound = {j: h for c in checks for j, h in c.check.unbound.items()}  # replayed by each member that noted it
+    members = sorted(checks[0].present)
+    newcomers = _newcomers(parts[0], members, wheres[0]) if stages == 1 else []  # (elastic runs are not pipelined)
+    extra = newcomer_audits(cfg.verify, cfg.train, checks[0].base, checks[0].check, slices[0].banned, members,
+                            newcomers, audits) if newcomers else {}  # replayed by every member, as unbound ones
     verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]
     for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
         for j, v in mine.items():
-            if v == REPLAY_MISMATCH and j not in sampled and j not in unbound:
+            if v == REPLAY_MISMATCH and j not in sampled and j not in unbound and j not in extra:
                 _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
             lied_on_gain = "loss_gain" in (checked.check.evidence.get(j) or {})  # convicted by the audit's own check_round
             if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
@@ -1328,9 +1334,39 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
                 -1.0 if cfg.verify.replay_match == "exact" else 0.0)
         for checked in checks:
             judge_unbound(cfg.verify, checked.check, a, score, unbound[j])
+    # an elastic retry's newcomers (the record's `newcomers`), and what the draw without them replays: every member
+    for j, why in extra.items():
+        if j in unbound or any(j not in c.check.accepted for c in checks):
+            continue
+        a = unbound_audit(cfg.verify, cfg.train, j, -1)
+        failed = any(mine.get(j) == REPLAY_MISMATCH for mine in verdicts)
+        if replays_left > 0:
+            replays_left -= 1
+            score = replayed_score(a)
+            for mine, where in zip(verdicts, wheres, strict=True):
+                if replay_failed(cfg.verify, score) and mine.get(j) == ACCEPT:
+                    _fail(f"{where}worker {j}'s replay fails, but the round accepted it (" + (
+                        "a newcomer to the retried round" if why == "newcomer" else "drawn without the retry's newcomers")
+                        + ", so every member replayed it itself)")
+        else:  # not re-run: the record's verdict stands
+            score = (0.0 if cfg.verify.replay_match == "exact" else math.inf) if failed else (
+                -1.0 if cfg.verify.replay_match == "exact" else 0.0)
+        for checked in checks:
+            judge_retry_replay(cfg.verify, checked.check, a, score, why)
     for sl in slices:
         sl.disputes |= disputes
     return replays_left
+
+
+def _newcomers(part: dict, members: list[int], where: str) -> list[int]:
+    """The record's `newcomers` (round.replay_audits): members of an elastic retry that were not in
+    the round's first try, ascending. Who was in that try the record alone says (the coordinator
+    that knew is gone): a false list changes which workers every member replayed, not the seed."""
+    listed = part.get("newcomers", [])
+    if not (isinstance(listed, list) and all(type(j) is int for j in listed) and listed == sorted(set(listed))
+            and set(listed) <= set(members)):
+        _fail(f"{where}the record's newcomers are not an ascending list of the round's members: {listed!r:.80}")
+    return listed
 
 
 def open_run_ledger(run_dir: str | Path) -> Ledger:

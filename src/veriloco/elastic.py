@@ -340,7 +340,8 @@ class _Flight:
                     ctx.injector.in_exchange(self.sent.round)
                     mark_out(ctx.w, self.sent.round, self.sent.bundle_hash)
                     handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
-                                      on_packets=partial(keep_seen, ctx.w, members=view.active, round=self.sent.round)).start(
+                                      on_packets=partial(keep_seen, ctx.w, members=view.active, round=self.sent.round,
+                                                         first_try=partial(ctx.members.first_try, self.sent.round))).start(
                         self.bundle, reveal=self.reveal)
                     handle.wait()  # the bytes move now, under the next round's inner steps
                 self.first = (view, comm, handle, None)
@@ -407,7 +408,8 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
             ctx.injector.in_exchange(r)
             mark_out(w, r, sent.bundle_hash)
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
-                              on_packets=partial(keep_seen, w, members=view.active, round=r)).start(flight.bundle, reveal=flight.reveal)
+                              on_packets=partial(keep_seen, w, members=view.active, round=r,
+                                                 first_try=partial(ctx.members.first_try, r))).start(flight.bundle, reveal=flight.reveal)
         sent.handle = handle
         ctx.injector.after_sent(r, handle.wait)
         outside = [j for j in range(w.workers) if j not in view.active]

@@ -394,6 +394,21 @@ class Membership:
                 self.store.set(f"late/{j}", repr(now))
         return stands
 
+    def first_try(self, round: int, members: list[int]) -> list[int] | None:
+        """The members of round `round`'s first try whose salts went out, as the coordinator's store
+        holds them: `members` (this worker's answer: the try it is in, or the first one it noted)
+        unless another member wrote first. round.keep_seen calls it between packets and reveal, so
+        a worker that joins a retry learns it is a newcomer to the round, as the first try's
+        members know from their own notes. Any worker can write the key: a value that is not a
+        list of workers is None (no answer), and one that is false can only add or spare replays
+        (round.replay_audits' newcomers), never change the round's seed."""
+        text = self.store.compare_set(f"first/{round}", "", " ".join(map(str, members))).decode()
+        parts = text.split(" ")
+        if not all(x.isascii() and x.isdigit() and len(x) <= 10 for x in parts):
+            return None
+        out = [int(x) for x in parts]
+        return out if out == sorted(set(out)) and all(x < (self.workers or x + 1) for x in out) else None
+
     def _awaited(self, round: int, now: float, asked_stamp: tuple, heading_stamp: tuple, late_stamp: tuple,
                  alive_stamp: tuple) -> bool:
         """Whether a quorum of `round` waits for a worker not in it, given its stamps (`_parse_stamp`

@@ -160,7 +160,9 @@ from .verify.replay import (
     from_state,
     hashes_match,
     judge_reported,
+    judge_retry_replay,
     judge_unbound,
+    newcomer_audits,
     plain_replayer,
     replay_evidence,
     replay_failed,
@@ -274,6 +276,9 @@ class Identity:
     # round -> worker -> the store hash of a bundle of the round that it received from that worker and that
     # held no commitment the worker signed for the round (keep_seen): check_bundles' unsigned_earlier
     unsigned: dict[int, dict[int, str]] = field(default_factory=dict)
+    # round -> the members of this try of the round (elastic) that were not in its first try whose salts
+    # went out (keep_seen): they may have been told those salts before they committed (replay_audits)
+    newcomers: dict[int, list[int]] = field(default_factory=dict)
 
 
 def worker_key(cfg: Config, worker: int) -> Ed25519PrivateKey:
@@ -866,7 +871,8 @@ def mark_out(w: Worker, r: int, bundle_hash: str) -> None:
         write_sent_note(w, r, note["window_s"], note["bundle"], note["codec_log"], out=True, resent=note.get("resent") is True)
 
 
-def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = None, round: int | None = None) -> None:
+def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = None, round: int | None = None,
+              first_try: Callable[[list[int]], list[int] | None] | None = None) -> None:
     """Exchange.on_packets: write down the round's signed commitments this worker received
     (RUN/workers/W/seen-R.json), once every bundle is in and before its own reveal goes out;
     load_seen gives them back to its equivocation detector when it redoes the round. The round
@@ -888,7 +894,14 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
     hash), so that in a redo it is unbound: out of the round's seed, and replayed by every member
     that noted it, or rejected where the run does not replay (check_bundles' unsigned_earlier;
     forty-first session: until then it could commit in the redo with a salt ground against the
-    salts it had seen, and skim unreplayed)."""
+    salts it had seen, and skim unreplayed).
+
+    A worker that joins an elastic retry of the round is bound by its new commitment, but a
+    member of the first try may have passed it every salt of that try (which the retry reveals
+    again), so it could choose the retry's draw. `first_try` (elastic: Membership.first_try)
+    gives the members of the round's first try whose salts went out: the note keeps them
+    (`members`, from the first try this worker noted, else from the coordinator), and the members
+    of this try not among them are its `newcomers` (Identity.newcomers: replay_audits)."""
     def parsed(data) -> tuple[bytes, SignedCommitment] | None:
         try:
             raw = decode_bundle(data, view=True)[0]
@@ -912,10 +925,15 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
     # commits anew then convicts itself as every other member does (the params stay agreed).
     # An elastic retry of the round adds to what the failed try brought (a second commitment
     # of a sender is the evidence, not a replacement of the first)
-    texts, earlier = _seen_note(d / f"seen-{r}.json", r) or ([], {})
+    texts, earlier, first = _seen_note(d / f"seen-{r}.json", r) or ([], {}, None)
     texts += [text for q, text in kept if q == r and text not in texts]
     unsigned |= earlier  # (a sender's first junk of the round stays)
-    note = {"round": r, "commitments": texts} | ({"unsigned": {str(j): h for j, h in sorted(unsigned.items())}} if unsigned else {})
+    if members is not None and first_try is not None:  # its own note first: the coordinator's key anyone can write
+        first = first if first is not None else first_try(list(members))
+        w.identity.newcomers = {q: v for q, v in w.identity.newcomers.items() if r - 1 <= q != r} | (
+            {r: [j for j in members if j not in first]} if first is not None else {})
+    note = {"round": r, "commitments": texts} | ({"unsigned": {str(j): h for j, h in sorted(unsigned.items())}} if unsigned else {}) | (
+        {"members": first} if first is not None else {})
     atomic_write(d / f"seen-{r}.json", json.dumps(note).encode())
     (d / f"seen-{r - 2}.json").unlink(missing_ok=True)
     _remember_unsigned(w, r, unsigned)
@@ -938,7 +956,7 @@ def load_seen(w: Worker, r: int) -> None:
         q = path.name[len("seen-"):-len(".json")]
         if not (q.isascii() and q.isdigit()) or int(q) < r:
             continue
-        texts, unsigned = _seen_note(path, int(q)) or ([], {})
+        texts, unsigned, _ = _seen_note(path, int(q)) or ([], {}, None)
         for text in texts:
             try:
                 signed = parse_signed_commitment(text.encode())
@@ -970,19 +988,21 @@ def _read_note(path: Path) -> Any:
         raise RuntimeError(f"{path}: unreadable ({e})") from None
 
 
-def _seen_note(path: Path, r: int) -> tuple[list[str], dict[int, str]] | None:
-    """The commitments a seen note holds (keep_seen) and its junk senders (worker -> store hash),
-    or None when there is none."""
+def _seen_note(path: Path, r: int) -> tuple[list[str], dict[int, str], list[int] | None] | None:
+    """The commitments a seen note holds (keep_seen), its junk senders (worker -> store hash) and
+    the members of the round's first try (elastic; else None), or None when there is none."""
     note = _read_note(path)
     if note is None:
         return None
     unsigned = note.get("unsigned", {}) if isinstance(note, dict) else None
+    members = note.get("members") if isinstance(note, dict) else None
     if not (isinstance(note, dict) and type(note.get("round")) is int and note["round"] == r
             and isinstance(note.get("commitments"), list)
             and all(isinstance(t, str) for t in note["commitments"])
-            and isinstance(unsigned, dict) and all(k.isascii() and k.isdigit() and len(k) <= 10 and _hex64(h) for k, h in unsigned.items())):
-        raise RuntimeError(f"{path}: not a list of round {r}'s commitments (round, commitments, unsigned)")
-    return note["commitments"], {int(k): h for k, h in unsigned.items()}
+            and isinstance(unsigned, dict) and all(k.isascii() and k.isdigit() and len(k) <= 10 and _hex64(h) for k, h in unsigned.items())
+            and (members is None or isinstance(members, list) and all(type(j) is int and j >= 0 for j in members))):
+        raise RuntimeError(f"{path}: not a list of round {r}'s commitments (round, commitments, unsigned, members)")
+    return note["commitments"], {int(k): h for k, h in unsigned.items()}, members
 
 
 def _noted(w: Worker, r: int, bundle_hash: str) -> tuple[bytes, str, Commitment, bytes]:
@@ -1158,6 +1178,10 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
         plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
     audits = plan.audits(cfg.verify, cfg.train, part.members)
+    # an elastic retry's members that were not in the round's first try (keep_seen; elastic runs are not pipelined)
+    check.newcomers = [j for j in w.identity.newcomers.get(r, []) if j in part.members] if w.topo.stages == 1 else []
+    extra = newcomer_audits(cfg.verify, cfg.train, base_hash, check, w.banned, part.members, check.newcomers,
+                            audits) if check.newcomers else {}
     G_r, spent, mine = w.bases.get(r), Spent(), {}
     replayer = replayer_of(w)
     land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round
@@ -1231,6 +1255,10 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         if j in check.accepted and G_r is not None:
             a = unbound_audit(cfg.verify, cfg.train, j, w.worker)
             judge_unbound(cfg.verify, check, a, replay(a), unbound[j])
+    for j, why in extra.items():  # an elastic retry's newcomers, and what the draw without them replays
+        if j in check.accepted and j not in unbound and G_r is not None:
+            a = unbound_audit(cfg.verify, cfg.train, j, w.worker)
+            judge_retry_replay(cfg.verify, check, a, replay(a), why)
     w.disputes |= disputed_pairs(audits, check)
     for x in [x for x in w.kept if x <= r]:  # their memory (or file) is done with
         w.kept.pop(x).release()
@@ -1623,6 +1651,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         stage_record["reveals"] = [check.reveals.get(j) for j in range(W)]
     if check.unbound:  # noted as having signed nothing in an earlier try: out of the seed, replayed by the noters
         stage_record["unbound"] = {str(j): h for j, h in sorted(check.unbound.items())}
+    if check.newcomers:  # an elastic retry's members that were not in its first try: replayed by every member
+        stage_record["newcomers"] = check.newcomers
     if check.loss_gains is not None and check.loss_gains.record is not None:
         stage_record["loss_gain_reports"] = check.loss_gains.record  # the audit re-settles from them
     if w.banned:

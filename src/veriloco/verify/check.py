@@ -27,7 +27,7 @@ which is exact, decides. With "reject" (and whenever replays are off) it is reje
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,9 @@ class RoundCheck:
     # worker -> that bundle's store hash. Their commitments and salts stay out of the round's seed, and every
     # member that noted one it accepts replays it itself (replay.judge_unbound)
     unbound: dict[int, str] = field(default_factory=dict)
+    # members of an elastic retry that were not in the round's first try whose salts went out, as this worker
+    # learnt (round.keep_seen): every member replays them, and what the draw without them replays (replay.newcomer_audits)
+    newcomers: list[int] = field(default_factory=list)
 
 
 def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) -> None:
@@ -278,16 +281,18 @@ def binds_commitment(signed: SignedCommitment, *, run_id: str, round: int, worke
     return (c.run_id, c.round, c.worker) == (run_id, round, worker) and check_signature(signed, admitted_keys) is None
 
 
-def round_seed(check: RoundCheck, base_hash: str) -> str:
+def round_seed(check: RoundCheck, base_hash: str, leave_out: Collection[int] = ()) -> str:
     """The seed of the round's draws (the replay sample and its auditors, the loss-gain batches
     and checkers): the base, every checked commitment's digest, and the revealed salts of the
     senders that passed the checks (check_bundles). The salts were revealed only after every
     commitment was in, so no sender could know the seed when it committed, however late it
     sent; a rejected sender's salt is left out, so none decides the draw by being rejected.
     An unbound sender's commitment and salt are left out too: it saw every other salt of the
-    round before it first committed (check_bundles' unsigned_earlier)."""
-    digests = "".join(sorted(c.digest for w, c in check.commitments.items() if c is not None and w not in check.unbound))
-    return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts) if w not in check.unbound)
+    round before it first committed (check_bundles' unsigned_earlier). `leave_out`: more senders
+    whose say to leave out (replay.newcomer_audits: the draw without a retry's newcomers)."""
+    out = set(check.unbound) | set(leave_out)
+    digests = "".join(sorted(c.digest for w, c in check.commitments.items() if c is not None and w not in out))
+    return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts) if w not in out)
 
 
 def screen_checked(

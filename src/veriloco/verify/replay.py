@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,10 +132,12 @@ class PlanInputs:
     banned: set[int]
 
     @classmethod
-    def of_round(cls, base_hash: str, check: RoundCheck, banned: set[int]) -> PlanInputs:
+    def of_round(cls, base_hash: str, check: RoundCheck, banned: set[int], leave_out: Collection[int] = ()) -> PlanInputs:
         """One slice's: the seed mixes the round's base with every worker's commitment and
-        revealed salt (check.round_seed), so nobody knows its sample before all have committed."""
-        return cls(round_seed(check, base_hash), sorted(check.accepted), set(check.suspects), set(banned))
+        revealed salt (check.round_seed), so nobody knows its sample before all have committed.
+        `leave_out`: workers to draw as if they had not taken part (newcomer_audits)."""
+        return cls(round_seed(check, base_hash, leave_out), sorted(j for j in check.accepted if j not in leave_out),
+                   set(check.suspects) - set(leave_out), set(banned))
 
     def audits(self, verify: VerifyConfig, train: TrainConfig, members: list[int]) -> list[Audit]:
         """The round's replays under the run's config (`plan_audits` with its segments, replay
@@ -545,6 +547,38 @@ def judge_unbound(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: 
         check.accepted.pop(j, None)
     else:
         check.evidence.setdefault(j, {})["unsigned_earlier"] = replay_evidence(verify, audit, score) | {"bundle": bundle}
+
+
+def newcomer_audits(verify: VerifyConfig, train: TrainConfig, base_hash: str, check: RoundCheck, banned: set[int],
+                    members: list[int], newcomers: list[int], audits: list[Audit]) -> dict[int, str]:
+    """The replays a member makes itself, whatever the draw, in an elastic round whose try has
+    `newcomers`: members that were not in the round's first try whose salts went out
+    (round.keep_seen). A member of that try may have passed a newcomer every salt, which the
+    retry reveals again (they are deterministic), so the newcomer could grind the commitment it
+    now signs until the round's draw (`audits`) is the one it wants: itself unreplayed, or a
+    colluder (the third review of the junk-first fix, forty-first session). So every member
+    replays each newcomer's whole round, and every worker that the draw without the newcomers'
+    say (their commitments and salts out of the seed, they out of the sample and the auditors)
+    replays and `audits` does not, each as unbound_audit replays a sender (its whole round, no
+    state to send). Drawn from the plan inputs of `check` before any replay. Returns worker -> why ("newcomer" or "undrawn"), in worker order. round.py and audit.py
+    both call it."""
+    others = [m for m in members if m not in newcomers]
+    drawn = {a.worker for a in audits}
+    without = PlanInputs.of_round(base_hash, check, banned, leave_out=newcomers).audits(verify, train, others)
+    out = {a.worker: "undrawn" for a in without if a.worker not in drawn} | {j: "newcomer" for j in newcomers}
+    return dict(sorted(out.items()))
+
+
+def judge_retry_replay(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: float, why: str) -> None:
+    """Judge a replay newcomer_audits asked for by `score`, this judge's own number: failed,
+    REPLAY_MISMATCH (evidence `retry_replay`: why); passed, the evidence says so."""
+    j = audit.worker
+    if replay_failed(verify, score):
+        check.verdicts[j] = REPLAY_MISMATCH
+        check.evidence[j] = (check.evidence.get(j) or {}) | replay_evidence(verify, audit, score) | {"retry_replay": why}
+        check.accepted.pop(j, None)
+    else:
+        check.evidence.setdefault(j, {})["retry_replay"] = replay_evidence(verify, audit, score) | {"why": why}
 
 
 def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, reported: float, score: float,
