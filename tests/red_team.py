@@ -495,8 +495,8 @@ class AbortRegrind(_PatchingSkim):
             for w in works:
                 ex.comm.wait(w)
 
-        def sampled(seed, workers):
-            return me in [a.worker for a in plan_audits(seed, workers, workers, segments, p)]
+        def sampled(seed, workers):  # a draw it does not want
+            return adv._unwanted(plan_audits(seed, workers, workers, segments, p, whole=adv.params.get("whole") == "1"))
 
         def transfer(ex, own, bufs):
             cur = state["cur"]
@@ -555,6 +555,10 @@ class AbortRegrind(_PatchingSkim):
 
     _aborts = True  # gives a try up when its draw would replay it
 
+    def _unwanted(self, audits):
+        """Whether a draw (plan_audits) is one it grinds away from: one that replays it."""
+        return self.worker in [a.worker for a in audits]
+
     def _salts_known(self, r):
         """Round r's salts of the others known from elsewhere than its own failed try: none."""
         return None
@@ -565,7 +569,10 @@ class PassSalts(Adversary):
     fix, forty-first session): in the first try of round `at` of an elastic run it receives every
     other salt before it sends its own, writes them with its own to the file `salts` and gives
     the try up; it asks for the retry's quorum only once its colluder is ready (the file `ready`),
-    so that the colluder is in it. Params: at, salts, ready."""
+    so that the colluder is in it. `key`: what it writes as the coordinator's key of the round's
+    first try (Membership.first_try) before that try forms ("_" for " "), so that its members learn
+    from it whom the first try had; `leave=1`: its process ends once it has passed the salts on.
+    Params: at, salts, ready, key, leave."""
 
     kind = "pass_salts"
     PARAMS = None
@@ -578,6 +585,7 @@ class PassSalts(Adversary):
 
     def _patch(self):
         import json
+        import os
         import struct
         import time
         from pathlib import Path
@@ -586,6 +594,8 @@ class PassSalts(Adversary):
         from veriloco.verify.commitment import REVEAL_BYTES, SALT_BYTES, parse_signed_commitment
 
         at, salts, ready, me = int(self.params["at"]), Path(self.params["salts"]), Path(self.params["ready"]), self.worker
+        key = self.params.get("key")  # written as the coordinator's first/AT before its first try, "_" for " "
+        leave = self.params.get("leave") == "1"
         state = {"round": None, "workers": {}}
         transfer_, quorum_ = exchange.Exchange._transfer, membership.Membership.quorum
 
@@ -603,12 +613,16 @@ class PassSalts(Adversary):
                 out[me] = bytes(own[:SALT_BYTES].numpy()).hex()
                 salts.with_name(salts.name + ".tmp").write_text(json.dumps(out))
                 salts.with_name(salts.name + ".tmp").rename(salts)
+                if leave:  # its process ends: the retry is its colluder's and the others'
+                    os._exit(3)
                 raise RuntimeError(f"pass_salts: round {at}'s salts passed on; giving the try up")
             transfer_(ex, own, bufs)
             state["round"] = worker_of(own).round
             state["workers"] = {q: worker_of(b).worker for q, b in bufs.items()}
 
         def quorum(members, round):
+            if round == at and key is not None:
+                members.store.compare_set(f"first/{at}", "", key.replace("_", " "))
             if round == at and salts.exists() and not ready.exists():  # the retry: once the colluder asks too
                 deadline = time.monotonic() + 60
                 while not ready.exists() and time.monotonic() < deadline:
@@ -659,6 +673,53 @@ class LateGrind(AbortRegrind):
         if r == int(self.params["at"]):
             Path(self.params["ready"]).write_text("1")
         return bundle
+
+
+class SteerGrind(LateGrind):
+    """LateGrind that trains honestly and grinds its commitment for a colluder of the first try
+    (`target`, red_team.LateSkim) instead: until the retry's draw replays the colluder only to a
+    segment before `cut`, where it has skimmed nothing yet (the review of the forty-second
+    session: newcomer_audits replayed only what the draw without the newcomers sampled and the
+    round's draw did not, so a worker both drew kept the auditor and segment the newcomer chose).
+    Params: at, salts, ready, p, segments, target, cut."""
+
+    kind = "steer_grind"
+
+    def _unwanted(self, audits):
+        drawn = [a for a in audits if a.worker == int(self.params["target"])]
+        return not (drawn and drawn[0].segment < int(self.params["cut"]))
+
+    def batch(self, r, step, inputs, targets):
+        super().batch(r, step, inputs, targets)
+        return inputs, targets
+
+
+class LateSkim(Skim):
+    """Honest but in round `at`, where it trains from inner step `cut` on only half of each batch
+    (red_team.SteerGrind's colluder). Params: at, cut."""
+
+    kind = "late_skim"
+    PARAMS = None
+
+    def batch(self, r, step, inputs, targets):
+        if r == int(self.params["at"]) and step >= int(self.params["cut"]):
+            return super().batch(r, step, inputs, targets)
+        return inputs, targets
+
+
+class SelfFramer(Adversary):
+    """Trains honestly; sends its auditor the right start state in private, and none (zeros) when
+    asked to send it to every member (the review of the forty-second session: the offline audit
+    replayed from the private copy and failed a run that had convicted it rightly)."""
+
+    kind = "self_framer"
+
+    def state(self, r, segment, tensors):
+        asked = self.__dict__.setdefault("asked", set())
+        if (r, segment) in asked:
+            return None
+        asked.add((r, segment))
+        return tensors
 
 
 class WithholdSkim(_PatchingSkim):

@@ -551,6 +551,58 @@ def test_a_newcomer_to_a_retried_round_is_replayed_by_every_member(tmp_path, mon
         assert not report.ok and message in report.first_failure, report.first_failure
 
 
+ELASTIC_PAIR = ("--topology.workers=4", "--train.inner_steps=4", "--train.inner_state=reset", "--run.membership=elastic",
+                "--run.min_workers=3", "--run.round_deadline=1", "--run.timeout_s=10", "--run.heartbeat_timeout_s=1.5")
+
+
+def test_a_false_first_try_key_stops_the_run_rather_than_spare_a_newcomer(tmp_path, monkeypatch):
+    """The review of the forty-second session: the coordinator's key of round 1's first try,
+    written by the colluder before that try formed ("0 1 2 3": nobody a newcomer), was what the
+    first try's members noted as its members, so in the retry none took the grinding skimmer
+    for a newcomer and it went in unreplayed. A note now records the worker's own view only: the
+    first try's members still replay the newcomer, while its own process, misled by the key,
+    accepts itself, and the agreement check stops the run before anything of it is applied."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    salts, ready, run_dir = tmp_path / "salts", tmp_path / "ready", tmp_path / "k"
+    pair = f"at=1,salts={salts},ready={ready}"
+    cfg = tiny(*ELASTIC_PAIR, "--train.rounds=2", "--verify.trace_every=4", "--verify.replay_probability=0.5",
+               f"--adversary.2=red_team:PassSalts:{pair},key=0_1_2_3,leave=1",
+               f"--adversary.3=red_team:LateGrind:{pair},p=0.5,segments=1")
+    with pytest.raises(RuntimeError, match="disagree on the global params"):
+        train(cfg, str(run_dir), quiet=True)
+    assert len(rounds_of(run_dir)) == 1  # round 1 applied nowhere
+    notes = {int(d.parent.name): json.loads(d.read_text())["members"] for d in run_dir.glob("workers/*/seen-1.json")}
+    assert notes[0] == notes[1] == [0, 1, 2] and notes[3] == [0, 1, 3], notes  # each its own view, not the key's
+
+
+def test_a_newcomer_cannot_choose_how_a_colluder_is_replayed(tmp_path, monkeypatch):
+    """The review of the forty-second session: a newcomer (red_team.SteerGrind, honest itself)
+    ground its commitment until the retry's draw replayed its colluder of the first try
+    (red_team.LateSkim, which skims round 1 from step 2 on) only to a segment before step 2.
+    newcomer_audits replayed only what the draw without the newcomers sampled and the round's
+    draw did not, so a worker both drew kept the segment (and auditor) the newcomer chose, and
+    the skimmer went in. Now every member replays whatever the draw without them samples (here,
+    at replay probability 1, everyone): the skimmer is caught."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    salts, ready = tmp_path / "salts", tmp_path / "ready"
+    pair = f"at=1,salts={salts},ready={ready}"
+    cfg = tiny(*ELASTIC_PAIR, "--train.rounds=2", "--verify.trace_every=1", "--verify.replay_probability=1",
+               "--verify.replay_extent=segment", "--verify.screen=false", "--verify.ban=false",
+               "--adversary.1=red_team:LateSkim:at=1,cut=2", f"--adversary.2=red_team:PassSalts:{pair},leave=1",
+               f"--adversary.3=red_team:SteerGrind:{pair},p=1,segments=4,target=1,cut=2")
+    run, _ = train(cfg, str(tmp_path / "k"), quiet=True)
+    rec = rounds_of(run.root)[1]
+    assert rec["newcomers"] == [3] and rec["evidence"]["1"]["replayed"]["segment"] < 2, rec  # what the grinder chose
+    assert rec["verdicts"][1] == "replay_mismatch" and rec["evidence"]["1"]["retry_replay"] == "drawn", rec
+    assert [rec["verdicts"][j] for j in (0, 3)] == ["accept", "accept"], rec
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
 def test_the_first_try_of_a_round_is_whoever_wrote_first_and_a_malformed_one_is_none():
     """Membership.first_try: the coordinator's key of a round's first try (first writer wins);
     anyone can write it, so what is not an ascending list of admitted workers is no answer."""
@@ -573,8 +625,8 @@ def test_the_first_try_of_a_round_is_whoever_wrote_first_and_a_malformed_one_is_
 
 def test_newcomer_audits_replay_the_newcomers_and_what_the_draw_without_them_replays():
     """replay.newcomer_audits: each newcomer, plus every worker the draw without the newcomers'
-    say samples and the round's draw does not; the draw without them moves with no newcomer's
-    commitment or salt."""
+    say samples, whether the round's draw samples it too or not (there the newcomer chose its
+    auditor and segment); the draw without them moves with no newcomer's commitment or salt."""
     from veriloco.config import TrainConfig, VerifyConfig
     from veriloco.verify.check import RoundCheck
     from veriloco.verify.replay import newcomer_audits
@@ -587,15 +639,15 @@ def test_newcomer_audits_replay_the_newcomers_and_what_the_draw_without_them_rep
         return RoundCheck({j: ACCEPT for j in range(4)}, {j: {} for j in range(4)}, commitments, {}, {},
                           salts={j: f"{j + 10:064x}" for j in range(4)})
 
-    seen = set()
+    without = PlanInputs.of_round("base", check("f" * 64), set(), leave_out=[3]).audits(verify, train_cfg, [0, 1, 2])
+    assert without and all(a.auditor != 3 for a in without) and 3 not in {a.worker for a in without}
+    both, moved = 0, set()
     for nonce in range(40):
         c = check(f"{nonce + 100:064x}")
-        audits = PlanInputs.of_round("base", c, set()).audits(verify, train_cfg, [0, 1, 2, 3])
-        extra = newcomer_audits(verify, train_cfg, "base", c, set(), [0, 1, 2, 3], [3], audits)
-        assert extra.pop(3) == "newcomer"
-        without = PlanInputs.of_round("base", c, set(), leave_out=[3]).audits(verify, train_cfg, [0, 1, 2])
         assert round_seed(c, "base", [3]) == round_seed(check("f" * 64), "base", [3])  # not the newcomer's to move
-        assert extra == {a.worker: "undrawn" for a in without if a.worker not in {b.worker for b in audits}}
-        assert all(a.auditor != 3 for a in without) and 3 not in {a.worker for a in without}
-        seen.add(len(extra))
-    assert any(n > 0 for n in seen), seen  # the newcomer's digest moved the round's draw, and the draw without it caught up
+        extra = newcomer_audits(verify, train_cfg, "base", c, set(), [0, 1, 2, 3], [3])
+        assert extra == {a.worker: "drawn" for a in without} | {3: "newcomer"}
+        drawn = PlanInputs.of_round("base", c, set()).audits(verify, train_cfg, [0, 1, 2, 3])
+        both += any(a.worker in extra for a in drawn if a.worker != 3)
+        moved.add(tuple((a.worker, a.auditor) for a in drawn))
+    assert len(moved) > 1 and both > 0  # the newcomer moves the round's draw, and not what every member replays

@@ -199,6 +199,26 @@ def test_an_auditor_that_reports_no_number_for_a_state_replay_covers_for_no_one(
     assert report.ok, report.first_failure
 
 
+def test_the_state_sent_to_every_member_is_the_one_the_audit_replays_from(tmp_path, monkeypatch):
+    """red_team.SelfFramer sends its auditor the right start state in private and none (zeros)
+    once asked to send it to every member (its silent auditors ask it: red_team.Silent). Every
+    member rightly convicts it; until the review of the forty-second session the store still held
+    the private copy, the offline audit replayed from that and failed the run. A state sent to
+    every member is stored whether it hashes or not."""
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+    cfg = tiny(*STATE, "--topology.workers=3", "--train.rounds=2", "--verify.ban=false",
+               "--adversary.1=red_team:SelfFramer", *(f"--adversary.{j}=red_team:Silent" for j in (0, 2)))
+    run, _ = train(cfg, str(tmp_path / "q"), quiet=True)
+    recs = rounds_of(run.root)
+    segs = [rec["evidence"]["1"]["segment"] for rec in recs]
+    assert all(s > 0 for s in segs), segs  # (drawn from a state in both rounds: the run id decides)
+    assert [rec["verdicts"][1] for rec in recs] == ["replay_mismatch"] * 2, recs
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
 def test_an_auditor_disputes_a_private_state_once_per_worker_then_the_state_is_public(tmp_path, monkeypatch):
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)

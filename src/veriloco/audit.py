@@ -1237,7 +1237,7 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     members = sorted(checks[0].present)
     newcomers = _newcomers(parts[0], members, wheres[0]) if stages == 1 else []  # (elastic runs are not pipelined)
     extra = newcomer_audits(cfg.verify, cfg.train, checks[0].base, checks[0].check, slices[0].banned, members,
-                            newcomers, audits) if newcomers else {}  # replayed by every member, as unbound ones
+                            newcomers) if newcomers else {}  # replayed by every member, as unbound ones
     verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]
     for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
         for j, v in mine.items():

@@ -898,10 +898,15 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
 
     A worker that joins an elastic retry of the round is bound by its new commitment, but a
     member of the first try may have passed it every salt of that try (which the retry reveals
-    again), so it could choose the retry's draw. `first_try` (elastic: Membership.first_try)
-    gives the members of the round's first try whose salts went out: the note keeps them
-    (`members`, from the first try this worker noted, else from the coordinator), and the members
-    of this try not among them are its `newcomers` (Identity.newcomers: replay_audits)."""
+    again), so it could choose the retry's draw. The note keeps the members of the first try of
+    the round this worker took part in (`members`, its own view then); the members of this try
+    not among them are its `newcomers` (Identity.newcomers: replay_audits). A worker without such
+    a note (in its first try of the round, or in a retry it joined: it cannot tell which) takes
+    the first try's members from `first_try` (elastic: Membership.first_try, the coordinator's
+    key, first writer wins), or, where that is no answer, its own try's. Anyone can write that
+    key, so a note records no member but the worker's own view: the key can mislead a worker
+    that joined a retry, never the first try's members, who replay a newcomer whatever it says
+    (and where their verdicts then differ, the round's agreement check stops the run)."""
     def parsed(data) -> tuple[bytes, SignedCommitment] | None:
         try:
             raw = decode_bundle(data, view=True)[0]
@@ -929,9 +934,11 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
     texts += [text for q, text in kept if q == r and text not in texts]
     unsigned |= earlier  # (a sender's first junk of the round stays)
     if members is not None and first_try is not None:  # its own note first: the coordinator's key anyone can write
-        first = first if first is not None else first_try(list(members))
-        w.identity.newcomers = {q: v for q, v in w.identity.newcomers.items() if r - 1 <= q != r} | (
-            {r: [j for j in members if j not in first]} if first is not None else {})
+        told = first_try(list(first if first is not None else members))  # (what it knows, where the key is new)
+        known = first if first is not None else told if told is not None else list(members)
+        w.identity.newcomers = {q: v for q, v in w.identity.newcomers.items() if r - 1 <= q != r} | {
+            r: [j for j in members if j not in known]}
+        first = first if first is not None else list(members)  # its own view, never the key's
     note = {"round": r, "commitments": texts} | ({"unsigned": {str(j): h for j, h in sorted(unsigned.items())}} if unsigned else {}) | (
         {"members": first} if first is not None else {})
     atomic_write(d / f"seen-{r}.json", json.dumps(note).encode())
@@ -1180,8 +1187,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     audits = plan.audits(cfg.verify, cfg.train, part.members)
     # an elastic retry's members that were not in the round's first try (keep_seen; elastic runs are not pipelined)
     check.newcomers = [j for j in w.identity.newcomers.get(r, []) if j in part.members] if w.topo.stages == 1 else []
-    extra = newcomer_audits(cfg.verify, cfg.train, base_hash, check, w.banned, part.members, check.newcomers,
-                            audits) if check.newcomers else {}
+    extra = newcomer_audits(cfg.verify, cfg.train, base_hash, check, w.banned, part.members,
+                            check.newcomers) if check.newcomers else {}
     G_r, spent, mine = w.bases.get(r), Spent(), {}
     replayer = replayer_of(w)
     land = (cfg.outer.overlap_steps, G_r) if cfg.outer.overlap_steps else None  # G_r landed mid-round
@@ -1329,10 +1336,14 @@ class StateMoves:
         except ValueError:
             return torch.zeros(self.size, dtype=torch.uint8)
 
-    def _take(self, a: Audit, buf: torch.Tensor, check: RoundCheck) -> None:
+    def _take(self, a: Audit, buf: torch.Tensor, check: RoundCheck, public: bool = False) -> None:
         """Keep `buf` as a's state if it hashes to the trace entry of its segment's start. With S > 1
         stages `buf` is this stage's slice, and the entry hashes every stage's: the receiving
-        worker's stages pool their slices' hashes (all of them take a's state here together)."""
+        worker's stages pool their slices' hashes (all of them take a's state here together).
+        A `public` state (sent to every member) goes into the store whether it hashes or not: the
+        members judge from it, and so must the offline audit (a worker that sent its auditor the
+        right state in private and every member another had the audit replay from the first, and
+        fail a run that had convicted it rightly: the review of the forty-second session)."""
         w = self.w
         state = state_from_bytes(buf, self.layout)
         hashes = [tensors_hash(state)]
@@ -1340,8 +1351,15 @@ class StateMoves:
             hashes = [x["hash"] for x in _gather_json({"hash": hashes[0]}, w.worker_group)]
         if not hashes_match(hashes, list(check.commitments[a.worker].commitment.trace), a.segment):
             self.received.pop(a.worker, None)
+            if public:
+                self._store(a, buf)
             return
         self.received[a.worker] = state
+        self._store(a, buf)
+
+    def _store(self, a: Audit, buf: torch.Tensor) -> None:
+        """`buf` into the store, under the ref the offline audit reads a's state by."""
+        w = self.w
         digest = w.store.put(buf.numpy().tobytes())
         stage = w.stage if w.topo.stages > 1 else None
         w.store.put_ref(state_ref(w.identity.run_id, self.r, a.worker, a.segment, stage), digest.encode())
@@ -1380,7 +1398,7 @@ class StateMoves:
             self._pace(t0, self.size * (len(self.part.members) - 1), 0)
         else:
             self._pace(t0, 0, self.size)
-        self._take(a, buf, check)  # (the worker too judges its round from what it sent everyone)
+        self._take(a, buf, check, public=True)  # (the worker too judges its round from what it sent everyone)
 
 
 def stage_replay_score(w: Worker, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],

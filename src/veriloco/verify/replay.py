@@ -550,22 +550,23 @@ def judge_unbound(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: 
 
 
 def newcomer_audits(verify: VerifyConfig, train: TrainConfig, base_hash: str, check: RoundCheck, banned: set[int],
-                    members: list[int], newcomers: list[int], audits: list[Audit]) -> dict[int, str]:
+                    members: list[int], newcomers: list[int]) -> dict[int, str]:
     """The replays a member makes itself, whatever the draw, in an elastic round whose try has
     `newcomers`: members that were not in the round's first try whose salts went out
     (round.keep_seen). A member of that try may have passed a newcomer every salt, which the
     retry reveals again (they are deterministic), so the newcomer could grind the commitment it
-    now signs until the round's draw (`audits`) is the one it wants: itself unreplayed, or a
-    colluder (the third review of the junk-first fix, forty-first session). So every member
-    replays each newcomer's whole round, and every worker that the draw without the newcomers'
-    say (their commitments and salts out of the seed, they out of the sample and the auditors)
-    replays and `audits` does not, each as unbound_audit replays a sender (its whole round, no
-    state to send). Drawn from the plan inputs of `check` before any replay. Returns worker -> why ("newcomer" or "undrawn"), in worker order. round.py and audit.py
-    both call it."""
+    now signs until the round's draw is the one it wants: itself unreplayed, or a colluder
+    (the third review of the junk-first fix, forty-first session). So every member replays each
+    newcomer's whole round, and every worker that the draw without the newcomers' say (their
+    commitments and salts out of the seed, they out of the sample and the auditors) replays,
+    each as unbound_audit replays a sender (its whole round, no state to send): also where the
+    round's draw samples it too, since there the newcomer chose its auditor and segment (a
+    colluder's, or one before what it skimmed: the review of the forty-second session). Drawn
+    from the plan inputs of `check` before any replay. Returns worker -> why ("newcomer", or
+    "drawn": by the draw without them), in worker order. round.py and audit.py both call it."""
     others = [m for m in members if m not in newcomers]
-    drawn = {a.worker for a in audits}
     without = PlanInputs.of_round(base_hash, check, banned, leave_out=newcomers).audits(verify, train, others)
-    out = {a.worker: "undrawn" for a in without if a.worker not in drawn} | {j: "newcomer" for j in newcomers}
+    out = {a.worker: "drawn" for a in without} | {j: "newcomer" for j in newcomers}
     return dict(sorted(out.items()))
 
 
