@@ -1,6 +1,7 @@
 """How far is DiLoCo itself from DDP at this machine's scale, and does it close with length?
 
-    python bench/diloco_gap.py [--lengths 10,40] [--full] [--sweep] [--out bench/results/diloco_gap.json]
+    python bench/diloco_gap.py [--lengths 10,40] [--inner-steps 20] [--workers 4] [--full] [--sweep]
+                               [--out bench/results/diloco_gap.json]
 
 The communication target (>= 1000x less traffic than DDP within 2% of its eval loss) needs
 DiLoCo with fp32 packets and no delay to come within 2% first; this measures that gap. Same
@@ -8,7 +9,8 @@ rows as bench/comm.py's `ddp` and `fp32-d0` (its code: comm.run_row, comm.shared
 4 workers, the emulated 1 Gbit/s 50 ms link, delay 0, at three outer optimizers: DiLoCo's
 (lr 0.7, Nesterov momentum 0.9), momentum 0.5, and plain averaging (lr 1, no momentum).
 `--lengths`: runs of that many rounds of the quick GPT (2 layers, d 64, H = 20), each its own
-DDP row with as many tokens. `--full`: also comm.py's full setting (the default 4-layer GPT,
+DDP row with as many tokens; `--inner-steps` and `--workers` change its H and worker count
+(tests/test_bench_smoke.py's shorter run). `--full`: also comm.py's full setting (the default 4-layer GPT,
 6 rounds x H = 30; ~6 more minutes). `--sweep`: also tune both sides on the quick GPT at 10
 rounds: DDP at three inner learning rates, DiLoCo at two inner learning rates x five outer
 optimizers (~3 more minutes), so the gap is best against best. Eval losses are deterministic on CPU: the same every run.
@@ -72,9 +74,9 @@ def run_sweep(workdir: str, rounds: int = 10) -> dict:
             "best_diloco": best_diloco["name"], "best_gap_pct": gap}
 
 
-def run_setting(name: str, quick: bool, rounds: int, inner_steps: int, workdir: str) -> dict:
+def run_setting(name: str, quick: bool, rounds: int, inner_steps: int, workdir: str, workers: int = 4) -> dict:
     """DDP and DiLoCo (fp32, delay 0) at each of OUTERS, `rounds` x `inner_steps`, side by side."""
-    base = shared_overrides(quick, rounds, inner_steps, 4)
+    base = shared_overrides(quick, rounds, inner_steps, workers)
     specs = [RowSpec("ddp", "ddp", (), "ddp")] + [
         RowSpec(f"diloco-lr{lr}-m{m}", "veriloco",
                 ("--outer.delay=0", "--compress.codec=fp32", f"--outer.lr={lr}", f"--outer.momentum={m}"), "d0")
@@ -92,6 +94,8 @@ def run_setting(name: str, quick: bool, rounds: int, inner_steps: int, workdir: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="10,40", help="comma-separated round counts of the quick GPT")
+    ap.add_argument("--inner-steps", type=int, default=20, help="H of the quick GPT's runs")
+    ap.add_argument("--workers", type=int, default=4, help="workers of the quick GPT's runs (DDP's too)")
     ap.add_argument("--full", action="store_true", help="also comm.py's full setting (6 rounds x H=30, 0.88M params)")
     ap.add_argument("--sweep", action="store_true", help="also tune inner lr and outer optimizer on the quick GPT (~3 min)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "diloco_gap.json"))
@@ -102,9 +106,11 @@ def main() -> None:
         raise SystemExit(f"--lengths: comma-separated integers, got {args.lengths!r}") from None
     if not lengths or min(lengths) < 1:
         raise SystemExit("--lengths: at least one round count, each >= 1")
+    if args.inner_steps < 1 or args.workers < 2:
+        raise SystemExit("--inner-steps must be >= 1 and --workers >= 2")
     t0, runs, sweep = time.perf_counter(), [], None
     with tempfile.TemporaryDirectory(prefix="veriloco-bench-gap-") as workdir:
-        runs += [run_setting("quick", True, n, 20, workdir) for n in lengths]
+        runs += [run_setting("quick", True, n, args.inner_steps, workdir, args.workers) for n in lengths]
         if args.full:
             runs.append(run_setting("full", False, 6, 30, workdir))
         if args.sweep:

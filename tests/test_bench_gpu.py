@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import bench_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.py"
@@ -100,8 +101,10 @@ def test_smoke_engine_trains_both_precisions_and_audits(tmp_path: Path) -> None:
     """Part 3 (`--engine`) on the CPU: the round engine at fp32 and bf16, and 2 stages x 2 replicas,
     replays on, then the audit."""
     out = tmp_path / "gpu.json"
-    p = run(["--smoke", "--engine", "--variants", "inner", "--codecs", "fp32", "--paths", "host",
-             "--no-model-delta", "--out", str(out)])
+    # in-process main() (the tests above run the script as typed): the engine's workers start from this
+    # process's forkserver, and its audits and parts 1 and 2 are small
+    p = bench_arguments("gpu.py", "--smoke", "--engine", "--variants", "inner", "--codecs", "fp32", "--paths", "host",
+                        "--no-model-delta", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     engine = json.loads(out.read_text())["engine"]
     rows = {r["precision"]: r for r in engine if r["layout"] == "default"}

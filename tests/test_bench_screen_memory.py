@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 
-from conftest import bench_arguments, run_bench
+from conftest import bench_arguments
 
 
 def test_both_sides_screen_the_same_deltas_to_the_same_evidence(tmp_path):
     out = tmp_path / "screen_memory.json"
-    # 1.6M params a delta: longer than one fold, so the new side reads the deltas a chunk at a time
-    p = run_bench("screen_memory.py", "--old", "HEAD", "--workers", "3", "--calls", "screen,median", "--repeats", "1",
-                  "--d-model", "256", "--layers", "2", "--out", str(out))
+    # 1.6M params a delta: longer than one fold, so the new side reads the deltas a chunk at a time.
+    # In-process main(): each call is measured in a fresh interpreter of its own
+    p = bench_arguments("screen_memory.py", "--old", "HEAD", "--workers", "3", "--calls", "screen,median",
+                        "--repeats", "1", "--d-model", "256", "--layers", "2", "--out", str(out))
     assert p.returncode == 0, p.stderr
     rows = json.loads(out.read_text())["rows"]  # (the bench stops if the results differ)
     assert [(r["call"], r["workers"]) for r in rows] == [("screen", 3), ("median", 3)]

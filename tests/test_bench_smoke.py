@@ -30,10 +30,12 @@ def test_ledger_race_opens_one_new_ledger_from_several_processes_at_once():
 
 def test_diloco_gap_compares_each_outer_optimizer_with_ddp(tmp_path):
     out = tmp_path / "dg.json"
-    p = bench_arguments("diloco_gap.py", "--lengths", "1", "--out", str(out))
+    # H = 5 on 2 workers, not the bench's 20 on 4: the DDP row starts a fresh interpreter per worker,
+    # and each of its steps waits out the link's 50 ms
+    p = bench_arguments("diloco_gap.py", "--lengths", "1", "--inner-steps", "5", "--workers", "2", "--out", str(out))
     assert p.returncode == 0, p.stderr
     (run,) = json.loads(out.read_text())["runs"]
-    assert run["rounds"] == 1 and [r["name"] for r in run["rows"]] == [
+    assert run["rounds"] == 1 and run["inner_steps"] == 5 and [r["name"] for r in run["rows"]] == [
         "ddp", "diloco-lr0.7-m0.9", "diloco-lr0.7-m0.5", "diloco-lr1.0-m0.0"]
     ddp = run["rows"][0]["eval_loss"]
     for r in run["rows"]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 
-from conftest import bench_arguments
+from conftest import bench_arguments, set_args
 
 
 def test_a_short_eager_run_with_a_changing_straggler_reports_its_figures(tmp_path):
     out = tmp_path / "u.json"
-    # in-process main(): each run is `veriloco train` in a fresh interpreter of its own
+    # in-process main(): each run is `veriloco train` in a fresh interpreter of its own. A 1-layer d 64
+    # model (the row's own is 4 x 128): the figures are the same sums, over steps that take less time
     p = bench_arguments("utilisation.py", "--rounds", "3", "--inner-steps", "3", "--trials", "1", "--slow", "0.5",
+                        *set_args(["model.n_layer=1", "model.d_model=64", "model.n_head=2", "train.eval_batches=2"]),
                         "--out", str(out))
     assert p.returncode == 0, p.stderr
     result = json.loads(out.read_text())

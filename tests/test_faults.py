@@ -84,7 +84,13 @@ def test_crash_between_ledger_append_and_record_resumes_cleanly(tmp_path):
     assert report.ok, report.first_failure
 
 
-ARGS = ["--train.rounds=150", "--train.inner_steps=3", "--train.eval_every=50"]
+# Enough rounds that workers which ran on after the signal would still be recording when the watch
+# ends (2.5 s after the launcher's exit; 1 s after Ctrl-C's): a round takes ~0.1 s here under the
+# suite (~0.07 s alone), so the ~78 rounds left after round 2 last ~4 s even at 0.05 s a round (a
+# machine twice as fast). Quicker workers would end the run before or during the watch, which fails
+# it as well: `done < ROUNDS`, or a round recorded while it watches.
+ROUNDS = 80
+ARGS = [f"--train.rounds={ROUNDS}", "--train.inner_steps=3", "--train.eval_every=50"]
 
 
 def _signalled_run(run: Path, send, **popen) -> tuple[int, list[str]]:
@@ -114,7 +120,7 @@ def _nothing_runs_on_and_it_resumes_to_the_whole_run(run: Path, whole_hash: str,
     """After `before_s`, no round is recorded during `watch_s`; the resume ends at the whole run's params."""
     time.sleep(before_s)
     done = len(rounds_of(run))
-    assert 2 <= done < 150
+    assert 2 <= done < ROUNDS
     time.sleep(watch_s)
     assert len(rounds_of(run)) == done  # no worker runs on
     _, resumed = resume(str(run), quiet=True)
