@@ -20,7 +20,7 @@ from veriloco.hashing import canonical_json, sha256_hex
 from veriloco.packet import encode_bundle, encode_packet
 from veriloco.run import train
 from veriloco.verify import ACCEPT, UNREVEALED, WITHHELD
-from veriloco.verify.check import check_bundles, hex_root, round_seed
+from veriloco.verify.check import RoundCheck, check_bundles, hex_root, round_seed
 from veriloco.verify.commitment import (
     REVEAL_BYTES,
     SALT_BYTES,
@@ -601,6 +601,25 @@ def test_a_newcomer_cannot_choose_how_a_colluder_is_replayed(tmp_path, monkeypat
     assert [rec["verdicts"][j] for j in (0, 3)] == ["accept", "accept"], rec
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
+
+
+def test_the_screen_draws_without_a_newcomers_say():
+    """The review of the forty-second session: a newcomer's ground commitment also chose the loss-
+    gain screen's draws (the batches a gain is measured on, and the checkers), so it could give a
+    colluder of the first try the very steps it trained on, or check it itself. check_bundles
+    keeps the newcomers that sent a bundle (`check.newcomers`), and screen_checked draws from the
+    seed without their say, which no commitment of theirs moves."""
+    from veriloco.verify.check import screen_checked
+    from veriloco.verify.lossgain import Settled
+
+    signed, seeds = {j: type("C", (), {"digest": f"{j:064x}"})() for j in range(4)}, []
+    for digest in ("a" * 64, "b" * 64):
+        decoded = {j: {"w": torch.full((8,), float(j + 1))} for j in range(4)}
+        check = RoundCheck({j: ACCEPT for j in range(4)}, {}, signed | {3: type("C", (), {"digest": digest})()},
+                           {j: f"{j:064x}" for j in range(4)}, {},
+                           decoded, salts={j: f"{j + 10:064x}" for j in range(4)}, newcomers=[3])
+        screen_checked(check, base_hash="base", loss_gains_of=lambda d, seed: seeds.append(seed) or Settled({}))
+    assert seeds[0] == seeds[1] == round_seed(check, "base", [3]) != round_seed(check, "base")
 
 
 def test_the_first_try_of_a_round_is_whoever_wrote_first_and_a_malformed_one_is_none():

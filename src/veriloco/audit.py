@@ -960,6 +960,7 @@ def _check_slice(
         packet_hashes_known=packet_hashes, reveals=_recorded_reveals(cfg, part, where),
         unsigned_reveal=unsigned_reveal_action(cfg.verify),
         unsigned_earlier=_unsigned_earlier(cfg, store, part, where, r, run_id, admitted),
+        newcomers=_newcomers(part, sorted(bundles), where),
     )
     if "reveals" in part and [check.reveals.get(j) for j in range(cfg.topology.workers)] != part["reveals"]:
         for c in recorded:  # a sender this check rejects and the round did not: that is the first thing wrong
@@ -1234,10 +1235,9 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     sampled = {a.worker for a in audits}
     auditors = {a.auditor for a in audits}
     unbound = {j: h for c in checks for j, h in c.check.unbound.items()}  # replayed by each member that noted it
-    members = sorted(checks[0].present)
-    newcomers = _newcomers(parts[0], members, wheres[0]) if stages == 1 else []  # (elastic runs are not pipelined)
-    extra = newcomer_audits(cfg.verify, cfg.train, checks[0].base, checks[0].check, slices[0].banned, members,
-                            newcomers) if newcomers else {}  # replayed by every member, as unbound ones
+    newcomers = checks[0].check.newcomers if stages == 1 else []  # (the record's: elastic runs are not pipelined)
+    extra = newcomer_audits(cfg.verify, cfg.train, checks[0].base, checks[0].check, slices[0].banned,
+                            sorted(checks[0].present), newcomers) if newcomers else {}  # replayed by every member
     verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]
     for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
         for j, v in mine.items():

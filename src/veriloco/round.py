@@ -1185,8 +1185,6 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     if w.topo.stages > 1:  # a replay runs through all of a worker's stages: they must draw one plan
         plan = PlanInputs.pooled(_gather_json(plan.to_json(), w.worker_group))
     audits = plan.audits(cfg.verify, cfg.train, part.members)
-    # an elastic retry's members that were not in the round's first try (keep_seen; elastic runs are not pipelined)
-    check.newcomers = [j for j in w.identity.newcomers.get(r, []) if j in part.members] if w.topo.stages == 1 else []
     extra = newcomer_audits(cfg.verify, cfg.train, base_hash, check, w.banned, part.members,
                             check.newcomers) if check.newcomers else {}
     G_r, spent, mine = w.bases.get(r), Spent(), {}
@@ -1592,6 +1590,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             unsigned_reveal=unsigned_reveal_action(cfg.verify),
             # (not the junk of this try: that is plain malformed, and binds it in no redo yet)
             unsigned_earlier={j: h for j, h in w.identity.unsigned.get(r, {}).items() if bundle_hashes.get(j) != h},
+            # an elastic retry's members that were not in the round's first try (keep_seen; elastic runs are not pipelined)
+            newcomers=w.identity.newcomers.get(r, []) if w.topo.stages == 1 else (),
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])
@@ -1669,7 +1669,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
         stage_record["reveals"] = [check.reveals.get(j) for j in range(W)]
     if check.unbound:  # noted as having signed nothing in an earlier try: out of the seed, replayed by the noters
         stage_record["unbound"] = {str(j): h for j, h in sorted(check.unbound.items())}
-    if check.newcomers:  # an elastic retry's members that were not in its first try: replayed by every member
+    if check.newcomers:  # an elastic retry's members that were not in its first try: out of the screen's seed, replayed by all
         stage_record["newcomers"] = check.newcomers
     if check.loss_gains is not None and check.loss_gains.record is not None:
         stage_record["loss_gain_reports"] = check.loss_gains.record  # the audit re-settles from them

@@ -143,6 +143,7 @@ def check_bundles(
     reveals: Mapping[int, bytes | memoryview] | None = None,
     unsigned_reveal: str = "reject",
     unsigned_earlier: Mapping[int, str] | None = None,
+    newcomers: Collection[int] = (),
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
     hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
@@ -174,7 +175,9 @@ def check_bundles(
     replay.judge_unbound: no auditor for it to choose, no note that must be the same everywhere;
     a member without the note accepts it, and where the others convict it the round's agreement
     check stops the run); else it is rejected (WITHHELD: it withheld its commitment until it had
-    seen the salts)."""
+    seen the salts). `newcomers`: the members of an elastic retry that were not in the round's
+    first try (round.keep_seen), the check's `newcomers` where they sent a bundle: the screen
+    draws without their say (screen_checked), and replay.newcomer_audits adds replays."""
     verdicts: dict[int, str] = {}
     commitments: dict[int, SignedCommitment | None] = {}
     packet_hashes: dict[int, str] = {}
@@ -259,7 +262,8 @@ def check_bundles(
             verdicts[w], evidence[w] = UNREVEALED, {"reveal": raw.hex(), "salt_hash": signed.commitment.salt_hash}
         del decoded[w]
     return RoundCheck(dict(sorted(verdicts.items())), {}, commitments, packet_hashes, evidence, decoded,
-                      suspects=suspects, salts=salts, reveals=examined, unbound=unbound)
+                      suspects=suspects, salts=salts, reveals=examined, unbound=unbound,
+                      newcomers=[j for j in sorted(set(newcomers)) if j in verdicts] if reveals is not None else [])
 
 
 def binds(data: bytes | memoryview, *, run_id: str, round: int, worker: int, admitted_keys: Mapping[int, str]) -> bool:
@@ -316,7 +320,9 @@ def screen_checked(
     settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
-        seed = round_seed(check, base_hash)  # also draws the batches each loss gain is measured on
+        # also draws the batches each loss gain is measured on, and its checkers: without an elastic retry's
+        # newcomers' say (their salt was ground against the others', the review of the forty-second session)
+        seed = round_seed(check, base_hash, check.newcomers)
         if loss_gains_of is not None:
             settled = loss_gains_of(decoded, seed)
             gains: dict[int, LossGain] | None = settled.gains
@@ -335,6 +341,8 @@ def screen_checked(
             # only "no gain on its own batches" is decided here: own-vs-random advantage is too
             # noisy over a few batches to reject on without false positives (replay decides data)
             config=ScreenConfig(min_own_gain=floor, min_own_advantage=-1e9),
+            # a copy is the later sender's: it committed after it had seen the others' packets
+            late=set(check.unbound) | set(check.newcomers),
         )
         for w, v in screened.items():
             if v.accepted:
@@ -350,4 +358,4 @@ def screen_checked(
                 suspects.pop(c, None)
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
     return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded,
-                      suspects, settled, check.salts, check.reveals, check.unbound)
+                      suspects, settled, check.salts, check.reveals, check.unbound, check.newcomers)
