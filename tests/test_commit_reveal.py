@@ -608,18 +608,21 @@ def test_the_screen_draws_without_a_newcomers_say():
     gain screen's draws (the batches a gain is measured on, and the checkers), so it could give a
     colluder of the first try the very steps it trained on, or check it itself. check_bundles
     keeps the newcomers that sent a bundle (`check.newcomers`), and screen_checked draws from the
-    seed without their say, which no commitment of theirs moves."""
+    seed without their say, which no commitment of theirs moves; not where they are half the
+    senders or more (check.screen_leaves_out: a false coordinator key could so leave every honest
+    salt out of a first try's screen)."""
     from veriloco.verify.check import screen_checked
     from veriloco.verify.lossgain import Settled
 
     signed, seeds = {j: type("C", (), {"digest": f"{j:064x}"})() for j in range(4)}, []
-    for digest in ("a" * 64, "b" * 64):
+    for digest, newcomers in (("a" * 64, [3]), ("b" * 64, [3]), ("a" * 64, [2, 3])):
         decoded = {j: {"w": torch.full((8,), float(j + 1))} for j in range(4)}
         check = RoundCheck({j: ACCEPT for j in range(4)}, {}, signed | {3: type("C", (), {"digest": digest})()},
                            {j: f"{j:064x}" for j in range(4)}, {},
-                           decoded, salts={j: f"{j + 10:064x}" for j in range(4)}, newcomers=[3])
+                           decoded, salts={j: f"{j + 10:064x}" for j in range(4)}, newcomers=newcomers)
         screen_checked(check, base_hash="base", loss_gains_of=lambda d, seed: seeds.append(seed) or Settled({}))
     assert seeds[0] == seeds[1] == round_seed(check, "base", [3]) != round_seed(check, "base")
+    assert seeds[2] == round_seed(check, "base")  # two newcomers of four: every say in
 
 
 def test_the_first_try_of_a_round_is_whoever_wrote_first_and_a_malformed_one_is_none():

@@ -400,8 +400,11 @@ class Membership:
         unless another member wrote first. round.keep_seen calls it between packets and reveal, so
         a worker that joins a retry learns it is a newcomer to the round, as the first try's
         members know from their own notes. Any worker can write the key: a value that is not a
-        list of workers is None (no answer), and one that is false can only add or spare replays
-        (round.replay_audits' newcomers), never change the round's seed."""
+        list of workers is None (no answer), and a false one misleads only the workers without a
+        note: it adds or spares replays (replay.newcomer_audits), never moves the replay draw, and
+        moves the screen's draws only by leaving out fewer than half the senders' say
+        (check.screen_leaves_out); where the misled workers' verdicts then differ from the
+        noters', the round's agreement check stops the run."""
         text = self.store.compare_set(f"first/{round}", "", " ".join(map(str, members))).decode()
         parts = text.split(" ")
         if not all(x.isascii() and x.isdigit() and len(x) <= 10 for x in parts):

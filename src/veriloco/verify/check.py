@@ -299,6 +299,18 @@ def round_seed(check: RoundCheck, base_hash: str, leave_out: Collection[int] = (
     return base_hash + digests + "".join(check.salts[w] for w in sorted(check.salts) if w not in out)
 
 
+def screen_leaves_out(check: RoundCheck) -> list[int]:
+    """Whose say the screen's draws (the batches each loss gain is measured on, its checkers) leave
+    out: an elastic retry's newcomers, whose salt may have been ground against the others' (the
+    second review of the forty-second session), while they are fewer than half the round's
+    senders. A worker without a note of the round's first try learns the newcomers from the
+    coordinator's key, which anyone can write: in a first try, a key that named the colluders
+    alone would make every honest member a "newcomer", and leave every honest salt out of the
+    screen's seed, which the colluders could then grind offline. Under an honest majority, a
+    minority left out leaves an honest salt in."""
+    return check.newcomers if 2 * len(check.newcomers) < len(check.verdicts) else []
+
+
 def screen_checked(
     check: RoundCheck,
     *,
@@ -320,9 +332,7 @@ def screen_checked(
     settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
-        # also draws the batches each loss gain is measured on, and its checkers: without an elastic retry's
-        # newcomers' say (their salt was ground against the others', the review of the forty-second session)
-        seed = round_seed(check, base_hash, check.newcomers)
+        seed = round_seed(check, base_hash, screen_leaves_out(check))  # also draws each loss gain's batches, checkers
         if loss_gains_of is not None:
             settled = loss_gains_of(decoded, seed)
             gains: dict[int, LossGain] | None = settled.gains
