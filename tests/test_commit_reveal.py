@@ -625,6 +625,18 @@ def test_the_screen_draws_without_a_newcomers_say():
     assert seeds[2] == round_seed(check, "base")  # two newcomers of four: every say in
 
 
+def test_the_audit_refuses_newcomers_in_a_run_that_draws_nothing():
+    """A record's `newcomers` leave senders out of a round's seed: where the run draws nothing
+    (no replays, no loss-gain batches) there is none, and a record that lists them is refused."""
+    from veriloco.audit import AuditFailure, _newcomers
+
+    draws = tiny("--topology.workers=3", "--train.inner_state=reset", "--verify.trace_every=5", "--verify.replay_probability=0.5")
+    assert _newcomers(draws, {"newcomers": [2]}, [0, 1, 2], "round 1: ") == [2]
+    with pytest.raises(AuditFailure, match="round 1: the record has newcomers, but the run draws nothing"):
+        _newcomers(tiny("--topology.workers=3", "--verify.replay_probability=0", "--verify.loss_gain_batches=0"),
+                   {"newcomers": [2]}, [0, 1, 2], "round 1: ")
+
+
 def test_the_first_try_of_a_round_is_whoever_wrote_first_and_a_malformed_one_is_none():
     """Membership.first_try: the coordinator's key of a round's first try (first writer wins);
     anyone can write it, so what is not an ascending list of admitted workers is no answer."""

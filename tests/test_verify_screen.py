@@ -130,25 +130,6 @@ def test_exact_copy_is_a_duplicate_for_both():
     assert reasons(screen_round(deltas))[4] == NEAR_DUPLICATE
 
 
-@pytest.mark.parametrize("kind", ["exact", "noise"])
-def test_a_copy_by_a_worker_that_saw_the_packets_first_is_its_alone(kind):
-    """`late`: workers that committed after they had seen the round's other packets (an elastic
-    retry's newcomers, a redo's unbound senders). A copy by one of them of an honest packet had
-    both rejected (the review of the forty-second session: a newcomer could so censor any member);
-    now only the later sender is, and two late senders, or two others, still both."""
-    deltas = honest_round(5, 6)
-    g = torch.Generator().manual_seed(0)
-    deltas[4] = {k: t.clone() if kind == "exact" else t + 1e-4 * t.abs().mean() * torch.randn(t.shape, generator=g)
-                 for k, t in deltas[1].items()}
-    hashes = hashes_of(deltas)
-    v = screen_round(deltas, packet_hashes=hashes, late={4})
-    assert reasons(v) == {0: ACCEPT, 1: ACCEPT, 2: ACCEPT, 3: ACCEPT, 4: DUPLICATE if kind == "exact" else NEAR_DUPLICATE}
-    assert v[1].evidence["copied_by"] == [4]
-    both = DUPLICATE if kind == "exact" else NEAR_DUPLICATE
-    for late in ({1, 4}, set()):
-        assert [reasons(screen_round(deltas, packet_hashes=hashes, late=late))[j] for j in (1, 4)] == [both, both]
-
-
 @pytest.mark.parametrize("kind", ["noise", "rescaled"])
 def test_copy_with_small_noise_or_rescaled_is_a_near_duplicate(kind):
     deltas = honest_round(5, 7)

@@ -960,7 +960,7 @@ def _check_slice(
         packet_hashes_known=packet_hashes, reveals=_recorded_reveals(cfg, part, where),
         unsigned_reveal=unsigned_reveal_action(cfg.verify),
         unsigned_earlier=_unsigned_earlier(cfg, store, part, where, r, run_id, admitted),
-        newcomers=_newcomers(part, sorted(bundles), where),
+        newcomers=_newcomers(cfg, part, sorted(bundles), where),
     )
     if "reveals" in part and [check.reveals.get(j) for j in range(cfg.topology.workers)] != part["reveals"]:
         for c in recorded:  # a sender this check rejects and the round did not: that is the first thing wrong
@@ -1358,10 +1358,14 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     return replays_left
 
 
-def _newcomers(part: dict, members: list[int], where: str) -> list[int]:
-    """The record's `newcomers` (round.replay_audits): members of an elastic retry that were not in
-    the round's first try, ascending. Who was in that try the record alone says (the coordinator
-    that knew is gone): a false list changes which workers every member replayed, not the seed."""
+def _newcomers(cfg, part: dict, members: list[int], where: str) -> list[int]:
+    """The record's `newcomers` (round.start_finish): members of an elastic retry that were not in
+    the round's first try, ascending; only where the round draws (a run without draws has no
+    seed to leave them out of). Who was in that try the record alone says (the coordinator that
+    knew is gone): a false list changes which workers the audit replays, and the screen's seed
+    (check.screen_leaves_out), never the replay draw's."""
+    if "newcomers" in part and not reveals_salts(cfg.verify):
+        _fail(f"{where}the record has newcomers, but the run draws nothing from its rounds' seeds")
     listed = part.get("newcomers", [])
     if not (isinstance(listed, list) and all(type(j) is int for j in listed) and listed == sorted(set(listed))
             and set(listed) <= set(members)):

@@ -351,8 +351,6 @@ def screen_checked(
             # only "no gain on its own batches" is decided here: own-vs-random advantage is too
             # noisy over a few batches to reject on without false positives (replay decides data)
             config=ScreenConfig(min_own_gain=floor, min_own_advantage=-1e9),
-            # a copy is the later sender's: it committed after it had seen the others' packets
-            late=set(check.unbound) | set(check.newcomers),
         )
         for w, v in screened.items():
             if v.accepted:

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,7 +377,6 @@ def screen_round(
     loss_gains: Mapping[int, LossGain] | None = None,
     config: ScreenConfig | None = None,
     earlier_deltas: Mapping[int, Delta] | None = None,
-    late: Collection[int] = (),
 ) -> dict[int, Verdict]:
     """Screen one round's deltas; see the module docstring for the checks and thresholds.
 
@@ -387,12 +386,8 @@ def screen_round(
     accepted deltas, near-duplicate checked like the previous round's (evidence keys
     "..._of_earlier"): with the exchange a round late, those are the newest deltas a worker holds
     when it sends, so a stale or copying worker resubmits them. loss_gains: {worker: LossGain} for the
-    workers whose losses the caller measured (others skip the loss check). late: workers that
-    committed after they had seen this round's other packets (an elastic retry's newcomers, a
-    redo's unbound senders): in a duplicate or near-duplicate pair of this round of one of them
-    and another worker, only it is flagged, since the copy can only be its (the review of the
-    forty-second session: a newcomer that copied an honest packet had both rejected). Returns
-    {worker: Verdict} in ascending worker order.
+    workers whose losses the caller measured (others skip the loss check). Returns {worker:
+    Verdict} in ascending worker order.
     """
     cfg = config or ScreenConfig()
     workers = sorted(deltas)
@@ -457,9 +452,7 @@ def screen_round(
         if h is None:
             continue
         same = [o for o in workers if o != w and hashes.get(o) == h]
-        if same and w not in late and all(o in late for o in same):  # copied by a later sender: not its copy
-            ev[w]["copied_by"] = same
-        elif same:
+        if same:
             ev[w]["duplicate_of"] = same
             flag(w, DUPLICATE)
         if h in prev_by_hash:
@@ -502,10 +495,6 @@ def screen_round(
                 hit = near(squares[a], squares[row[o]], dots[a, row[o]], norms[w], norms[o])
                 if hit is not None:
                     for x, y in ((w, o), (o, w)):
-                        if x not in late and y in late:  # the later sender's copy
-                            if y not in ev[x].setdefault("copied_by", []):
-                                ev[x]["copied_by"].append(y)
-                            continue
                         ev[x].setdefault("near_duplicate_of", []).append({"worker": y, **hit})
                         flag(x, NEAR_DUPLICATE)
             for (suffix, earlier_rows, members), mean_sq in zip(back, mean_squares, strict=True):
