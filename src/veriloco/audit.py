@@ -148,12 +148,11 @@ from .verify.replay import (
     from_state,
     hashes_match,
     judge_reported,
-    judge_retry_replay,
-    judge_unbound,
     newcomer_audits,
     plain_replayer,
     replay_failed,
     replay_run,
+    replayed_by_all,
     reveals_salts,
     slice_result,
     state_from_bytes,
@@ -1299,9 +1298,9 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
         # not re-run: the record's verdicts stand, as far as the plan allows them
         for checked, mine in zip(checks, verdicts, strict=True):
             if mine.get(a.worker) == REPLAY_MISMATCH:
-                judge_reported(cfg.verify, checked.check, a, 0.0, 0.0 if cfg.verify.replay_match == "exact" else math.inf)
+                judge_reported(cfg.verify, checked.check, a, 0.0, _recorded_score(cfg.verify, True))
             elif disputed and (mine.get(a.auditor) == FALSE_REPORT or not blame):
-                judge_reported(cfg.verify, checked.check, a, 0.0, -1.0 if cfg.verify.replay_match == "exact" else 0.0,
+                judge_reported(cfg.verify, checked.check, a, 0.0, _recorded_score(cfg.verify, False),
                                blame)
     for part, mine, where in zip(parts, verdicts, wheres, strict=True):  # the replays the record names are the plan's
         evidence = part.get("evidence") or {}
@@ -1316,8 +1315,9 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
             if isinstance(rep, dict) and (rep.get("auditor") != a.auditor or rep.get("segment", a.segment) != a.segment):
                 _fail(f"{where}the record's replay of worker {a.worker} is not the draw's (auditor {a.auditor}, segment "
                       f"{a.segment}): {str(rep)[:80]}")
-    # the senders noted as having signed nothing in an earlier try: each member that noted one replayed it itself
-    for j in sorted(unbound):
+    # noted as having signed nothing in an earlier try (the record's `unbound`), an elastic retry's newcomers (its
+    # `newcomers`) and what the draw without them replays: replayed by the recorder itself, whatever the draw
+    for j, judge, because in replayed_by_all(unbound, extra):
         if any(j not in c.check.accepted for c in checks):
             continue
         a = unbound_audit(cfg.verify, cfg.train, j, -1)
@@ -1326,36 +1326,22 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
             score = replayed_score(a)
             for mine, where in zip(verdicts, wheres, strict=True):
                 if replay_failed(cfg.verify, score) and mine.get(j) == ACCEPT:
-                    _fail(f"{where}worker {j}'s replay fails, but the round accepted it (its bundle of an earlier try, "
-                          f"{unbound[j][:12]}, had signed nothing, so the recorder replayed it itself)")
+                    _fail(f"{where}worker {j}'s replay fails, but the round accepted it ({because})")
         else:  # not re-run: the record's verdict stands
-            failed = any(mine.get(j) == REPLAY_MISMATCH for mine in verdicts)
-            score = (0.0 if cfg.verify.replay_match == "exact" else math.inf) if failed else (
-                -1.0 if cfg.verify.replay_match == "exact" else 0.0)
+            score = _recorded_score(cfg.verify, any(mine.get(j) == REPLAY_MISMATCH for mine in verdicts))
         for checked in checks:
-            judge_unbound(cfg.verify, checked.check, a, score, unbound[j])
-    # an elastic retry's newcomers (the record's `newcomers`), and what the draw without them replays: every member
-    for j, why in extra.items():
-        if j in unbound or any(j not in c.check.accepted for c in checks):
-            continue
-        a = unbound_audit(cfg.verify, cfg.train, j, -1)
-        failed = any(mine.get(j) == REPLAY_MISMATCH for mine in verdicts)
-        if replays_left > 0:
-            replays_left -= 1
-            score = replayed_score(a)
-            for mine, where in zip(verdicts, wheres, strict=True):
-                if replay_failed(cfg.verify, score) and mine.get(j) == ACCEPT:
-                    _fail(f"{where}worker {j}'s replay fails, but the round accepted it (" + (
-                        "a newcomer to the retried round" if why == "newcomer" else "drawn without the retry's newcomers")
-                        + ", so every member replayed it itself)")
-        else:  # not re-run: the record's verdict stands
-            score = (0.0 if cfg.verify.replay_match == "exact" else math.inf) if failed else (
-                -1.0 if cfg.verify.replay_match == "exact" else 0.0)
-        for checked in checks:
-            judge_retry_replay(cfg.verify, checked.check, a, score, why)
+            judge(cfg.verify, checked.check, a, score)
     for sl in slices:
         sl.disputes |= disputes
     return replays_left
+
+
+def _recorded_score(verify, failed: bool) -> float:
+    """A replay's number as the record's verdict has it, where the audit does not re-run it: one
+    that fails (replay_failed), or one that passes."""
+    if verify.replay_match == "exact":
+        return 0.0 if failed else -1.0
+    return math.inf if failed else 0.0
 
 
 def _newcomers(cfg, part: dict, members: list[int], where: str) -> list[int]:

@@ -160,14 +160,13 @@ from .verify.replay import (
     from_state,
     hashes_match,
     judge_reported,
-    judge_retry_replay,
-    judge_unbound,
     newcomer_audits,
     plain_replayer,
     replay_evidence,
     replay_failed,
     replay_run,
     replay_score,
+    replayed_by_all,
     reveals_salts,
     slice_result,
     state_from_bytes,
@@ -934,11 +933,11 @@ def keep_seen(w: Worker, packets: list, rank: int, members: list[int] | None = N
     texts += [text for q, text in kept if q == r and text not in texts]
     unsigned |= earlier  # (a sender's first junk of the round stays)
     if members is not None and first_try is not None:  # its own note first: the coordinator's key anyone can write
-        told = first_try(list(first if first is not None else members))  # (what it knows, where the key is new)
-        known = first if first is not None else told if told is not None else list(members)
+        noted, first = first, first if first is not None else list(members)  # the note: its own view, never the key's
+        told = first_try(first)  # (what it knows, where the key is new)
+        known = noted if noted is not None else told if told is not None else first
         w.identity.newcomers = {q: v for q, v in w.identity.newcomers.items() if r - 1 <= q != r} | {
             r: [j for j in members if j not in known]}
-        first = first if first is not None else list(members)  # its own view, never the key's
     note = {"round": r, "commitments": texts} | ({"unsigned": {str(j): h for j, h in sorted(unsigned.items())}} if unsigned else {}) | (
         {"members": first} if first is not None else {})
     atomic_write(d / f"seen-{r}.json", json.dumps(note).encode())
@@ -1256,14 +1255,12 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     if w.topo.stages > 1:  # its stages replay together: the senders any of them noted (each stage's seed left out its own)
         unbound = {int(j): h for d in _gather_json({str(j): h for j, h in unbound.items()}, w.worker_group)
                    for j, h in d.items()}
-    for j in sorted(unbound):  # noted as having signed nothing in an earlier try: replayed here, by this member itself
+    # noted as having signed nothing in an earlier try, an elastic retry's newcomers and what the draw without
+    # them replays: replayed here, by this member itself
+    for j, judge, _ in replayed_by_all(unbound, extra):
         if j in check.accepted and G_r is not None:
             a = unbound_audit(cfg.verify, cfg.train, j, w.worker)
-            judge_unbound(cfg.verify, check, a, replay(a), unbound[j])
-    for j, why in extra.items():  # an elastic retry's newcomers, and what the draw without them replays
-        if j in check.accepted and j not in unbound and G_r is not None:
-            a = unbound_audit(cfg.verify, cfg.train, j, w.worker)
-            judge_retry_replay(cfg.verify, check, a, replay(a), why)
+            judge(cfg.verify, check, a, replay(a))
     w.disputes |= disputed_pairs(audits, check)
     for x in [x for x in w.kept if x <= r]:  # their memory (or file) is done with
         w.kept.pop(x).release()

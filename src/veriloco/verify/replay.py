@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -539,14 +540,23 @@ def judge_unbound(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: 
     is one member's own, not one every member holds. Failed: REPLAY_MISMATCH. `bundle`: the
     noted one's store hash (a worker's stages pool what they noted). round.py and audit.py both
     judge with this."""
+    _judge_own_replay(verify, check, audit, score, {"unsigned_earlier_bundle": bundle}, "unsigned_earlier",
+                      {"bundle": bundle})
+
+
+def _judge_own_replay(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: float, failed: dict,
+                      passed_key: str, passed: dict) -> None:
+    """Judge a replay a member made itself, whatever the draw, by `score`, its own number: failed,
+    REPLAY_MISMATCH, the evidence of the replay and `failed` added to what the round knew of the
+    worker (a drawn replay's dispute, say); passed, the evidence of the replay and `passed` under
+    `passed_key`."""
     j = audit.worker
-    if replay_failed(verify, score):  # (what the round knew of it stays: a drawn replay's dispute, say)
+    if replay_failed(verify, score):
         check.verdicts[j] = REPLAY_MISMATCH
-        check.evidence[j] = (check.evidence.get(j) or {}) | replay_evidence(verify, audit, score) | {
-            "unsigned_earlier_bundle": bundle}
+        check.evidence[j] = (check.evidence.get(j) or {}) | replay_evidence(verify, audit, score) | failed
         check.accepted.pop(j, None)
     else:
-        check.evidence.setdefault(j, {})["unsigned_earlier"] = replay_evidence(verify, audit, score) | {"bundle": bundle}
+        check.evidence.setdefault(j, {})[passed_key] = replay_evidence(verify, audit, score) | passed
 
 
 def newcomer_audits(verify: VerifyConfig, train: TrainConfig, base_hash: str, check: RoundCheck, banned: set[int],
@@ -573,13 +583,21 @@ def newcomer_audits(verify: VerifyConfig, train: TrainConfig, base_hash: str, ch
 def judge_retry_replay(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: float, why: str) -> None:
     """Judge a replay newcomer_audits asked for by `score`, this judge's own number: failed,
     REPLAY_MISMATCH (evidence `retry_replay`: why); passed, the evidence says so."""
-    j = audit.worker
-    if replay_failed(verify, score):
-        check.verdicts[j] = REPLAY_MISMATCH
-        check.evidence[j] = (check.evidence.get(j) or {}) | replay_evidence(verify, audit, score) | {"retry_replay": why}
-        check.accepted.pop(j, None)
-    else:
-        check.evidence.setdefault(j, {})["retry_replay"] = replay_evidence(verify, audit, score) | {"why": why}
+    _judge_own_replay(verify, check, audit, score, {"retry_replay": why}, "retry_replay", {"why": why})
+
+
+def replayed_by_all(unbound: Mapping[int, str], extra: Mapping[int, str]) -> list[tuple[int, Callable, str]]:
+    """The senders every member replays itself, whatever the draw, in the order they are judged:
+    those noted as having signed nothing in an earlier try (check.unbound: judge_unbound), then an
+    elastic retry's newcomers and what the draw without them samples (newcomer_audits:
+    judge_retry_replay), each once. Each with its judge, called as judge(verify, check, audit,
+    score), and why it was replayed, in words. round.py and audit.py both go through it."""
+    out = [(j, partial(judge_unbound, bundle=h),
+            f"its bundle of an earlier try, {h[:12]}, had signed nothing, so the recorder replayed it itself")
+           for j, h in sorted(unbound.items())]
+    return out + [(j, partial(judge_retry_replay, why=why),
+                   ("a newcomer to the retried round" if why == "newcomer" else "drawn without the retry's newcomers")
+                   + ", so every member replayed it itself") for j, why in extra.items() if j not in unbound]
 
 
 def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, reported: float, score: float,
