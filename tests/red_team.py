@@ -875,3 +875,77 @@ class JunkFirst(Skim):
         # every salt of the exchange that carried its junk in (with delay 1, not the round before's): die
         _die_once_after_exchange(self.params["once"], lambda out: any(p is junk for p in out))
         return junk
+
+
+def _wait_for(path, timeout_s: float = 60.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear within {timeout_s:g} s")
+        time.sleep(0.02)
+    return path
+
+
+def _write_atomically(path, data: bytes) -> None:
+    path.with_name(path.name + ".tmp").write_bytes(data)
+    path.with_name(path.name + ".tmp").rename(path)
+
+
+class Leaks(Adversary):
+    """Not an attacker: an honest worker whose round a colluder sees before it commits (as an
+    elastic retry's newcomer sees the first try's packets): each round it writes its delta and
+    packet to files under `dir` for red_team.Twin. What it sends is its honest packet."""
+
+    kind = "leaks"
+    PARAMS = None  # dir
+
+    def delta(self, r, delta, view):
+        from pathlib import Path
+
+        from safetensors.torch import save
+
+        _write_atomically(Path(self.params["dir"]) / f"delta-{r}", save({k: v.contiguous() for k, v in delta.items()}))
+        return delta
+
+    def packet(self, r, packet, view):
+        from pathlib import Path
+
+        _write_atomically(Path(self.params["dir"]) / f"packet-{r}", bytes(packet))
+        return packet
+
+
+class Twin(Adversary):
+    """Trains honestly, then sends as its own, from round `at` on, the update of red_team.Leaks (its
+    files under `dir`): its packet byte for byte (`noise` 0, the default), or its delta plus
+    `noise` times each tensor's mean magnitude of Gaussian noise, a near copy. The screen flags
+    both ends and cannot tell which is the original; until the forty-third session both were
+    rejected, so a sender that saw an honest member's packet before it committed could censor it.
+    Params: dir, at, noise."""
+
+    kind = "twin"
+    PARAMS = None
+
+    def _copies(self, r):
+        return r >= int(self.params.get("at", "1"))
+
+    def delta(self, r, delta, view):
+        from pathlib import Path
+
+        import torch
+        from safetensors.torch import load
+
+        noise = float(self.params.get("noise", "0"))
+        if not self._copies(r) or noise == 0:
+            return delta
+        src = load(_wait_for(Path(self.params["dir"]) / f"delta-{r}").read_bytes())
+        gen = self.rng(r, 3)
+        return {k: src[k] + noise * src[k].abs().mean() * torch.randn(src[k].shape, generator=gen) for k in sorted(src)}
+
+    def packet(self, r, packet, view):
+        from pathlib import Path
+
+        if not self._copies(r) or float(self.params.get("noise", "0")) != 0:
+            return packet
+        return _wait_for(Path(self.params["dir"]) / f"packet-{r}").read_bytes()

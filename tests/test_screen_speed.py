@@ -233,8 +233,8 @@ def ref_screen(deltas, packet_hashes=None, previous_deltas=None, config=None) ->
             ratio = norms[w] / median_norm
             cos = cosine(vecs[w], centre, norms[w], centre_norm)
             ev[w]["norm_ratio"], ev[w]["cosine_to_centre"] = ratio, cos
-            if w not in candidates:
-                continue
+            if w not in candidates and not set(flags[w]) <= {DUPLICATE, NEAR_DUPLICATE}:
+                continue  # (an end of a same-round copy is measured too: the forty-third session)
             if not cfg.norm_lo <= ratio <= cfg.norm_hi:
                 flag(w, NORM_OUTLIER)
             if cos is not None and cos < cfg.min_cosine:

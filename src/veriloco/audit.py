@@ -85,6 +85,7 @@ from .round import (
     base_lag,
     batch_root,
     codec_summary,
+    copies_replayable,
     evaluates,
     hide_steps,
     lookahead_momentum,
@@ -1034,6 +1035,7 @@ def _screen_slice(cfg, task: _AuditTask, G0: torch.nn.Module, sl: _Slice, r: int
         loss_gain_of=make_loss_gain(task.computed, task.gain_model(G0), sl.start_of(back), r, n, H)
         if v.loss_gain_batches and gains_of is None else None,
         loss_gains_of=gains_of, loss_gain_action=loss_gain_action(v), loss_gain_floor=v.loss_gain_floor,
+        replay_copies=copies_replayable(cfg),
     )
     return checked._replace(check=check)
 
@@ -1234,13 +1236,17 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     sampled = {a.worker for a in audits}
     auditors = {a.auditor for a in audits}
     unbound = {j: h for c in checks for j, h in c.check.unbound.items()}  # replayed by each member that noted it
+    copies: dict[int, list[int]] = {}  # the ends of a copy of the round's packets any stage found: replayed by all
+    for c in checks:
+        for j, of in c.check.copies.items():
+            copies[j] = sorted(set(copies.get(j, [])) | set(of))
     newcomers = checks[0].check.newcomers if stages == 1 else []  # (the record's: elastic runs are not pipelined)
     extra = newcomer_audits(cfg.verify, cfg.train, checks[0].base, checks[0].check, slices[0].banned,
                             sorted(checks[0].present), newcomers) if newcomers else {}  # replayed by every member
     verdicts = [{c["worker"]: c["verdict"] for c in mine} for mine in recorded]
     for checked, mine, where in zip(checks, verdicts, wheres, strict=True):
         for j, v in mine.items():
-            if v == REPLAY_MISMATCH and j not in sampled and j not in unbound and j not in extra:
+            if v == REPLAY_MISMATCH and j not in sampled and j not in unbound and j not in extra and j not in copies:
                 _fail(f"{where}worker {j} is recorded as replay_mismatch but was not in the replay sample")
             lied_on_gain = "loss_gain" in (checked.check.evidence.get(j) or {})  # convicted by the audit's own check_round
             if v == FALSE_REPORT and j not in auditors and not lied_on_gain:
@@ -1316,8 +1322,9 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
                 _fail(f"{where}the record's replay of worker {a.worker} is not the draw's (auditor {a.auditor}, segment "
                       f"{a.segment}): {str(rep)[:80]}")
     # noted as having signed nothing in an earlier try (the record's `unbound`), an elastic retry's newcomers (its
-    # `newcomers`) and what the draw without them replays: replayed by the recorder itself, whatever the draw
-    for j, judge, because in replayed_by_all(unbound, extra):
+    # `newcomers`) and what the draw without them replays, the ends of a copy of the round's packets: replayed by
+    # the recorder itself, whatever the draw
+    for j, judge, because in replayed_by_all(unbound, extra, dict(sorted(copies.items()))):
         if any(j not in c.check.accepted for c in checks):
             continue
         a = unbound_audit(cfg.verify, cfg.train, j, -1)

@@ -161,6 +161,7 @@ from .verify.replay import (
     hashes_match,
     judge_reported,
     newcomer_audits,
+    packet_replayable,
     plain_replayer,
     replay_evidence,
     replay_failed,
@@ -1251,13 +1252,17 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             mine.pop(a.worker, None)
         score = mine[a.worker] if a.worker in mine else replay(a)  # a reported failure: see for itself
         judge_reported(cfg.verify, check, a, reported, score, public or attributable(cfg.verify, a, reported))
-    unbound = check.unbound
-    if w.topo.stages > 1:  # its stages replay together: the senders any of them noted (each stage's seed left out its own)
-        unbound = {int(j): h for d in _gather_json({str(j): h for j, h in unbound.items()}, w.worker_group)
-                   for j, h in d.items()}
+    unbound, copies = check.unbound, check.copies
+    if w.topo.stages > 1:  # its stages replay together: the senders any of them noted (each stage's seed left out
+        # its own), and the ends of a copy any of them found
+        pooled = _gather_json({"unbound": {str(j): h for j, h in unbound.items()},
+                               "copies": {str(j): of for j, of in copies.items()}}, w.worker_group)
+        unbound = {int(j): h for d in pooled for j, h in d["unbound"].items()}
+        copies = {int(j): sorted({x for d in pooled for x in d["copies"].get(j, [])})
+                  for j in sorted({j for d in pooled for j in d["copies"]}, key=int)}
     # noted as having signed nothing in an earlier try, an elastic retry's newcomers and what the draw without
-    # them replays: replayed here, by this member itself
-    for j, judge, _ in replayed_by_all(unbound, extra):
+    # them replays, the ends of a copy of the round's packets: replayed here, by this member itself
+    for j, judge, _ in replayed_by_all(unbound, extra, copies):
         if j in check.accepted and G_r is not None:
             a = unbound_audit(cfg.verify, cfg.train, j, w.worker)
             judge(cfg.verify, check, a, replay(a))
@@ -1435,6 +1440,15 @@ def replay_codecs(cfg: Config, signed: Commitment) -> dict[str, str]:
     return {} if cfg.compress.error_feedback or not isinstance(signed.codec, dict) else dict(signed.codec)
 
 
+def copies_replayable(cfg: Config) -> Callable[[SignedCommitment, dict[str, torch.Tensor]], bool] | None:
+    """check.screen_checked's `replay_copies`: where the run replays, whether a sender's whole-round
+    replay can tell if its packet is its own (the packet is one a replay re-encodes: replay_codecs);
+    None where it replays nothing. round.py and audit.py both screen with it."""
+    if cfg.verify.replay_probability <= 0:
+        return None
+    return lambda signed, delta: packet_replayable(replay_codecs(cfg, signed.commitment), delta)
+
+
 def loss_gain_action(v: VerifyConfig) -> str:
     """What a failed loss-gain test gets this run: "audit" needs replays to decide."""
     return v.loss_gain_action if v.replay_probability > 0 else "reject"
@@ -1583,7 +1597,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             trace_entries=trace_entries(cfg),
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
-            banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
+            replay_copies=copies_replayable(cfg), banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
             unsigned_reveal=unsigned_reveal_action(cfg.verify),
             # (not the junk of this try: that is plain malformed, and binds it in no redo yet)
             unsigned_earlier={j: h for j, h in w.identity.unsigned.get(r, {}).items() if bundle_hashes.get(j) != h},

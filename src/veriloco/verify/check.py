@@ -23,6 +23,9 @@ BANNED before any check. The loss-gain test is noisy over the few batches it can
 deltas fail it now and then), so with `loss_gain_action = "audit"` a delta that fails only that
 test is not rejected here but made a *suspect*: round.py replays it this round, and the replay,
 which is exact, decides. With "reject" (and whenever replays are off) it is rejected outright.
+Likewise both ends of a copy of this round's packets: where the run replays, every member
+replays each end the screen holds nothing else against, and the replay tells the original
+(`replay_copies`, RoundCheck.copies).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from .commitment import (
     parse_signed_commitment,
 )
 from .lossgain import FLOOR_SHARE, Settled, gain_floor
-from .screen import LossGain, ScreenConfig, screen_round
+from .screen import LossGain, ScreenConfig, copied_only, screen_round
 
 
 def hex_root(hashes: list[str]) -> str:
@@ -90,6 +93,10 @@ class RoundCheck:
     # members of an elastic retry that were not in the round's first try whose salts went out, as this worker
     # learnt (round.keep_seen): every member replays them, and what the draw without them replays (replay.newcomer_audits)
     newcomers: list[int] = field(default_factory=list)
+    # the ends of a copy of this round's packets against which the screen holds nothing else (screen.copied_only),
+    # kept in where the run can replay them: worker -> the workers it copies or is copied by. Every member replays
+    # each whole itself (replay.judge_copy): the original reproduces its packet, a copier does not
+    copies: dict[int, list[int]] = field(default_factory=dict)
 
 
 def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) -> None:
@@ -107,7 +114,7 @@ def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) ->
 
 
 SCREEN_ARGS = ("screen", "previous", "earlier", "loss_gain_of", "loss_gains_of", "loss_gain_action",
-               "loss_gain_floor")  # screen_checked's
+               "loss_gain_floor", "replay_copies")  # screen_checked's
 
 
 def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> RoundCheck:
@@ -119,7 +126,9 @@ def check_round(bundles: list[bytes] | dict[int, bytes], **checks: Any) -> Round
     `loss_gains_of(decoded, seed)` settles them from the assigned checkers' reports (lossgain.py;
     `seed`: the round's commitments), and a checker whose report does not reproduce gets
     FALSE_REPORT. `loss_gain_action`: "reject" a delta that fails the loss-gain test, or "audit"
-    it (RoundCheck.suspects)."""
+    it (RoundCheck.suspects). `replay_copies`: which ends of a copy of this round's packets
+    can be replayed to tell the original (RoundCheck.copies); None where the run replays nothing:
+    both ends are rejected."""
     screen = {k: checks.pop(k) for k in SCREEN_ARGS if k in checks}
     return screen_checked(check_bundles(bundles, **checks), base_hash=checks["base_hash"], **screen)
 
@@ -322,13 +331,21 @@ def screen_checked(
     loss_gain_action: str = "reject",
     earlier: dict[int, dict[str, torch.Tensor]] | None = None,
     loss_gain_floor: float = FLOOR_SHARE,
+    replay_copies: Callable[[SignedCommitment, dict[str, torch.Tensor]], bool] | None = None,
 ) -> RoundCheck:
     """The screen of `check_bundles`' decoded deltas (norm, cosine, duplicates, loss gains; see
     check_round), and the accepted deltas. `previous`: the previous round's decoded packet
     hashes and accepted deltas; `earlier`: the round before's accepted deltas (delay 1, a round
-    late: what a worker holds when it sends; screen_round's earlier_deltas)."""
+    late: what a worker holds when it sends; screen_round's earlier_deltas). `replay_copies`:
+    whether a sender's replay could tell whether its packet is its own (its commitment, its
+    delta); an end of a copy of this round against which the screen holds nothing else
+    (screen.copied_only) is then kept in, for every member to replay (RoundCheck.copies), rather
+    than rejected with the other end: a sender that saw the round's packets before it committed
+    (an elastic retry's newcomer, say) could otherwise copy an honest member's and have both
+    refused, censoring that member."""
     verdicts, commitments, decoded = dict(check.verdicts), check.commitments, check.decoded
     packet_hashes, evidence, suspects = check.packet_hashes, dict(check.evidence), dict(check.suspects)
+    copies: dict[int, list[int]] = {}
     settled = None
     if screen and decoded:
         prev_hashes, prev_deltas = previous or ({}, {})
@@ -355,6 +372,10 @@ def screen_checked(
         for w, v in screened.items():
             if v.accepted:
                 continue
+            of = copied_only(v.evidence) if replay_copies is not None else None
+            if of and replay_copies(commitments[w], decoded[w]):
+                copies[w] = of
+                continue
             if loss_gain_action == "audit" and set(v.evidence["flags"]) <= {NO_LOSS_GAIN, WRONG_DATA}:
                 suspects[w] = suspects.get(w, {}) | {"flags": v.evidence["flags"], "loss_gain": v.evidence.get("loss_gain")}
             else:
@@ -366,4 +387,4 @@ def screen_checked(
                 suspects.pop(c, None)
     accepted = {w: d for w, d in decoded.items() if verdicts[w] == ACCEPT}
     return RoundCheck(dict(sorted(verdicts.items())), accepted, commitments, packet_hashes, evidence, decoded,
-                      suspects, settled, check.salts, check.reveals, check.unbound, check.newcomers)
+                      suspects, settled, check.salts, check.reveals, check.unbound, check.newcomers, copies)

@@ -586,18 +586,31 @@ def judge_retry_replay(verify: VerifyConfig, check: RoundCheck, audit: Audit, sc
     _judge_own_replay(verify, check, audit, score, {"retry_replay": why}, "retry_replay", {"why": why})
 
 
-def replayed_by_all(unbound: Mapping[int, str], extra: Mapping[int, str]) -> list[tuple[int, Callable, str]]:
+def judge_copy(verify: VerifyConfig, check: RoundCheck, audit: Audit, score: float, of: list[int]) -> None:
+    """Judge an end of a copy of this round's packets (check.copies: its packet and those of `of`
+    are one, or nearly) by `score`, this judge's own replay of its whole round: the original's
+    replay reproduces its packet, a copier's batches cannot. Failed: REPLAY_MISMATCH (evidence
+    `copy_of`); passed, it stays in (evidence `copy_replay`)."""
+    _judge_own_replay(verify, check, audit, score, {"copy_of": of}, "copy_replay", {"copy_of": of})
+
+
+def replayed_by_all(unbound: Mapping[int, str], extra: Mapping[int, str],
+                    copies: Mapping[int, list[int]]) -> list[tuple[int, Callable, str]]:
     """The senders every member replays itself, whatever the draw, in the order they are judged:
-    those noted as having signed nothing in an earlier try (check.unbound: judge_unbound), then an
+    those noted as having signed nothing in an earlier try (check.unbound: judge_unbound), an
     elastic retry's newcomers and what the draw without them samples (newcomer_audits:
-    judge_retry_replay), each once. Each with its judge, called as judge(verify, check, audit,
-    score), and why it was replayed, in words. round.py and audit.py both go through it."""
+    judge_retry_replay), then the ends of a copy of the round's packets (check.copies:
+    judge_copy), each once. Each with its judge, called as judge(verify, check, audit, score),
+    and why it was replayed, in words. round.py and audit.py both go through it."""
     out = [(j, partial(judge_unbound, bundle=h),
             f"its bundle of an earlier try, {h[:12]}, had signed nothing, so the recorder replayed it itself")
            for j, h in sorted(unbound.items())]
-    return out + [(j, partial(judge_retry_replay, why=why),
-                   ("a newcomer to the retried round" if why == "newcomer" else "drawn without the retry's newcomers")
-                   + ", so every member replayed it itself") for j, why in extra.items() if j not in unbound]
+    out += [(j, partial(judge_retry_replay, why=why),
+             ("a newcomer to the retried round" if why == "newcomer" else "drawn without the retry's newcomers")
+             + ", so every member replayed it itself") for j, why in extra.items() if j not in unbound]
+    return out + [(j, partial(judge_copy, of=of),
+                   f"its packet and worker {of[0]}'s of the round are one (a copy), so every member replayed it itself")
+                  for j, of in sorted(copies.items()) if j not in unbound and j not in extra]
 
 
 def judge_reported(verify: VerifyConfig, check: RoundCheck, audit: Audit, reported: float, score: float,

@@ -8,9 +8,11 @@ numbers that decided it as JSON-serialisable evidence. Checks, in the order that
 1. MALFORMED: non-finite values (decode_packet already refuses them; this is a second line).
 2. NORM_OUTLIER (zero): an all-zero delta is a no-op, whatever the other workers sent.
 3. DUPLICATE: the same packet hash as another worker this round, or as any packet of the previous
-   round (a replay). Both ends of a same-round copy are rejected: the screen cannot tell the
-   original from the copy. `round.py` may replay both and re-admit the one whose trace
-   reproduces the packet; the copier's batches cannot.
+   round (a replay). Both ends of a same-round copy are flagged: the screen cannot tell the
+   original from the copy. Where the run replays, `check.screen_checked` keeps an end against
+   which the screen holds nothing else (`copied_only`) for every member to replay whole
+   (`replay.judge_copy`): the original's replay reproduces its packet, the copier's batches
+   cannot. So checks 5-6 also measure such an end, though it is no candidate for the centre.
 4. NEAR_DUPLICATE: cosine >= `near_dup_cosine` (0.999) OR relative distance ||a-b|| / max(||a||,
    ||b||) <= `near_dup_rel_dist` (1e-3) to another delta of this round or of the previous round,
    or to the mean of the previous round's (a stale worker resubmitting last round's update);
@@ -297,6 +299,21 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+COPY_FLAGS = (DUPLICATE, NEAR_DUPLICATE)
+
+
+def copied_only(evidence: dict[str, Any]) -> list[int] | None:
+    """The workers of this round whose packet a flagged one's copies or is copied by (exactly or
+    nearly), where that is all the screen holds against it: no other flag, no copy of an earlier
+    round. It is then an end of a same-round copy, and the screen cannot tell which end is the
+    original (check.screen_checked may have both replayed). None otherwise."""
+    flags = evidence.get("flags") or []
+    keys = {k for k in evidence if k.startswith(("duplicate_of", "near_duplicate_of"))}
+    if not flags or not set(flags) <= set(COPY_FLAGS) or not keys <= {"duplicate_of", "near_duplicate_of"}:
+        return None
+    return sorted(set(evidence.get("duplicate_of", [])) | {x["worker"] for x in evidence.get("near_duplicate_of", [])})
+
+
 ESTIMATE = True  # _provably_apart may spare the exact near-duplicate dots (tests turn it off to compare)
 _MARGIN = 1e-9  # relative slack for the float64 arithmetic of the exact tests
 
@@ -536,8 +553,8 @@ def screen_round(
             cos = _cosine(dot, norms[w], centre_norm)
             ev[w]["norm_ratio"] = ratio
             ev[w]["cosine_to_centre"] = cos
-            if w not in candidates:
-                continue  # measured for the record; already rejected
+            if w not in candidates and not set(flags[w]) <= set(COPY_FLAGS):
+                continue  # measured for the record; already rejected (an end of a copy may be replayed)
             if not cfg.norm_lo <= ratio <= cfg.norm_hi:
                 flag(w, NORM_OUTLIER)
             # a zero centre (the candidates cancel out) defines no direction: no cosine check
