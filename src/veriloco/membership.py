@@ -163,6 +163,7 @@ class Membership:
         # a quorum may wait round_deadline for a straggler before it forms: ask for longer than that
         self.quorum_timeout_s = max(self.deadline_s, 0.0) + timeout_s
         self._paused = threading.Event()
+        self._heard = threading.Event()  # set once the Lighthouse has had a heartbeat of this worker (announce)
         self._host, self._port = host, store_port
         self.rid = replica_id(worker)
         self._addr = lighthouse_addr
@@ -303,6 +304,7 @@ class Membership:
                 if time.monotonic() >= read_at:  # the coordinator's clock again (drift, a step)
                     self.offset, read_at = offset_to(store, self._clock), time.monotonic() + CLOCK_REREAD_S
                 client.heartbeat(self.rid, timedelta(seconds=2))
+                self._heard.set()
                 store.set(f"alive/{self.worker}", repr(self.now()))
             except Exception:  # the coordinator unreachable (partition): keep trying, quorum() decides
                 pass
@@ -332,14 +334,17 @@ class Membership:
 
     def announce(self, workers: list[int], wait: bool) -> None:
         """Start of a run: say "I am here"; with `wait`, wait (up to the timeout) until every
-        worker in `workers` said so, so that round 0's quorum does not form without a slow starter."""
+        worker in `workers` said so, so that round 0's quorum does not form without a slow starter.
+        A worker says so once the Lighthouse has had a heartbeat of it, so then it counts every one
+        of them as alive (until the forty-third session a fixed 0.5 s of sleep, two heartbeats,
+        stood for that)."""
+        self._heard.wait(self.heartbeat_timeout_s)  # (not heard by then: quorum() tells, within its timeout)
         self.store.set(f"hello/{self.worker}", "1")
         if wait:
             try:
                 self.store.wait([f"hello/{w}" for w in workers], timedelta(seconds=self.timeout_s))
             except Exception as e:
                 raise MembershipError(f"not every worker started within {self.timeout_s:g} s: {e}") from None
-        time.sleep(0.5)  # two heartbeats: the Lighthouse now counts everyone as alive
 
     def quorum(self, round: int) -> QuorumView:
         """Join the quorum for `round` (blocks) and return it once it stands (module docstring: a
