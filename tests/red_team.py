@@ -916,13 +916,37 @@ class Leaks(Adversary):
         return packet
 
 
+def _one_codec(commitment: dict) -> dict:
+    """The commitment with its codec named as one spec for every tensor, where the packet has one:
+    a form check_packet accepts (an honest worker sends the per-tensor map)."""
+    specs = set(commitment["codec"].values()) if isinstance(commitment["codec"], dict) else {commitment["codec"]}
+    return commitment | {"codec": specs.pop()} if len(specs) == 1 else commitment
+
+
+class OneCodec(Adversary):
+    """Trains honestly (a clean trace), sends its delta times `scale` (default 2.5: within the
+    screen's norm band), and names its packet's codec as one spec. Until the forty-third session's
+    review a replay read such a commitment as having no codecs to re-encode with, so an exact
+    replay checked the trace alone, and the scaled delta went in. Params: scale."""
+
+    kind = "one_codec"
+    PARAMS = {"scale": real(lambda x: x > 0, "a number > 0")}
+
+    def delta(self, r, delta, view):
+        return {k: v * self.param("scale", 2.5) for k, v in delta.items()}
+
+    def commitment(self, r, commitment):
+        return _one_codec(commitment)
+
+
 class Twin(Adversary):
     """Trains honestly, then sends as its own, from round `at` on, the update of red_team.Leaks (its
-    files under `dir`): its packet byte for byte (`noise` 0, the default), or its delta plus
-    `noise` times each tensor's mean magnitude of Gaussian noise, a near copy. The screen flags
-    both ends and cannot tell which is the original; until the forty-third session both were
-    rejected, so a sender that saw an honest member's packet before it committed could censor it.
-    Params: dir, at, noise."""
+    files under `dir`): its packet byte for byte (`noise` 0 and `scale` 1, the defaults), or its
+    delta plus `noise` times each tensor's mean magnitude of Gaussian noise, times `scale`: a near
+    copy (a scaled one is a norm outlier too). `one_codec=1`: its commitment names its codec as
+    one spec (red_team.OneCodec). The screen flags both ends and cannot tell which is the
+    original; until the forty-third session both were rejected, so a sender that saw an honest
+    member's packet before it committed could censor it. Params: dir, at, noise, scale, one_codec."""
 
     kind = "twin"
     PARAMS = None
@@ -930,22 +954,29 @@ class Twin(Adversary):
     def _copies(self, r):
         return r >= int(self.params.get("at", "1"))
 
+    def _exact(self):
+        return float(self.params.get("noise", "0")) == 0 and float(self.params.get("scale", "1")) == 1
+
     def delta(self, r, delta, view):
         from pathlib import Path
 
         import torch
         from safetensors.torch import load
 
-        noise = float(self.params.get("noise", "0"))
-        if not self._copies(r) or noise == 0:
+        if not self._copies(r) or self._exact():
             return delta
+        noise, scale = float(self.params.get("noise", "0")), float(self.params.get("scale", "1"))
         src = load(_wait_for(Path(self.params["dir"]) / f"delta-{r}").read_bytes())
         gen = self.rng(r, 3)
-        return {k: src[k] + noise * src[k].abs().mean() * torch.randn(src[k].shape, generator=gen) for k in sorted(src)}
+        return {k: scale * (src[k] + noise * src[k].abs().mean() * torch.randn(src[k].shape, generator=gen))
+                for k in sorted(src)}
 
     def packet(self, r, packet, view):
         from pathlib import Path
 
-        if not self._copies(r) or float(self.params.get("noise", "0")) != 0:
+        if not self._copies(r) or not self._exact():
             return packet
         return _wait_for(Path(self.params["dir"]) / f"packet-{r}").read_bytes()
+
+    def commitment(self, r, commitment):
+        return _one_codec(commitment) if self._copies(r) and self.params.get("one_codec") == "1" else commitment

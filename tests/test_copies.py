@@ -19,26 +19,37 @@ COMMON = ("--topology.workers=3", "--train.rounds=3", "--train.inner_steps=4", "
           "--train.inner_state=reset")
 
 
-def twin_run(tmp_path, monkeypatch, noise: str, *overrides: str) -> Path:
-    """Worker 1 trains honestly and leaks its round to worker 2 (red_team.Leaks), which sends it as
-    its own from round 1 on (red_team.Twin)."""
+def on_path(monkeypatch) -> None:
     tests_dir = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests_dir)
     sys.path.insert(0, tests_dir)
+
+
+def twin_run(tmp_path, monkeypatch, twin: str, *overrides: str) -> Path:
+    """Worker 1 trains honestly and leaks its round to worker 2 (red_team.Leaks), which sends it as
+    its own from round 1 on (red_team.Twin with the params `twin`)."""
+    on_path(monkeypatch)
     leak = tmp_path / "leak"
     leak.mkdir()
     cfg = tiny(*COMMON, *overrides, f"--adversary.1=red_team:Leaks:dir={leak}",
-               f"--adversary.2=red_team:Twin:dir={leak},at=1,noise={noise}")
+               f"--adversary.2=red_team:Twin:dir={leak},at=1,{twin}")
     run, _ = train(cfg, str(tmp_path / "run"), quiet=True)
     return run.root
 
 
-@pytest.mark.parametrize("noise", ["0", "0.001"], ids=["exact", "near"])
-def test_the_copier_not_the_original_is_refused_where_the_run_replays(tmp_path, monkeypatch, noise):
-    root = twin_run(tmp_path, monkeypatch, noise, "--verify.replay_probability=0.01")
+@pytest.mark.parametrize("twin", ["noise=0", "noise=0.001", "noise=0,one_codec=1", "scale=4"],
+                         ids=["exact", "near", "one_codec", "scaled"])
+def test_the_copier_not_the_original_is_refused_where_the_run_replays(tmp_path, monkeypatch, twin):
+    """Also where the copier names its codec as one spec, or sends the copy scaled up, so that the
+    screen refuses its end on a second flag (norm_outlier, with 5 workers to make a centre): the
+    forty-third session's review found that either spared its end the replay, and with it the
+    conviction, while every member replayed the original every round."""
+    workers = ("--topology.workers=5",) if twin == "scale=4" else ()
+    root = twin_run(tmp_path, monkeypatch, twin, "--verify.replay_probability=0.01", *workers)
     recs = rounds_of(root)
-    assert [r["verdicts"] for r in recs] == [["accept"] * 3, ["accept", "accept", "replay_mismatch"],
-                                             ["accept", "accept", "banned"]], [r["verdicts"] for r in recs]
+    rest = ["accept"] * (len(recs[0]["verdicts"]) - 3)
+    assert [r["verdicts"] for r in recs] == [["accept"] * 3 + rest, ["accept", "accept", "replay_mismatch"] + rest,
+                                             ["accept", "accept", "banned"] + rest], [r["verdicts"] for r in recs]
     one = recs[1]["evidence"]
     # the original: kept in and replayed by every member, whatever the draw (p = 0.01 drew nobody)
     assert one["1"]["copy_replay"]["copy_of"] == [2] and "first_mismatch" not in one["1"]["copy_replay"]
@@ -49,5 +60,21 @@ def test_the_copier_not_the_original_is_refused_where_the_run_replays(tmp_path, 
 
 def test_without_replays_both_ends_of_a_copy_are_refused(tmp_path, monkeypatch):
     """Nothing can tell the original where the run replays nothing: both ends go, as before."""
-    recs = rounds_of(twin_run(tmp_path, monkeypatch, "0"))
+    recs = rounds_of(twin_run(tmp_path, monkeypatch, "noise=0"))
     assert [r["verdicts"] for r in recs[1:]] == [["accept", "duplicate", "duplicate"]] * 2, [r["verdicts"] for r in recs]
+
+
+def test_a_commitment_that_names_one_codec_for_every_tensor_is_replayed_against_its_packet(tmp_path, monkeypatch):
+    """red_team.OneCodec trains honestly and sends its delta scaled by 2.5 under a commitment whose
+    codec is one spec: until the forty-third session's review an exact replay then checked its
+    trace alone (replay_codecs read no codecs), and it went in every round, the audit passing."""
+    on_path(monkeypatch)
+    run, _ = train(tiny("--topology.workers=3", "--train.rounds=2", "--train.inner_steps=4", "--verify.trace_every=2",
+                        "--train.inner_state=reset", "--verify.replay_probability=1",
+                        "--adversary.2=red_team:OneCodec:scale=2.5"), str(tmp_path / "run"), quiet=True)
+    recs = rounds_of(run.root)
+    assert [r["verdicts"][2] for r in recs] == ["replay_mismatch", "banned"], [r["verdicts"] for r in recs]
+    # one past its trace (3 entries: 4 steps, one every 2): the trace replays, but the packet is not its end
+    assert recs[0]["evidence"]["2"]["first_mismatch"] == 3, recs[0]["evidence"]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure

@@ -150,15 +150,19 @@ def test_copy_with_small_noise_or_rescaled_is_a_near_duplicate(kind):
 def test_the_ends_of_a_copy_are_kept_in_for_replays_only_where_nothing_else_is_held_against_them():
     """check.screen_checked's replay_copies: where replays can tell the original, both ends of a
     same-round copy stay in for every member to replay (RoundCheck.copies); an end with another flag
-    (here a copy of the previous round too), or one replays cannot judge, is refused as before."""
+    (a scaled copy is a norm outlier too) is refused but replayed all the same (else that flag would
+    spare a copier its conviction: the forty-third session's review); one replays cannot judge is
+    refused as before, and a copy of the previous round, which has one sender, is no copy to
+    replay."""
     from veriloco.verify.check import RoundCheck, screen_checked
     from veriloco.verify.screen import copied_only
 
-    prev = honest_round(8, 31)
-    deltas = honest_round(8, 30)  # 5, 6 and 7 make the centre
+    prev = honest_round(10, 31)
+    deltas = honest_round(10, 30)  # 6, 7 and 9 make the centre
     deltas[4] = {k: t.clone() for k, t in deltas[1].items()}  # 4 copies 1 exactly
     deltas[3] = {k: t + 1e-4 * t.abs().mean() for k, t in deltas[0].items()}  # 3 nearly copies 0 ...
-    deltas[2] = {k: t.clone() for k, t in prev[2].items()}  # ... and 2 resends its previous delta
+    deltas[2] = {k: t.clone() for k, t in prev[2].items()}  # ... 2 resends its previous delta
+    deltas[8] = {k: 4 * t for k, t in deltas[5].items()}  # ... and 8 sends 5's, scaled up
     hashes = hashes_of(deltas)
     prev_hashes = hashes_of(prev)
 
@@ -167,12 +171,14 @@ def test_the_ends_of_a_copy_are_kept_in_for_replays_only_where_nothing_else_is_h
         return screen_checked(check, base_hash="b", previous=(prev_hashes, prev), replay_copies=replay_copies)
 
     kept = screened(lambda signed, delta: True)
-    assert kept.copies == {0: [3], 1: [4], 3: [0], 4: [1]} and sorted(kept.accepted) == [0, 1, 3, 4, 5, 6, 7]
-    assert kept.verdicts[2] == DUPLICATE  # a copy of an earlier round has one sender: no original to find
+    assert kept.copies == {0: [3], 1: [4], 3: [0], 4: [1], 5: [8], 8: [5]}
+    assert sorted(kept.accepted) == [0, 1, 3, 4, 5, 6, 7, 9]
+    assert kept.verdicts[8] == NEAR_DUPLICATE and NORM_OUTLIER in kept.evidence[8]["flags"]  # refused, and replayed
+    assert kept.verdicts[2] == DUPLICATE and 2 not in kept.copies
     for refused in (screened(None), screened(lambda signed, delta: delta is not deltas[4])):
         assert refused.verdicts[4] == DUPLICATE and 4 not in refused.copies
     assert screened(None).verdicts == {0: NEAR_DUPLICATE, 1: DUPLICATE, 2: DUPLICATE, 3: NEAR_DUPLICATE, 4: DUPLICATE,
-                                       5: ACCEPT, 6: ACCEPT, 7: ACCEPT}
+                                       5: NEAR_DUPLICATE, 6: ACCEPT, 7: ACCEPT, 8: NEAR_DUPLICATE, 9: ACCEPT}
     # the screen measures an end of a copy against the centre as it does a candidate (a copied outlier is one)
     v = screen_round(deltas, packet_hashes=hashes, previous_packet_hashes=prev_hashes, previous_deltas=prev)
     assert v[4].evidence["norm_ratio"] is not None and copied_only(v[4].evidence) == [1]

@@ -1279,7 +1279,8 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
                               lambda step, j=a.worker: t.batch(j, r, step), a, land,
                               steps_before=before, total_steps=total, state=state)
         return worker_score(cfg.verify, [slice_result(cfg.verify, replayed, list(x.trace), c.check.decoded[a.worker],
-                                                      replay_codecs(cfg, x)) for c, x in zip(checks, signed, strict=True)])
+                                                      replay_codecs(cfg, x, c.check.decoded[a.worker]))
+                                       for c, x in zip(checks, signed, strict=True)])
 
     for a in audits:
         evidence = [part.get("evidence") or {} for part in parts]
@@ -1325,7 +1326,7 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     # `newcomers`) and what the draw without them replays, the ends of a copy of the round's packets: replayed by
     # the recorder itself, whatever the draw
     for j, judge, because in replayed_by_all(unbound, extra, dict(sorted(copies.items()))):
-        if any(j not in c.check.accepted for c in checks):
+        if any(j not in c.check.accepted for c in checks) and j not in copies:  # (an end of a copy: refused or not)
             continue
         a = unbound_audit(cfg.verify, cfg.train, j, -1)
         if replays_left > 0:

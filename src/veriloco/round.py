@@ -60,7 +60,7 @@ import resource
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import partial
@@ -1207,7 +1207,8 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
             run = lambda: replay_run(cfg.verify, replayer, cfg.train, start, r,  # noqa: E731
                                      lambda step, j=a.worker: w.task.batch(j, r, step), a, land,
                                      steps_before=w.schedule.before(r), total_steps=w.schedule.total(r), state=state)
-            committed, codecs = check.decoded[a.worker], replay_codecs(cfg, signed)
+            committed = check.decoded[a.worker]
+            codecs = replay_codecs(cfg, signed, committed)
             if w.topo.stages == 1:
                 return replay_score(cfg.verify, run, list(signed.trace), committed, codecs)
             return stage_replay_score(w, run(), list(signed.trace), committed, codecs)
@@ -1263,7 +1264,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
     # noted as having signed nothing in an earlier try, an elastic retry's newcomers and what the draw without
     # them replays, the ends of a copy of the round's packets: replayed here, by this member itself
     for j, judge, _ in replayed_by_all(unbound, extra, copies):
-        if j in check.accepted and G_r is not None:
+        if (j in check.accepted or j in copies) and G_r is not None:  # (an end of a copy refused on another flag too)
             a = unbound_audit(cfg.verify, cfg.train, j, w.worker)
             judge(cfg.verify, check, a, replay(a))
     w.disputes |= disputed_pairs(audits, check)
@@ -1434,10 +1435,15 @@ def replayer_of(w: Worker) -> Replayer:
     return replayer
 
 
-def replay_codecs(cfg: Config, signed: Commitment) -> dict[str, str]:
-    """The codecs a replay re-encodes with: the committed ones; none when error feedback made
-    the packet from state the replay cannot know."""
-    return {} if cfg.compress.error_feedback or not isinstance(signed.codec, dict) else dict(signed.codec)
+def replay_codecs(cfg: Config, signed: Commitment, names: Iterable[str]) -> dict[str, str]:
+    """The codecs a replay re-encodes the tensors `names` (the packet's) with: the committed ones,
+    a commitment's one spec for every tensor as that spec for each (until the forty-third
+    session's review it read as none, which turned off an exact replay's packet check: a worker
+    with a clean trace could send any delta); none when error feedback made the packet from
+    state the replay cannot know."""
+    if cfg.compress.error_feedback:
+        return {}
+    return dict(signed.codec) if isinstance(signed.codec, dict) else dict.fromkeys(names, signed.codec)
 
 
 def copies_replayable(cfg: Config) -> Callable[[SignedCommitment, dict[str, torch.Tensor]], bool] | None:
@@ -1446,7 +1452,7 @@ def copies_replayable(cfg: Config) -> Callable[[SignedCommitment, dict[str, torc
     None where it replays nothing. round.py and audit.py both screen with it."""
     if cfg.verify.replay_probability <= 0:
         return None
-    return lambda signed, delta: packet_replayable(replay_codecs(cfg, signed.commitment), delta)
+    return lambda signed, delta: packet_replayable(replay_codecs(cfg, signed.commitment, delta), delta)
 
 
 def loss_gain_action(v: VerifyConfig) -> str:

@@ -64,7 +64,7 @@ from .commitment import (
     parse_signed_commitment,
 )
 from .lossgain import FLOOR_SHARE, Settled, gain_floor
-from .screen import LossGain, ScreenConfig, copied_only, screen_round
+from .screen import LossGain, ScreenConfig, copied_only, copy_partners, screen_round
 
 
 def hex_root(hashes: list[str]) -> str:
@@ -93,9 +93,11 @@ class RoundCheck:
     # members of an elastic retry that were not in the round's first try whose salts went out, as this worker
     # learnt (round.keep_seen): every member replays them, and what the draw without them replays (replay.newcomer_audits)
     newcomers: list[int] = field(default_factory=list)
-    # the ends of a copy of this round's packets against which the screen holds nothing else (screen.copied_only),
-    # kept in where the run can replay them: worker -> the workers it copies or is copied by. Every member replays
-    # each whole itself (replay.judge_copy): the original reproduces its packet, a copier does not
+    # the ends of a copy of this round's packets (screen.copy_partners) that the run can replay: worker -> the
+    # workers it copies or is copied by. Every member replays each whole itself (replay.judge_copy): the original
+    # reproduces its packet, a copier does not. An end the screen holds nothing else against (screen.copied_only)
+    # stays accepted until then; one it refuses on another flag too stays refused, and is convicted if its replay
+    # fails (else a copier could dodge its replay by a second flag: the forty-third session's review)
     copies: dict[int, list[int]] = field(default_factory=dict)
 
 
@@ -338,11 +340,11 @@ def screen_checked(
     hashes and accepted deltas; `earlier`: the round before's accepted deltas (delay 1, a round
     late: what a worker holds when it sends; screen_round's earlier_deltas). `replay_copies`:
     whether a sender's replay could tell whether its packet is its own (its commitment, its
-    delta); an end of a copy of this round against which the screen holds nothing else
-    (screen.copied_only) is then kept in, for every member to replay (RoundCheck.copies), rather
-    than rejected with the other end: a sender that saw the round's packets before it committed
-    (an elastic retry's newcomer, say) could otherwise copy an honest member's and have both
-    refused, censoring that member."""
+    delta); every end of a copy of this round for which it can is then replayed by every member
+    (RoundCheck.copies), and one against which the screen holds nothing else
+    (screen.copied_only) is kept in until then, rather than rejected with the other end: a
+    sender that saw the round's packets before it committed (an elastic retry's newcomer, say)
+    could otherwise copy an honest member's and have both refused, censoring that member."""
     verdicts, commitments, decoded = dict(check.verdicts), check.commitments, check.decoded
     packet_hashes, evidence, suspects = check.packet_hashes, dict(check.evidence), dict(check.suspects)
     copies: dict[int, list[int]] = {}
@@ -372,10 +374,11 @@ def screen_checked(
         for w, v in screened.items():
             if v.accepted:
                 continue
-            of = copied_only(v.evidence) if replay_copies is not None else None
+            of = copy_partners(v.evidence) if replay_copies is not None else []
             if of and replay_copies(commitments[w], decoded[w]):
                 copies[w] = of
-                continue
+                if copied_only(v.evidence):  # the original, maybe: in until its replay tells
+                    continue
             if loss_gain_action == "audit" and set(v.evidence["flags"]) <= {NO_LOSS_GAIN, WRONG_DATA}:
                 suspects[w] = suspects.get(w, {}) | {"flags": v.evidence["flags"], "loss_gain": v.evidence.get("loss_gain")}
             else:

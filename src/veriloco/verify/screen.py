@@ -302,16 +302,22 @@ def _version(t: torch.Tensor) -> int | None:
 COPY_FLAGS = (DUPLICATE, NEAR_DUPLICATE)
 
 
+def copy_partners(evidence: dict[str, Any]) -> list[int]:
+    """The workers of this round whose packet a screened one's copies or is copied by (exactly or
+    nearly): it is an end of a same-round copy, and the screen cannot tell which end is the
+    original (check.screen_checked may have every end replayed). [] if none."""
+    return sorted(set(evidence.get("duplicate_of", [])) | {x["worker"] for x in evidence.get("near_duplicate_of", [])})
+
+
 def copied_only(evidence: dict[str, Any]) -> list[int] | None:
-    """The workers of this round whose packet a flagged one's copies or is copied by (exactly or
-    nearly), where that is all the screen holds against it: no other flag, no copy of an earlier
-    round. It is then an end of a same-round copy, and the screen cannot tell which end is the
-    original (check.screen_checked may have both replayed). None otherwise."""
+    """`copy_partners`, where that copy is all the screen holds against the worker: no other flag,
+    no copy of an earlier round (such an end may be the original: check.screen_checked keeps it
+    in until its replay tells). None otherwise."""
     flags = evidence.get("flags") or []
     keys = {k for k in evidence if k.startswith(("duplicate_of", "near_duplicate_of"))}
     if not flags or not set(flags) <= set(COPY_FLAGS) or not keys <= {"duplicate_of", "near_duplicate_of"}:
         return None
-    return sorted(set(evidence.get("duplicate_of", [])) | {x["worker"] for x in evidence.get("near_duplicate_of", [])})
+    return copy_partners(evidence) or None
 
 
 ESTIMATE = True  # _provably_apart may spare the exact near-duplicate dots (tests turn it off to compare)
