@@ -980,3 +980,24 @@ class Twin(Adversary):
 
     def commitment(self, r, commitment):
         return _one_codec(commitment) if self._copies(r) and self.params.get("one_codec") == "1" else commitment
+
+
+class ForeignCodec(Adversary):
+    """Trains honestly and sends its delta under a codec the run does not use (`spec`, a name with
+    its defaults: lowrank, PowerSGD at rank 4, which a replay cannot re-encode), committed as such. Such an end of a copy could not be replayed, so it would be refused without a
+    conviction while the original was replayed every round (the forty-third session's review);
+    now the check refuses the codec itself. Params: spec."""
+
+    kind = "foreign_codec"
+    PARAMS = None
+
+    def delta(self, r, delta, view):
+        self._delta = delta
+        return delta
+
+    def packet(self, r, packet, view):
+        from veriloco.compress import codec_from_spec
+        from veriloco.packet import encode_packet
+
+        spec = self.params.get("spec", "lowrank")
+        return encode_packet(self._delta, {k: codec_from_spec(spec) for k in self._delta})

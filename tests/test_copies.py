@@ -78,3 +78,17 @@ def test_a_commitment_that_names_one_codec_for_every_tensor_is_replayed_against_
     assert recs[0]["evidence"]["2"]["first_mismatch"] == 3, recs[0]["evidence"]
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
+
+
+def test_a_packet_under_a_codec_the_run_does_not_use_is_malformed(tmp_path, monkeypatch):
+    """No honest worker of the run makes one (round.run_codecs: `[compress] codec`, or the adaptive
+    ladder's rungs); as an end of a copy, one a replay cannot re-encode spared the copier its replay
+    while every member replayed the original every round (the forty-third session's review)."""
+    on_path(monkeypatch)
+    run, _ = train(tiny("--topology.workers=3", "--train.rounds=2", "--train.inner_steps=4", "--verify.trace_every=2",
+                        "--adversary.2=red_team:ForeignCodec"), str(tmp_path / "run"), quiet=True)
+    recs = rounds_of(run.root)
+    assert [r["verdicts"] for r in recs] == [["accept", "accept", "malformed"]] * 2, [r["verdicts"] for r in recs]
+    assert recs[0]["evidence"]["2"] == {"codec_not_the_runs": "lowrank:rank=4"}
+    report = audit_run(run.root)
+    assert report.ok, report.first_failure

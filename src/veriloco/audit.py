@@ -94,6 +94,7 @@ from .round import (
     make_loss_gain,
     replay_codecs,
     round_cfg,
+    run_codecs,
     screens_earlier,
     start_point,
     trace_entries,
@@ -960,7 +961,7 @@ def _check_slice(
         packet_hashes_known=packet_hashes, reveals=_recorded_reveals(cfg, part, where),
         unsigned_reveal=unsigned_reveal_action(cfg.verify),
         unsigned_earlier=_unsigned_earlier(cfg, store, part, where, r, run_id, admitted),
-        newcomers=_newcomers(cfg, part, sorted(bundles), where),
+        newcomers=_newcomers(cfg, part, sorted(bundles), where), codecs=run_codecs(cfg),
     )
     if "reveals" in part and [check.reveals.get(j) for j in range(cfg.topology.workers)] != part["reveals"]:
         for c in recorded:  # a sender this check rejects and the round did not: that is the first thing wrong

@@ -80,10 +80,11 @@ from .compress import (
     Codec,
     ErrorFeedback,
     build_codecs,
+    codec_from_spec,
     round_budget_bytes,
 )
 from .compress.controller import UNLIMITED_BYTES, suggest_inner_steps
-from .config import Config, VerifyConfig
+from .config import CompressConfig, Config, VerifyConfig
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import alongside, canonical_json, json_hash, sha256_hex, tensors_hash
@@ -307,6 +308,18 @@ class Sent:
 COMMITMENT_RESERVE_BYTES = 4096  # a signed commitment with its trace is 1-3 KB
 
 
+def ladder_of(compress: CompressConfig) -> list[str]:
+    """The rungs an adaptive codec chooses from: `[compress] ladder`, or the built-in one."""
+    return [s.strip() for s in compress.ladder.split(";") if s.strip()] or list(DEFAULT_LADDER)
+
+
+def run_codecs(cfg: Config) -> frozenset[str]:
+    """The codec specs (canonical, as a packet names them) an honest worker of this run encodes
+    with: `[compress] codec`, or each rung of the adaptive ladder (check_bundles' `codecs`)."""
+    specs = ladder_of(cfg.compress) if cfg.compress.codec == "adaptive" else [cfg.compress.codec]
+    return frozenset(codec_from_spec(x).spec() for x in specs)
+
+
 class DeltaEncoder:
     """delta -> packet: a fixed codec or the adaptive controller, with optional error feedback."""
 
@@ -315,7 +328,7 @@ class DeltaEncoder:
         self.hops = exchange_hops(cfg.verify)
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
         if cfg.compress.codec == "adaptive":
-            ladder = [s.strip() for s in cfg.compress.ladder.split(";") if s.strip()] or DEFAULT_LADDER
+            ladder = ladder_of(cfg.compress)
             # the budget covers the wire, not just the payload: charge each tensor its share of the
             # safetensors header (names, dtypes, shapes, offsets, codec spec), as that codec writes it ...
             # (its offsets have at most the digits of 8 bytes an element: no rung sends more)
@@ -1608,7 +1621,7 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             # (not the junk of this try: that is plain malformed, and binds it in no redo yet)
             unsigned_earlier={j: h for j, h in w.identity.unsigned.get(r, {}).items() if bundle_hashes.get(j) != h},
             # an elastic retry's members that were not in the round's first try (keep_seen; elastic runs are not pipelined)
-            newcomers=w.identity.newcomers.get(r, []) if w.topo.stages == 1 else (),
+            newcomers=w.identity.newcomers.get(r, []) if w.topo.stages == 1 else (), codecs=run_codecs(cfg),
         )
     if w.topo.stages > 1:  # a worker's update is taken whole or not at all (its stages are one participant)
         take_whole_workers(check, [p["accepted"] for p in _gather_json({"accepted": sorted(check.accepted)}, w.worker_group)])

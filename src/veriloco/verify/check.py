@@ -155,9 +155,13 @@ def check_bundles(
     unsigned_reveal: str = "reject",
     unsigned_earlier: Mapping[int, str] | None = None,
     newcomers: Collection[int] = (),
+    codecs: Collection[str] | None = None,
 ) -> RoundCheck:
     """Everything before the screen (check_round): bundle format, signature, commitment, packet
-    hash, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
+    hash, codecs, assigned data, trace shape, equivocation, decoding; `banned` workers are refused.
+    `codecs`: the codec specs (canonical) the run's workers encode with; a packet under another is
+    MALFORMED (no honest worker of the run makes one, and a codec a replay cannot re-encode would
+    spare a copier its replay: the forty-third session's review).
     `decoded` holds the deltas that passed; they are ACCEPT so far, and `accepted` is empty until
     `screen_checked`. `bundle_hashes`: the sha256 of each bundle where the caller has it (the
     store's digest), so that a model-sized bundle is not hashed twice; a packet is hashed once.
@@ -221,6 +225,10 @@ def check_bundles(
         if reason is None and c.worker != w:
             reason = KEY_MISMATCH
         reason = reason or check_packet(signed, packet, packet_hashes[w], limit)
+        if reason is None and codecs is not None:
+            foreign = sorted(set(c.codec.values() if isinstance(c.codec, dict) else [c.codec]) - set(codecs))
+            if foreign:
+                reason, evidence[w] = MALFORMED, {"codec_not_the_runs": foreign[0][:80]}
         if reason is None and c.batch_root != batch_root_of(w):
             reason, evidence[w] = WRONG_DATA, {"committed": c.batch_root, "assigned": batch_root_of(w)}
         if reason is None and (not c.trace or c.trace_root != hex_root(list(c.trace))):
