@@ -1616,7 +1616,8 @@ def start_finish(w: Worker, sent: Sent, overlapped_s: float, part: Participants 
             trace_entries=trace_entries(cfg),
             loss_gain_of=gain, loss_gains_of=gains,
             loss_gain_action=loss_gain_action(cfg.verify), loss_gain_floor=cfg.verify.loss_gain_floor,
-            replay_copies=copies_replayable(cfg), banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
+            replay_copies=copies_replayable(cfg),
+            banned=w.banned, bundle_hashes=bundle_hashes, packet_hashes_known=known, reveals=reveals,
             unsigned_reveal=unsigned_reveal_action(cfg.verify),
             # (not the junk of this try: that is plain malformed, and binds it in no redo yet)
             unsigned_earlier={j: h for j, h in w.identity.unsigned.get(r, {}).items() if bundle_hashes.get(j) != h},

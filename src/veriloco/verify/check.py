@@ -24,8 +24,8 @@ deltas fail it now and then), so with `loss_gain_action = "audit"` a delta that 
 test is not rejected here but made a *suspect*: round.py replays it this round, and the replay,
 which is exact, decides. With "reject" (and whenever replays are off) it is rejected outright.
 Likewise both ends of a copy of this round's packets: where the run replays, every member
-replays each end the screen holds nothing else against, and the replay tells the original
-(`replay_copies`, RoundCheck.copies).
+replays each end whose packet a replay can re-encode, and the replay tells the original; an end
+the screen holds nothing else against stays in until then (`replay_copies`, RoundCheck.copies).
 """
 
 from __future__ import annotations
