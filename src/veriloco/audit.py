@@ -127,6 +127,7 @@ from .verify.check import (
     RoundCheck,
     binds,
     check_bundles,
+    pooled_copies,
     round_seed,
     screen_checked,
     take_whole_workers,
@@ -1237,10 +1238,7 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     sampled = {a.worker for a in audits}
     auditors = {a.auditor for a in audits}
     unbound = {j: h for c in checks for j, h in c.check.unbound.items()}  # replayed by each member that noted it
-    copies: dict[int, list[int]] = {}  # the ends of a copy of the round's packets any stage found: replayed by all
-    for c in checks:
-        for j, of in c.check.copies.items():
-            copies[j] = sorted(set(copies.get(j, [])) | set(of))
+    copies = pooled_copies(c.check.copies for c in checks)  # the ends of a copy any stage found: replayed by all
     newcomers = checks[0].check.newcomers if stages == 1 else []  # (the record's: elastic runs are not pipelined)
     extra = newcomer_audits(cfg.verify, cfg.train, checks[0].base, checks[0].check, slices[0].banned,
                             sorted(checks[0].present), newcomers) if newcomers else {}  # replayed by every member
@@ -1326,7 +1324,7 @@ def _replays(cfg, task: _AuditTask, r: int, checks: list[_Checked], slices: list
     # noted as having signed nothing in an earlier try (the record's `unbound`), an elastic retry's newcomers (its
     # `newcomers`) and what the draw without them replays, the ends of a copy of the round's packets: replayed by
     # the recorder itself, whatever the draw
-    for j, judge, because in replayed_by_all(unbound, extra, dict(sorted(copies.items()))):
+    for j, judge, because in replayed_by_all(unbound, extra, copies):
         if any(j not in c.check.accepted for c in checks) and j not in copies:  # (an end of a copy: refused or not)
             continue
         a = unbound_audit(cfg.verify, cfg.train, j, -1)

@@ -318,6 +318,11 @@ class _Ctx:
     min_active: int
     pace: Link | None  # what the exchange paces in software (_paced)
 
+    def seen(self, members: list[int], r: int) -> Callable:
+        """The exchange's on_packets for a try of round r among `members`: round.keep_seen, the
+        round's first-try members asked of the coordinator (Membership.first_try)."""
+        return partial(keep_seen, self.w, members=members, round=r, first_try=partial(self.members.first_try, r))
+
 
 class _Flight:
     """A round's bundle on its way: with delay 1, the quorum and the exchange run in a thread
@@ -340,8 +345,7 @@ class _Flight:
                     ctx.injector.in_exchange(self.sent.round)
                     mark_out(ctx.w, self.sent.round, self.sent.bundle_hash)
                     handle = Exchange(None, ctx.w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
-                                      on_packets=partial(keep_seen, ctx.w, members=view.active, round=self.sent.round,
-                                                         first_try=partial(ctx.members.first_try, self.sent.round))).start(
+                                      on_packets=ctx.seen(view.active, self.sent.round)).start(
                         self.bundle, reveal=self.reveal)
                     handle.wait()  # the bytes move now, under the next round's inner steps
                 self.first = (view, comm, handle, None)
@@ -408,8 +412,7 @@ def _try_round(ctx: _Ctx, flight: _Flight, view: QuorumView, comm, handle, error
             ctx.injector.in_exchange(r)
             mark_out(w, r, sent.bundle_hash)
             handle = Exchange(None, w.cfg.run.max_packet_bytes, link=ctx.pace, comm=comm,
-                              on_packets=partial(keep_seen, w, members=view.active, round=r,
-                                                 first_try=partial(ctx.members.first_try, r))).start(flight.bundle, reveal=flight.reveal)
+                              on_packets=ctx.seen(view.active, r)).start(flight.bundle, reveal=flight.reveal)
         sent.handle = handle
         ctx.injector.after_sent(r, handle.wait)
         outside = [j for j in range(w.workers) if j not in view.active]

@@ -122,7 +122,14 @@ from .topology import Topology, stage_model
 from .verify import ABSENT, ACCEPT, OFFENCES, OTHER_STAGE
 from .verify.adversary import Adversary, View, load_adversary
 from .verify.aggregate import aggregate as robust_aggregate
-from .verify.check import RoundCheck, binds_commitment, check_round, hex_root, take_whole_workers
+from .verify.check import (
+    RoundCheck,
+    binds_commitment,
+    check_round,
+    hex_root,
+    pooled_copies,
+    take_whole_workers,
+)
 from .verify.commitment import (
     SALT_BYTES,
     Commitment,
@@ -1272,8 +1279,7 @@ def replay_audits(w: Worker, r: int, check: RoundCheck, base_hash: str, part: Pa
         pooled = _gather_json({"unbound": {str(j): h for j, h in unbound.items()},
                                "copies": {str(j): of for j, of in copies.items()}}, w.worker_group)
         unbound = {int(j): h for d in pooled for j, h in d["unbound"].items()}
-        copies = {int(j): sorted({x for d in pooled for x in d["copies"].get(j, [])})
-                  for j in sorted({j for d in pooled for j in d["copies"]}, key=int)}
+        copies = pooled_copies({int(j): of for j, of in d["copies"].items()} for d in pooled)
     # noted as having signed nothing in an earlier try, an elastic retry's newcomers and what the draw without
     # them replays, the ends of a copy of the round's packets: replayed here, by this member itself
     for j, judge, _ in replayed_by_all(unbound, extra, copies):
@@ -1363,13 +1369,13 @@ class StateMoves:
         hashes = [tensors_hash(state)]
         if w.topo.stages > 1:
             hashes = [x["hash"] for x in _gather_json({"hash": hashes[0]}, w.worker_group)]
-        if not hashes_match(hashes, list(check.commitments[a.worker].commitment.trace), a.segment):
+        matches = hashes_match(hashes, list(check.commitments[a.worker].commitment.trace), a.segment)
+        if matches:
+            self.received[a.worker] = state
+        else:
             self.received.pop(a.worker, None)
-            if public:
-                self._store(a, buf)
-            return
-        self.received[a.worker] = state
-        self._store(a, buf)
+        if matches or public:
+            self._store(a, buf)
 
     def _store(self, a: Audit, buf: torch.Tensor) -> None:
         """`buf` into the store, under the ref the offline audit reads a's state by."""

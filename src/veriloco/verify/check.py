@@ -30,7 +30,7 @@ the screen holds nothing else against stays in until then (`replay_copies`, Roun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,17 @@ def take_whole_workers(check: RoundCheck, accepted_by_stage: list[list[int]]) ->
         check.evidence[j] = {"rejected_by_stages": [s for s, a in enumerate(accepted_by_stage) if j not in a]}
         check.accepted.pop(j)
         check.suspects.pop(j, None)
+
+
+def pooled_copies(stages: Iterable[Mapping[int, list[int]]]) -> dict[int, list[int]]:
+    """The ends of a copy any of a worker's stages found (each stage's RoundCheck.copies), each with
+    every partner any of them named, in worker order: what its stages replay together (round.py
+    and audit.py both pool with it)."""
+    out: dict[int, set[int]] = {}
+    for copies in stages:
+        for j, of in copies.items():
+            out.setdefault(j, set()).update(of)
+    return {j: sorted(of) for j, of in sorted(out.items())}
 
 
 SCREEN_ARGS = ("screen", "previous", "earlier", "loss_gain_of", "loss_gains_of", "loss_gain_action",
