@@ -1001,3 +1001,28 @@ class ForeignCodec(Adversary):
 
         spec = self.params.get("spec", "lowrank")
         return encode_packet(self._delta, {k: codec_from_spec(spec) for k in self._delta})
+
+
+class LowRankCover(Adversary):
+    """Trains honestly (a clean trace) and sends its delta times `scale` (default 2.5: within the
+    screen's norm band) in an adaptive run, every tensor under a rung of the run's ladder:
+    `lowrank:rank=16` for the first matrix alone (`all=0`, the default: the rest as fp32) or for
+    every tensor (`all=1`). Until the forty-fourth session one tensor under PowerSGD, whose warm
+    start a replay cannot know, turned the exact replay's packet check off for the whole packet;
+    and a low-rank tensor was never checked. Params: scale, all."""
+
+    kind = "lowrank_cover"
+    PARAMS = {"scale": real(lambda x: x > 0, "a number > 0"), "all": one_of("0", "1")}
+
+    def delta(self, r, delta, view):
+        self._delta = {k: v * self.param("scale", 2.5) for k, v in delta.items()}
+        return self._delta
+
+    def packet(self, r, packet, view):
+        from veriloco.compress import codec_from_spec
+        from veriloco.packet import encode_packet
+
+        every = self.params.get("all", "0") == "1"
+        first = next(k for k, v in self._delta.items() if v.ndim >= 2)
+        specs = {k: "lowrank:rank=16" if every or k == first else "fp32" for k in self._delta}
+        return encode_packet(self._delta, {k: codec_from_spec(s) for k, s in specs.items()})

@@ -148,7 +148,10 @@ def test_the_verification_it_plans_follows_the_sampling_and_the_screens():
     assert "verification: signatures, commitments and screens only" in text
     text = format_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5")))
     assert "2.00 replays a round across the 4 workers" in text and "50.0% on top of the inner steps" in text
-    assert "no model-sized traffic" in text
+    assert "no model-sized traffic" in text and "error feedback" not in text
+    text = format_plan(make_plan(tiny(*base, "--verify.replay_probability=0.5", "--compress.codec=topk:density=0.1",
+                                      "--compress.error_feedback=true")))
+    assert "error feedback: a replay checks the trace, not the packet" in text
 
 
 def test_the_trace_line_counts_the_state_hashes_and_says_when_nothing_compares_them(monkeypatch):

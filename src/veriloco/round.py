@@ -169,7 +169,7 @@ from .verify.replay import (
     hashes_match,
     judge_reported,
     newcomer_audits,
-    packet_replayable,
+    packet_checkable,
     plain_replayer,
     replay_evidence,
     replay_failed,
@@ -1467,11 +1467,12 @@ def replay_codecs(cfg: Config, signed: Commitment, names: Iterable[str]) -> dict
 
 def copies_replayable(cfg: Config) -> Callable[[SignedCommitment, dict[str, torch.Tensor]], bool] | None:
     """check.screen_checked's `replay_copies`: where the run replays, whether a sender's whole-round
-    replay can tell if its packet is its own (the packet is one a replay re-encodes: replay_codecs);
+    replay can tell if its packet is its own (a replay checks every tensor of it: replay_codecs,
+    replay.packet_checkable);
     None where it replays nothing. round.py and audit.py both screen with it."""
     if cfg.verify.replay_probability <= 0:
         return None
-    return lambda signed, delta: packet_replayable(replay_codecs(cfg, signed.commitment, delta), delta)
+    return lambda signed, delta: packet_checkable(replay_codecs(cfg, signed.commitment, delta), delta)
 
 
 def loss_gain_action(v: VerifyConfig) -> str:

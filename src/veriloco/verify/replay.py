@@ -61,6 +61,12 @@ from .check import RoundCheck, round_seed
 # replayed delta exactly as the worker's did. PowerSGD (lowrank) warm-starts from
 # the sender's earlier rounds, which a replay of one round cannot know.
 REPLAYABLE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
+# A PowerSGD tensor an exact replay checks by what its warm start cannot change: an honest one is
+# the worker's delta projected onto its own columns (P P^T M, sent as P and M^T P), off only by
+# fp16's rounding of P and Q: `lowrank_distance` 2-3e-4 on honest encodings (warm-started, 4
+# rounds, six shapes, three spectra: tests/test_verify_replay.py), x7 of room; a delta scaled by
+# 1.01 is at 1e-2.
+LOWRANK_TOLERANCE = 2e-3
 
 
 @dataclass(frozen=True)
@@ -325,6 +331,72 @@ def packet_replayable(codecs: dict[str, str], committed: dict[str, torch.Tensor]
     return bool(codecs) and set(codecs) == set(committed) and all(replayable_codec(s) for s in codecs.values())
 
 
+def _low_rank(spec: str, shape: tuple[int, ...]) -> int | None:
+    """The rank of a tensor of `shape` sent under `spec` in PowerSGD's factored form (P, Q: a
+    warm start a replay cannot know); None for any other codec, and for lowrank's fp16 fallback
+    (vectors, small matrices), which a fresh codec re-encodes bit for bit."""
+    try:
+        codec = codec_from_spec(spec)
+    except CodecError:
+        return None
+    plan = codec._plan(shape) if codec.name == "lowrank" else None
+    return None if plan is None else plan[2]
+
+
+def packet_checkable(codecs: dict[str, str], committed: dict[str, torch.Tensor]) -> bool:
+    """Whether an exact replay of the whole round checks every tensor of the packet: re-encoded
+    bit for bit (`packet_replayable`'s codecs, lowrank's fp16 fallback) or, for a PowerSGD
+    matrix, by `lowrank_distance`. False with error feedback (`codecs` {}): its packet is made from
+    a residual only the worker has."""
+    return bool(codecs) and set(codecs) == set(committed) and all(
+        replayable_codec(s) or codec_from_spec(s).name == "lowrank" for s in codecs.values())
+
+
+def lowrank_distance(replayed: torch.Tensor, committed: torch.Tensor, rank: int) -> float:
+    """||U U^T M - M_hat|| / ||M_hat|| (float64): M the replayed delta and M_hat the decoded
+    PowerSGD tensor, as (shape[0], rest) matrices, U an orthonormal basis of M_hat's columns
+    (its at most `rank` singular directions above fp32's rounding, from M_hat times a fixed
+    Gaussian). An honest packet is M projected onto span(P) whatever the warm start made P,
+    so this is fp16's rounding (about 1e-3); a scaled, shifted or foreign tensor is far off.
+    inf for a zero M_hat where M is not zero (nothing honest sends that)."""
+    hat = committed.reshape(committed.shape[0], -1).to(torch.float64)
+    m = replayed.reshape(hat.shape).to(torch.float64)
+    norm = float(torch.linalg.vector_norm(hat))
+    if not math.isfinite(norm):
+        return math.inf
+    if norm == 0:
+        return 0.0 if not bool(m.any()) else math.inf
+    gauss = torch.randn(hat.shape[1], rank, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u, sv, _ = torch.linalg.svd(hat @ gauss, full_matrices=False)
+    u = u[:, sv > sv[0] * 1e-5]
+    return float(torch.linalg.vector_norm(u @ (u.T @ m) - hat)) / norm
+
+
+def packet_differs(delta: dict[str, torch.Tensor], committed: dict[str, torch.Tensor], codecs: dict[str, str]) -> bool:
+    """Whether the packet (`committed`, decoded; `codecs` per tensor) is not what the replayed
+    `delta` encodes to: each tensor a fresh codec reproduces must decode to it bit for bit, and
+    each PowerSGD matrix must be the replayed delta on its own columns (`lowrank_distance` within
+    LOWRANK_TOLERANCE). Tensors under no codec a replay can judge (error feedback: `codecs` {})
+    are not checked: `packet_checkable` says whether that left any. Until the forty-fourth session
+    one PowerSGD tensor (a rung of the default adaptive ladder) turned the check off for the
+    whole packet, so a worker with a clean trace could send any delta (red_team.LowRankCover)."""
+    exact, low = {}, {}
+    for name in committed:
+        spec = codecs.get(name)
+        if spec is None:
+            continue
+        rank = _low_rank(spec, tuple(committed[name].shape))
+        if rank is not None:
+            low[name] = rank
+        elif replayable_codec(spec) or codec_from_spec(spec).name == "lowrank":
+            exact[name] = spec
+    if exact:
+        mine = as_committed({name: delta[name] for name in exact}, exact)
+        if any(not torch.equal(mine[name], committed[name]) for name in exact):
+            return True
+    return any(lowrank_distance(delta[name], committed[name], rank) > LOWRANK_TOLERANCE for name, rank in low.items())
+
+
 def replay_delta(
     make_model: Callable[[], nn.Module],
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -452,12 +524,10 @@ def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], c
         bad = check_replay(trace, replayed.trace, replayed.offset)
         if bad is not None:
             return float(bad)
-        if replayed.delta is not None and packet_replayable(codecs, committed):
+        if replayed.delta is not None and packet_differs(replayed.delta, committed, codecs):
             # the whole round was replayed: the packet must be what its end state encodes to, or
             # a worker could train honestly (a clean trace) and send another delta
-            mine = as_committed({name: replayed.delta[name] for name in committed}, codecs)
-            if any(not torch.equal(mine[name], committed[name]) for name in committed):
-                return float(len(trace))
+            return float(len(trace))
         return -1.0
     return distance_of([replayed_parts(replayed, committed, codecs)])
 

@@ -1,0 +1,102 @@
+"""An exact replay's packet check for PowerSGD (`lowrank`) tensors, whose warm start a replay of one
+round cannot know: the packet must be the replayed delta projected onto its own columns
+(replay.lowrank_distance), and every other tensor is re-encoded bit for bit as before. Until the
+forty-fourth session one PowerSGD tensor (a rung of the default adaptive ladder) turned the check
+off for the whole packet: a worker with a clean trace could send any delta (red_team.LowRankCover)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rounds_of, tiny
+
+from veriloco.audit import audit_run
+from veriloco.compress import codec_from_spec
+from veriloco.run import train
+from veriloco.verify.replay import (
+    LOWRANK_TOLERANCE,
+    lowrank_distance,
+    packet_checkable,
+    packet_differs,
+)
+
+SHAPES = [(256, 32), (96, 32), (768, 3072), (3072, 768), (50, 4, 64)]
+
+
+def spectra(shape: tuple[int, ...], gen: torch.Generator) -> list[torch.Tensor]:
+    """Deltas with a flat, a low-rank-plus-noise and a heavy-tailed spectrum."""
+    m, n = shape[0], int(torch.tensor(shape[1:]).prod())
+    flat = torch.randn(m, n, generator=gen) * 1e-3
+    low = torch.randn(m, 8, generator=gen) @ torch.randn(8, n, generator=gen) * 1e-4 + torch.randn(m, n, generator=gen) * 1e-5
+    heavy = torch.randn(m, n, generator=gen) ** 3 * 1e-6
+    return [x.reshape(shape) for x in (flat, low, heavy)]
+
+
+def test_an_honest_powersgd_tensor_is_its_delta_on_its_own_columns_to_fp16s_rounding():
+    """Warm-started over 4 rounds (the sender's P is whatever its earlier rounds made it), six
+    shapes, three spectra: at most a fifth of the tolerance (2-3e-4 measured); a delta scaled by
+    1.01, its sign flipped or another delta are far outside it."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in SHAPES:
+        for kind in range(3):
+            codec = codec_from_spec("lowrank:rank=16")
+            for _ in range(4):
+                delta = spectra(shape, gen)[kind]
+                sent = codec.decode(codec.encode("w", delta), shape)
+                rank = min(16, shape[0], int(torch.tensor(shape[1:]).prod()))
+                assert lowrank_distance(delta, sent, rank) < LOWRANK_TOLERANCE / 5, (shape, kind)
+                assert lowrank_distance(delta * 1.01, sent, rank) > 4 * LOWRANK_TOLERANCE
+                assert lowrank_distance(-delta, sent, rank) > 1
+                assert lowrank_distance(spectra(shape, gen)[kind], sent, rank) > 0.5
+            assert lowrank_distance(delta, torch.zeros(shape), rank) == float("inf")  # nothing honest sends that
+    assert lowrank_distance(torch.zeros(8, 8), torch.zeros(8, 8), 4) == 0.0
+
+
+def test_a_packet_is_checked_tensor_by_tensor_whatever_codecs_it_mixes():
+    gen = torch.Generator().manual_seed(1)
+    delta = {"w": torch.randn(256, 32, generator=gen), "b": torch.randn(32, generator=gen), "v": torch.randn(64, 64, generator=gen)}
+    codecs = {"w": "lowrank:rank=4", "b": "lowrank:rank=4", "v": "int8:block=64"}  # b: lowrank's fp16 fallback
+    packet = {k: codec_from_spec(s).decode(codec_from_spec(s).encode(k, delta[k]), tuple(delta[k].shape))
+              for k, s in codecs.items()}
+    assert packet_checkable(codecs, packet) and not packet_differs(delta, packet, codecs)
+    for name in delta:  # any one tensor off by 1% is found, whichever codec it was under
+        assert packet_differs({k: v * (1.01 if k == name else 1) for k, v in delta.items()}, packet, codecs), name
+    assert not packet_checkable({}, packet)  # error feedback: a residual only the worker has
+    assert not packet_differs({k: v * 2 for k, v in delta.items()}, packet, {})
+
+
+def on_path(monkeypatch) -> None:
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests_dir)
+    sys.path.insert(0, tests_dir)
+
+
+@pytest.mark.parametrize("cover", ["all=0", "all=1"], ids=["one_tensor", "every_tensor"])
+def test_a_delta_sent_under_powersgd_is_replayed_against_its_packet(tmp_path, monkeypatch, cover):
+    """red_team.LowRankCover trains honestly and sends its delta x2.5, one matrix (or every tensor)
+    under the default ladder's lowrank:rank=16: before, every round `accept`, the audit passing."""
+    on_path(monkeypatch)
+    run, _ = train(tiny("--topology.workers=3", "--train.rounds=2", "--train.inner_steps=4", "--verify.trace_every=2",
+                        "--train.inner_state=reset", "--verify.replay_probability=1", "--compress.codec=adaptive",
+                        f"--adversary.2=red_team:LowRankCover:{cover}"), str(tmp_path / "run"), quiet=True)
+    recs = rounds_of(run.root)
+    assert [r["verdicts"] for r in recs] == [["accept", "accept", "replay_mismatch"], ["accept", "accept", "banned"]]
+    assert recs[0]["evidence"]["2"]["first_mismatch"] == 3  # the trace replays; the packet is not its end
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
+
+
+def test_honest_powersgd_workers_pass_every_replay(tmp_path):
+    """Warm-started PowerSGD on every worker, every round replayed: all accepted, and the audit's
+    re-run replays agree."""
+    run, _ = train(tiny("--topology.workers=3", "--train.rounds=3", "--train.inner_steps=4", "--verify.trace_every=2",
+                        "--train.inner_state=reset", "--verify.replay_probability=1", "--compress.codec=lowrank:rank=4"),
+                   str(tmp_path / "run"), quiet=True)
+    recs = rounds_of(run.root)
+    assert [r["verdicts"] for r in recs] == [["accept"] * 3] * 3
+    assert all("replayed" in e for r in recs for e in r["evidence"].values()), [r["evidence"] for r in recs]
+    report = audit_run(run.root, replay=100)
+    assert report.ok, report.first_failure
