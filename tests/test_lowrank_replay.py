@@ -23,7 +23,7 @@ from veriloco.verify.replay import (
     packet_differs,
 )
 
-SHAPES = [(256, 32), (96, 32), (768, 3072), (3072, 768), (50, 4, 64)]
+SHAPES = [(256, 32), (96, 32), (768, 3072), (50, 4, 64)]
 
 
 def spectra(shape: tuple[int, ...], gen: torch.Generator) -> list[torch.Tensor]:
@@ -36,14 +36,14 @@ def spectra(shape: tuple[int, ...], gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def test_an_honest_powersgd_tensor_is_its_delta_on_its_own_columns_to_fp16s_rounding():
-    """Warm-started over 4 rounds (the sender's P is whatever its earlier rounds made it), six
+    """Warm-started over 3 rounds (the sender's P is whatever its earlier rounds made it), four
     shapes, three spectra: at most a fifth of the tolerance (2-3e-4 measured); a delta scaled by
     1.01, its sign flipped or another delta are far outside it."""
     gen = torch.Generator().manual_seed(0)
     for shape in SHAPES:
         for kind in range(3):
             codec = codec_from_spec("lowrank:rank=16")
-            for _ in range(4):
+            for _ in range(3):
                 delta = spectra(shape, gen)[kind]
                 sent = codec.decode(codec.encode("w", delta), shape)
                 rank = min(16, shape[0], int(torch.tensor(shape[1:]).prod()))
@@ -53,6 +53,28 @@ def test_an_honest_powersgd_tensor_is_its_delta_on_its_own_columns_to_fp16s_roun
                 assert lowrank_distance(spectra(shape, gen)[kind], sent, rank) > 0.5
             assert lowrank_distance(delta, torch.zeros(shape), rank) == float("inf")  # nothing honest sends that
     assert lowrank_distance(torch.zeros(8, 8), torch.zeros(8, 8), 4) == 0.0
+
+
+def test_a_weak_direction_of_an_honest_tensor_is_not_lost_by_the_sketch():
+    """Its review: with a sketch of exactly `rank` columns, 11 in 1500 honest encodings of a matrix
+    with one direction at 1e-2 of the others failed (an ill-conditioned Gaussian block hid it); and
+    the smallest matrices the codec factors round the most (up to 6e-4: rank 1 of 3x3)."""
+    m, n, r = 64, 256, 16
+    for seed in range(1500):
+        gen = torch.Generator().manual_seed(seed)
+        u, _ = torch.linalg.qr(torch.randn(m, r, generator=gen))
+        v, _ = torch.linalg.qr(torch.randn(n, r, generator=gen))
+        spectrum = torch.ones(r)
+        spectrum[-1] = 1e-2
+        delta = (u * spectrum) @ v.T * 1e-3
+        codec = codec_from_spec("lowrank:rank=16")
+        assert lowrank_distance(delta, codec.decode(codec.encode("w", delta), (m, n)), r) < LOWRANK_TOLERANCE / 5, seed
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(3, 3), (4, 4), (2, 8), (8, 2), (3, 16)]:
+        codec = codec_from_spec("lowrank:rank=1")
+        for t in range(200):
+            delta = torch.randn(shape, generator=gen) ** 3
+            assert lowrank_distance(delta, codec.decode(codec.encode(f"w{t % 3}", delta), shape), 1) < LOWRANK_TOLERANCE / 2
 
 
 def test_a_packet_is_checked_tensor_by_tensor_whatever_codecs_it_mixes():
@@ -89,14 +111,19 @@ def test_a_delta_sent_under_powersgd_is_replayed_against_its_packet(tmp_path, mo
     assert report.ok, report.first_failure
 
 
-def test_honest_powersgd_workers_pass_every_replay(tmp_path):
-    """Warm-started PowerSGD on every worker, every round replayed: all accepted, and the audit's
-    re-run replays agree."""
+@pytest.mark.parametrize("codec", [("--compress.codec=lowrank:rank=4",),
+                                   ("--compress.codec=adaptive", "--compress.budget_bytes=30000")],
+                         ids=["lowrank", "adaptive"])
+def test_honest_powersgd_workers_pass_every_replay(tmp_path, codec):
+    """Warm-started PowerSGD on every worker, or the adaptive ladder under a budget that makes it
+    choose low-rank rungs (without one it sends fp32 here), every round replayed: all accepted,
+    and the audit's re-run replays agree."""
     run, _ = train(tiny("--topology.workers=3", "--train.rounds=3", "--train.inner_steps=4", "--verify.trace_every=2",
-                        "--train.inner_state=reset", "--verify.replay_probability=1", "--compress.codec=lowrank:rank=4"),
+                        "--train.inner_state=reset", "--verify.replay_probability=1", *codec),
                    str(tmp_path / "run"), quiet=True)
     recs = rounds_of(run.root)
     assert [r["verdicts"] for r in recs] == [["accept"] * 3] * 3
+    assert all(any(s.startswith("lowrank") for s in c) for r in recs for c in r["codecs"]), [r["codecs"] for r in recs]
     assert all("replayed" in e for r in recs for e in r["evidence"].values()), [r["evidence"] for r in recs]
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
