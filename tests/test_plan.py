@@ -179,3 +179,19 @@ def test_the_trace_line_counts_the_state_hashes_and_says_when_nothing_compares_t
     assert "trace: 2 state hashes" in once and "nothing compares them" not in once
     monkeypatch.undo()  # this machine's own rate
     assert 1e7 < plan_mod.hash_rate(1 << 20) < 1e11
+
+
+def test_a_run_whose_replays_leave_its_packets_unchecked_says_so_when_it_starts(tmp_path, monkeypatch, capsys):
+    """With error feedback a packet is made from a residual only its worker has: a replay checks the
+    trace alone. `veriloco plan` says so, and so does `veriloco train` on stderr as it starts; not
+    for a run that replays nothing."""
+    base = ("--topology.workers=3", "--train.rounds=1", "--train.inner_steps=2", "--verify.trace_every=2",
+            "--train.inner_state=reset",
+            "--compress.codec=topk:density=0.1", "--compress.error_feedback=true", "--quiet")
+    code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(tmp_path / "a"), *base,
+                       "--verify.replay_probability=0.5")
+    assert code == 0 and [ln for ln in err if "error feedback" in ln] == [
+        "warning: error feedback: a replay checks the trace, not the packet (codec(delta + a residual only the worker "
+        "has)): the screens and the aggregator are all that check what a packet carries"], err
+    code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(tmp_path / "b"), *base)
+    assert code == 0 and not [ln for ln in err if "error feedback" in ln], err

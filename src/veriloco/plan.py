@@ -444,6 +444,16 @@ def _size(n: float) -> str:
     return f"{n / 1e9:,.1f} GB" if n >= 1e9 else _mb(n)
 
 
+def unchecked_packets(cfg: Config) -> str | None:
+    """What a config's replays leave unchecked that a user would take for checked: with error
+    feedback a packet is codec(delta + a residual only the worker has), so a replay checks the
+    trace and not the packet. Said by `veriloco plan` and, on stderr, when such a run starts."""
+    if cfg.verify.replay_probability <= 0 or not cfg.compress.error_feedback or cfg.topology.workers < 2:
+        return None
+    return ("error feedback: a replay checks the trace, not the packet (codec(delta + a residual only the worker "
+            "has)): the screens and the aggregator are all that check what a packet carries")
+
+
 def _verify_lines(plan: Plan) -> list[str]:
     """What verification adds to each round: replays, the start states they fetch, the states kept
     for them, and the loss-gain screen."""
@@ -469,9 +479,8 @@ def _verify_lines(plan: Plan) -> list[str]:
                        f"({_mb(vp.kept_states * state)}) in {'host memory' if v.keep_states == 'memory' else 'a file'}")
         else:
             out.append("  replays start from the round's public start (G and the worker's own packets): no model-sized traffic")
-        if cfg.compress.error_feedback:
-            out.append("  error feedback: a replay checks the trace, not the packet (codec(delta + a residual only the worker "
-                       "has)): the screens and the aggregator are all that check what a packet carries")
+        if unchecked_packets(cfg):
+            out.append(f"  {unchecked_packets(cfg)}")
     if vp.gain_forwards:
         out.append(f"loss-gain screen: {vp.gain_forwards:,} forward passes a round across the run ({v.loss_gain_batches} "
                    f"batch(es) x 2 a packet on each of its checkers): about {vp.gain_share(cfg, W):.1%} on top of the "
@@ -479,4 +488,5 @@ def _verify_lines(plan: Plan) -> list[str]:
     return out
 
 
-__all__ = ["Plan", "StagePlan", "VerifyPlan", "format_plan", "make_plan", "measured_verification", "verify_plan"]
+__all__ = ["Plan", "StagePlan", "VerifyPlan", "format_plan", "make_plan", "measured_verification", "unchecked_packets",
+           "verify_plan"]

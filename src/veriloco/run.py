@@ -300,22 +300,24 @@ def train(
     warm()  # the workers' server imports while the corpus and G_0 are prepared here
     run, task = prepare_run(cfg, out)
     try:
-        warn_disk(cfg, run, 0)
+        start_warnings(cfg, run, 0)
         return run, launch(cfg, task.as_task(), run, 0, quiet, stop_after, faults, placement)
     finally:
         run.release()
 
 
-def warn_disk(cfg: Config, run: RunDir, done: int) -> None:
+def start_warnings(cfg: Config, run: RunDir, done: int) -> None:
     """A line on stderr when the run's rounds from `done` on will not fit on its disk as it is now
-    (`plan.disk_warning`); the run goes on (a DDP baseline writes no checkpoints: nothing said)."""
+    (`plan.disk_warning`), and one when its replays leave its packets unchecked
+    (`plan.unchecked_packets`: error feedback); the run goes on (a DDP baseline writes no
+    checkpoints and replays nothing: nothing said)."""
     if cfg.train.mode != "diloco":
         return
-    from .plan import disk_warning
+    from .plan import disk_warning, unchecked_packets
 
-    warning = disk_warning(cfg, run.root, done)
-    if warning is not None:
-        print(warning, file=sys.stderr, flush=True)
+    for warning in (disk_warning(cfg, run.root, done), unchecked_packets(cfg)):
+        if warning is not None:
+            print(warning if warning.startswith("warning: ") else f"warning: {warning}", file=sys.stderr, flush=True)
 
 
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_after: int | None = None,
@@ -535,7 +537,7 @@ def _resume(run: RunDir, manifest: dict, cfg: Config, quiet: bool, stop_after: i
             if not store.has(digest):
                 raise RunDirError(f"round {rec['round']}'s checkpoint {digest[:16]} is missing from {run.store_dir} "
                                   f"(a resume reads the newest {1 + cfg.outer.delay} rounds' checkpoints)")
-    warn_disk(cfg, run, done)
+    start_warnings(cfg, run, done)
     if task is None:
         task = CorpusTask(cfg, run.store_dir, manifest["corpus_manifest"], initial_digest(manifest)).as_task()
     return run, launch(cfg, task, run, done, quiet, stop_after, None, placement)
