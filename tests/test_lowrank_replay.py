@@ -127,3 +127,19 @@ def test_honest_powersgd_workers_pass_every_replay(tmp_path, codec):
     assert all("replayed" in e for r in recs for e in r["evidence"].values()), [r["evidence"] for r in recs]
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
+
+
+def test_the_distance_a_block_at_a_time_is_the_whole_matrix_s():
+    """lowrank_distance holds float64 copies of a block of columns, never of the whole matrix:
+    the same number as the whole matrix at once (here 4 blocks of 256 columns)."""
+    gen = torch.Generator().manual_seed(2)
+    delta = torch.randn(4096, 1024, generator=gen) ** 3 * 1e-3
+    codec = codec_from_spec("lowrank:rank=16")
+    sent = codec.decode(codec.encode("w", delta), tuple(delta.shape))
+    for m in (delta, delta * 1.01):
+        hat, whole = sent.to(torch.float64), m.to(torch.float64)
+        gauss = torch.randn(1024, 26, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        u, sv, _ = torch.linalg.svd(hat @ gauss, full_matrices=False)
+        u = u[:, :16][:, sv[:16] > sv[0] * 1e-6]
+        expected = float(torch.linalg.vector_norm(u @ (u.T @ whole) - hat) / torch.linalg.vector_norm(hat))
+        assert lowrank_distance(m, sent, 16) == pytest.approx(expected, rel=1e-9)

@@ -357,23 +357,30 @@ def lowrank_distance(replayed: torch.Tensor, committed: torch.Tensor, rank: int)
     """||U U^T M - M_hat|| / ||M_hat|| (float64): M the replayed delta and M_hat the decoded
     PowerSGD tensor, as (shape[0], rest) matrices, U an orthonormal basis of M_hat's columns
     (its at most `rank` singular directions above fp32's rounding, from M_hat times a fixed
-    Gaussian of rank + 10 columns). An honest packet is M projected onto span(P) whatever the warm start made P,
-    so this is fp16's rounding (about 1e-3); a scaled, shifted or foreign tensor is far off.
-    inf for a zero M_hat where M is not zero (nothing honest sends that)."""
-    hat = committed.reshape(committed.shape[0], -1).to(torch.float64)
-    m = replayed.reshape(hat.shape).to(torch.float64)
-    norm = float(torch.linalg.vector_norm(hat))
+    Gaussian of rank + 10 columns). An honest packet is M projected onto span(P) whatever the
+    warm start made P, so this is fp16's rounding (2-6e-4); a scaled, shifted or foreign tensor is
+    far off. inf for a zero M_hat where M is not zero (nothing honest sends that). Computed a
+    block of columns at a time: float64 copies of a block, never of the whole matrix (a 50k x 1024
+    embedding would be 400 MB each)."""
+    hat = committed.reshape(committed.shape[0], -1)
+    m = replayed.reshape(hat.shape)
+    norm = float(torch.linalg.vector_norm(hat, dtype=torch.float64))
     if not math.isfinite(norm):
         return math.inf
     if norm == 0:
         return 0.0 if not bool(m.any()) else math.inf
+    rows, cols = hat.shape
+    blocks = [(j, min(j + max(1, (1 << 20) // rows), cols)) for j in range(0, cols, max(1, (1 << 20) // rows))]
     # oversampled: with exactly `rank` columns an ill-conditioned Gaussian block hid a real
     # direction of M_hat now and then, and an honest packet failed (its review: 11 in 1500)
-    gauss = torch.randn(hat.shape[1], min(rank + 10, hat.shape[1]), generator=torch.Generator().manual_seed(0),
-                        dtype=torch.float64)
-    u, sv, _ = torch.linalg.svd(hat @ gauss, full_matrices=False)
+    gauss = torch.randn(cols, min(rank + 10, cols), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sketch = sum(hat[:, a:b].to(torch.float64) @ gauss[a:b] for a, b in blocks)
+    u, sv, _ = torch.linalg.svd(sketch, full_matrices=False)
     u = u[:, :rank][:, sv[:rank] > sv[0] * 1e-6]
-    return float(torch.linalg.vector_norm(u @ (u.T @ m) - hat)) / norm
+    off = 0.0
+    for a, b in blocks:
+        off += float(torch.linalg.vector_norm(u @ (u.T @ m[:, a:b].to(torch.float64)) - hat[:, a:b].to(torch.float64))) ** 2
+    return math.sqrt(off) / norm
 
 
 def packet_differs(delta: dict[str, torch.Tensor], committed: dict[str, torch.Tensor], codecs: dict[str, str]) -> bool:
