@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY, cli, rounds_of, tiny
+from conftest import ROOT, TINY, cli, rounds_of, tiny
 
 from veriloco.config import ConfigError
 from veriloco.link import Link
@@ -195,3 +195,13 @@ def test_a_run_whose_replays_leave_its_packets_unchecked_says_so_when_it_starts(
         "has)): the screens and the aggregator are all that check what a packet carries"], err
     code, err, _ = cli(monkeypatch, capsys, "train", str(TINY), "--out", str(tmp_path / "b"), *base)
     assert code == 0 and not [ln for ln in err if "error feedback" in ln], err
+    # a user's Task too (train_task: the review found it, and torchrun's two entry points, silent)
+    from veriloco import Task, load_config, train_task
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # the workers import the Task's functions from there too
+    import custom_model as cm
+
+    cfg = load_config(overrides=[*[a for a in base if a != "--quiet"], "--train.eval_batches=2",
+                                 "--verify.replay_probability=0.5"])
+    train_task(Task(cm.make_model, cm.loss, cm.batch, cm.eval_batches), cfg, str(tmp_path / "c"), quiet=True)
+    assert "warning: error feedback: a replay checks the trace, not the packet" in capsys.readouterr().err

@@ -340,6 +340,7 @@ def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_afte
     run.claim()
     try:
         write_task_manifest(run, task, cfg)
+        start_warnings(cfg, run, 0)
         return launch(cfg, task, run, 0, quiet, stop_after, None, placement)
     finally:
         run.release()
@@ -379,6 +380,7 @@ def torchrun_task(task: Task, cfg: Config, out: str, quiet: bool = False) -> dic
         except BaseException:
             run.release()
             raise
+        start_warnings(cfg, run, 0)
         return run
 
     run = _torchrun_start(cfg, rank, world, out, prepare)
@@ -706,6 +708,7 @@ def torchrun_main(argv: list[str]) -> None:
     def prepare() -> RunDir:
         run, task = prepare_run(cfg, out)
         prepared.append(task)
+        start_warnings(cfg, run, 0)
         return run
 
     run = _torchrun_start(cfg, rank, world, out, prepare)
