@@ -893,10 +893,20 @@ def _write_atomically(path, data: bytes) -> None:
     path.with_name(path.name + ".tmp").rename(path)
 
 
+def _slice_tag(delta: dict) -> str:
+    """Which slice of the model a process's delta is (a pipeline stage's names, or all of them):
+    the leak files of each stage process of red_team.Leaks are its own, read by the same stage of
+    red_team.Twin (until the forty-fourth session both stages wrote one file, and a pipelined run crashed)."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(delta)).encode()).hexdigest()[:12]
+
+
 class Leaks(Adversary):
     """Not an attacker: an honest worker whose round a colluder sees before it commits (as an
     elastic retry's newcomer sees the first try's packets): each round it writes its delta and
-    packet to files under `dir` for red_team.Twin. What it sends is its honest packet."""
+    packet to files under `dir` for red_team.Twin, a pair per pipeline stage. What it sends is its
+    honest packet."""
 
     kind = "leaks"
     PARAMS = None  # dir
@@ -906,13 +916,15 @@ class Leaks(Adversary):
 
         from safetensors.torch import save
 
-        _write_atomically(Path(self.params["dir"]) / f"delta-{r}", save({k: v.contiguous() for k, v in delta.items()}))
+        self._tag = _slice_tag(delta)
+        _write_atomically(Path(self.params["dir"]) / f"delta-{r}-{self._tag}",
+                          save({k: v.contiguous() for k, v in delta.items()}))
         return delta
 
     def packet(self, r, packet, view):
         from pathlib import Path
 
-        _write_atomically(Path(self.params["dir"]) / f"packet-{r}", bytes(packet))
+        _write_atomically(Path(self.params["dir"]) / f"packet-{r}-{self._tag}", bytes(packet))
         return packet
 
 
@@ -963,10 +975,11 @@ class Twin(Adversary):
         import torch
         from safetensors.torch import load
 
+        self._tag = _slice_tag(delta)
         if not self._copies(r) or self._exact():
             return delta
         noise, scale = float(self.params.get("noise", "0")), float(self.params.get("scale", "1"))
-        src = load(_wait_for(Path(self.params["dir"]) / f"delta-{r}").read_bytes())
+        src = load(_wait_for(Path(self.params["dir"]) / f"delta-{r}-{self._tag}").read_bytes())
         gen = self.rng(r, 3)
         return {k: scale * (src[k] + noise * src[k].abs().mean() * torch.randn(src[k].shape, generator=gen))
                 for k in sorted(src)}
@@ -976,7 +989,7 @@ class Twin(Adversary):
 
         if not self._copies(r) or not self._exact():
             return packet
-        return _wait_for(Path(self.params["dir"]) / f"packet-{r}").read_bytes()
+        return _wait_for(Path(self.params["dir"]) / f"packet-{r}-{self._tag}").read_bytes()
 
     def commitment(self, r, commitment):
         return _one_codec(commitment) if self._copies(r) and self.params.get("one_codec") == "1" else commitment

@@ -39,21 +39,23 @@ def twin_run(tmp_path, monkeypatch, twin: str, *overrides: str) -> Path:
 
 @pytest.mark.parametrize("twin, extra", [("noise=0", ()), ("noise=0.001", ()), ("noise=0,one_codec=1", ()),
                                          ("scale=4", ("--topology.workers=5",)),
-                                         ("noise=0", ("--compress.codec=lowrank:rank=4",))],
-                         ids=["exact", "near", "one_codec", "scaled", "lowrank"])
+                                         ("noise=0", ("--compress.codec=lowrank:rank=4",)),
+                                         ("noise=0", ("--topology.stages=2",))],
+                         ids=["exact", "near", "one_codec", "scaled", "lowrank", "stages"])
 def test_the_copier_not_the_original_is_refused_where_the_run_replays(tmp_path, monkeypatch, twin, extra):
     """Also where the copier names its codec as one spec, or sends the copy scaled up, so that the
     screen refuses its end on a second flag (norm_outlier, with 5 workers to make a centre): the
     forty-third session's review found that either spared its end the replay, and with it the
     conviction, while every member replayed the original every round. And in a PowerSGD run, whose
     warm start a replay cannot know: until the forty-fourth session both ends were refused there
-    (replay.lowrank_distance now checks such a packet)."""
+    (replay.lowrank_distance now checks such a packet). And between pipelined workers, each stage
+    copying its slice (check.pooled_copies: a copy of one slice is the worker's)."""
     root = twin_run(tmp_path, monkeypatch, twin, "--verify.replay_probability=0.01", *extra)
     recs = rounds_of(root)
     rest = ["accept"] * (len(recs[0]["verdicts"]) - 3)
     assert [r["verdicts"] for r in recs] == [["accept"] * 3 + rest, ["accept", "accept", "replay_mismatch"] + rest,
                                              ["accept", "accept", "banned"] + rest], [r["verdicts"] for r in recs]
-    one = recs[1]["evidence"]
+    one = recs[1]["stages"][0]["evidence"] if "stages" in recs[1] else recs[1]["evidence"]  # (each stage's is the same)
     # the original: kept in and replayed by every member, whatever the draw (p = 0.01 drew nobody)
     assert one["1"]["copy_replay"]["copy_of"] == [2] and "first_mismatch" not in one["1"]["copy_replay"]
     assert one["2"]["copy_of"] == [1] and one["2"]["first_mismatch"] >= 0, one["2"]  # its replay does not reproduce it
