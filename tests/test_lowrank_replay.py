@@ -96,24 +96,31 @@ def on_path(monkeypatch) -> None:
     sys.path.insert(0, tests_dir)
 
 
-@pytest.mark.parametrize("cover", ["all=0", "all=1"], ids=["one_tensor", "every_tensor"])
-def test_a_delta_sent_under_powersgd_is_replayed_against_its_packet(tmp_path, monkeypatch, cover):
+@pytest.mark.parametrize("cover, match", [("all=0", "exact"), ("all=1", "exact"), ("all=1", "distance")],
+                         ids=["one_tensor", "every_tensor", "distance"])
+def test_a_delta_sent_under_powersgd_is_replayed_against_its_packet(tmp_path, monkeypatch, cover, match):
     """red_team.LowRankCover trains honestly and sends its delta x2.5, one matrix (or every tensor)
-    under the default ladder's lowrank:rank=16: before, every round `accept`, the audit passing."""
+    under the default ladder's lowrank:rank=16: before, every round `accept`, the audit passing
+    (distance runs refused the ladder then)."""
     on_path(monkeypatch)
     run, _ = train(tiny("--topology.workers=3", "--train.rounds=2", "--train.inner_steps=4", "--verify.trace_every=2",
                         "--train.inner_state=reset", "--verify.replay_probability=1", "--compress.codec=adaptive",
-                        f"--adversary.2=red_team:LowRankCover:{cover}"), str(tmp_path / "run"), quiet=True)
+                        f"--verify.replay_match={match}", f"--adversary.2=red_team:LowRankCover:{cover}"),
+                   str(tmp_path / "run"), quiet=True)
     recs = rounds_of(run.root)
     assert [r["verdicts"] for r in recs] == [["accept", "accept", "replay_mismatch"], ["accept", "accept", "banned"]]
-    assert recs[0]["evidence"]["2"]["first_mismatch"] == 3  # the trace replays; the packet is not its end
+    if match == "exact":
+        assert recs[0]["evidence"]["2"]["first_mismatch"] == 3  # the trace replays; the packet is not its end
+    else:  # x2.5 on its own columns: the packet is off by 1.5 of the delta, 0.6 of itself
+        assert recs[0]["evidence"]["2"]["distance"] == pytest.approx(0.6, rel=0.01), recs[0]["evidence"]
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure
 
 
 @pytest.mark.parametrize("codec", [("--compress.codec=lowrank:rank=4",),
-                                   ("--compress.codec=adaptive", "--compress.budget_bytes=30000")],
-                         ids=["lowrank", "adaptive"])
+                                   ("--compress.codec=adaptive", "--compress.budget_bytes=30000"),
+                                   ("--compress.codec=lowrank:rank=4", "--verify.replay_match=distance")],
+                         ids=["lowrank", "adaptive", "distance"])
 def test_honest_powersgd_workers_pass_every_replay(tmp_path, codec):
     """Warm-started PowerSGD on every worker, or the adaptive ladder under a budget that makes it
     choose low-rank rungs (without one it sends fp32 here), every round replayed: all accepted,
@@ -124,6 +131,8 @@ def test_honest_powersgd_workers_pass_every_replay(tmp_path, codec):
     recs = rounds_of(run.root)
     assert [r["verdicts"] for r in recs] == [["accept"] * 3] * 3
     assert all(any(s.startswith("lowrank") for s in c) for r in recs for c in r["codecs"]), [r["codecs"] for r in recs]
+    if "--verify.replay_match=distance" in codec:  # the same kernels: only fp16's rounding of P and Q is left
+        assert all(0 < e["replayed"]["distance"] < 1e-3 for r in recs for e in r["evidence"].values())
     assert all("replayed" in e for r in recs for e in r["evidence"].values()), [r["evidence"] for r in recs]
     report = audit_run(run.root, replay=100)
     assert report.ok, report.first_failure

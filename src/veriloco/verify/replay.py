@@ -326,12 +326,6 @@ def replayable_codec(spec: str) -> bool:
         return False
 
 
-def packet_replayable(codecs: dict[str, str], committed: dict[str, torch.Tensor]) -> bool:
-    """Whether a replay can re-encode the delta as the packet was (`codecs`: per tensor, as
-    committed; {} when the sender's encoder keeps state, i.e. error feedback)."""
-    return bool(codecs) and set(codecs) == set(committed) and all(replayable_codec(s) for s in codecs.values())
-
-
 def _codec_name(spec: str) -> str | None:
     """The codec `spec` names; None for one that does not parse (check_bundles refuses those first)."""
     try:
@@ -354,41 +348,77 @@ def _low_rank(spec: str, shape: tuple[int, ...]) -> int | None:
 
 def packet_checkable(codecs: dict[str, str], committed: dict[str, torch.Tensor]) -> bool:
     """Whether an exact replay of the whole round checks every tensor of the packet: re-encoded
-    bit for bit (`packet_replayable`'s codecs, lowrank's fp16 fallback) or, for a PowerSGD
+    bit for bit (`replayable_codec`s, lowrank's fp16 fallback) or, for a PowerSGD
     matrix, by `lowrank_distance`. False with error feedback (`codecs` {}): its packet is made from
     a residual only the worker has."""
-    return bool(codecs) and set(codecs) == set(committed) and all(
-        replayable_codec(s) or _codec_name(s) == "lowrank" for s in codecs.values())
+    return bool(codecs) and set(codecs) == set(committed) and all(checkable_codec(s) for s in codecs.values())
 
 
-def lowrank_distance(replayed: torch.Tensor, committed: torch.Tensor, rank: int) -> float:
-    """||U U^T M - M_hat|| / ||M_hat|| (float64): M the replayed delta and M_hat the decoded
-    PowerSGD tensor, as (shape[0], rest) matrices, U an orthonormal basis of M_hat's columns
-    (its at most `rank` singular directions above fp32's rounding, from M_hat times a fixed
-    Gaussian of rank + 10 columns). An honest packet is M projected onto span(P) whatever the
-    warm start made P, so this is fp16's rounding (2-6e-4); a scaled, shifted or foreign tensor is
-    far off. inf for a zero M_hat where M is not zero (nothing honest sends that). Computed a
-    block of columns at a time: float64 copies of a block, never of the whole matrix (a 50k x 1024
+def checkable_codec(spec: str) -> bool:
+    """Whether a replay can judge a tensor sent under `spec`: re-encoded (`replayable_codec`) or,
+    for PowerSGD, by `lowrank_parts`. Every codec veriloco has; config.py asks it of distance
+    runs' codecs."""
+    return replayable_codec(spec) or _codec_name(spec) == "lowrank"
+
+
+def lowrank_parts(replayed: torch.Tensor, committed: torch.Tensor, rank: int) -> tuple[float, float]:
+    """(||U U^T M - M_hat||^2, ||M_hat||^2) in float64, `distance_parts`' terms for one PowerSGD
+    tensor: M the replayed delta and M_hat the decoded tensor, as (shape[0], rest) matrices, U an
+    orthonormal basis of M_hat's columns (its at most `rank` singular directions above fp32's
+    rounding, from M_hat times a fixed Gaussian of rank + 10 columns). An honest packet is M
+    projected onto span(P), whatever the warm start made P, so the first is fp16's rounding of P
+    and Q (2-6e-4 of the second's root); a scaled, shifted or foreign tensor is far off. A zero
+    M_hat leaves all of M as the difference; (inf, 1) when M_hat is not finite. Computed a block of
+    columns at a time: float64 copies of a block, never of the whole matrix (a 50k x 1024
     embedding would be 400 MB each)."""
     hat = committed.reshape(committed.shape[0], -1)
     m = replayed.reshape(hat.shape)
-    norm = float(torch.linalg.vector_norm(hat, dtype=torch.float64))
-    if not math.isfinite(norm):
-        return math.inf
-    if norm == 0:
-        return 0.0 if not bool(m.any()) else math.inf
+    den = float(torch.linalg.vector_norm(hat, dtype=torch.float64)) ** 2
+    if not math.isfinite(den):
+        return math.inf, 1.0
+    if den == 0:
+        return float(torch.linalg.vector_norm(m, dtype=torch.float64)) ** 2, 0.0
     rows, cols = hat.shape
-    blocks = [(j, min(j + max(1, (1 << 20) // rows), cols)) for j in range(0, cols, max(1, (1 << 20) // rows))]
+    step = max(1, (1 << 20) // rows)
+    blocks = [(j, min(j + step, cols)) for j in range(0, cols, step)]
     # oversampled: with exactly `rank` columns an ill-conditioned Gaussian block hid a real
     # direction of M_hat now and then, and an honest packet failed (its review: 11 in 1500)
     gauss = torch.randn(cols, min(rank + 10, cols), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     sketch = sum(hat[:, a:b].to(torch.float64) @ gauss[a:b] for a, b in blocks)
     u, sv, _ = torch.linalg.svd(sketch, full_matrices=False)
     u = u[:, :rank][:, sv[:rank] > sv[0] * 1e-6]
-    off = 0.0
+    num = 0.0
     for a, b in blocks:
-        off += float(torch.linalg.vector_norm(u @ (u.T @ m[:, a:b].to(torch.float64)) - hat[:, a:b].to(torch.float64))) ** 2
-    return math.sqrt(off) / norm
+        num += float(torch.linalg.vector_norm(u @ (u.T @ m[:, a:b].to(torch.float64)) - hat[:, a:b].to(torch.float64))) ** 2
+    return num, den
+
+
+def lowrank_distance(replayed: torch.Tensor, committed: torch.Tensor, rank: int) -> float:
+    """||U U^T M - M_hat|| / ||M_hat|| (`lowrank_parts`): an exact replay's check of one PowerSGD
+    tensor. 0 when both are zero; inf for a zero M_hat where M is not zero (nothing honest sends
+    that) and for one that is not finite."""
+    num, den = lowrank_parts(replayed, committed, rank)
+    if den == 0:
+        return 0.0 if num == 0 else math.inf
+    d = math.sqrt(num / den)
+    return d if math.isfinite(d) else math.inf
+
+
+def _by_check(codecs: dict[str, str], committed: dict[str, torch.Tensor]) -> tuple[dict[str, str], dict[str, int]]:
+    """The packet's tensors a replay checks, by how: ({name: spec} re-encoded bit for bit (fresh
+    codecs, lowrank's fp16 fallback), {name: rank} PowerSGD matrices by `lowrank_parts`); a tensor
+    under no codec a replay can judge (error feedback: `codecs` {}) is in neither."""
+    exact, low = {}, {}
+    for name in committed:
+        spec = codecs.get(name)
+        if spec is None:
+            continue
+        rank = _low_rank(spec, tuple(committed[name].shape))
+        if rank is not None:
+            low[name] = rank
+        elif checkable_codec(spec):
+            exact[name] = spec
+    return exact, low
 
 
 def packet_differs(delta: dict[str, torch.Tensor], committed: dict[str, torch.Tensor], codecs: dict[str, str]) -> bool:
@@ -399,16 +429,7 @@ def packet_differs(delta: dict[str, torch.Tensor], committed: dict[str, torch.Te
     are not checked: `packet_checkable` says whether that left any. Until the forty-fourth session
     one PowerSGD tensor (a rung of the default adaptive ladder) turned the check off for the
     whole packet, so a worker with a clean trace could send any delta (red_team.LowRankCover)."""
-    exact, low = {}, {}
-    for name in committed:
-        spec = codecs.get(name)
-        if spec is None:
-            continue
-        rank = _low_rank(spec, tuple(committed[name].shape))
-        if rank is not None:
-            low[name] = rank
-        elif replayable_codec(spec) or _codec_name(spec) == "lowrank":
-            exact[name] = spec
+    exact, low = _by_check(codecs, committed)
     if exact:
         mine = as_committed({name: delta[name] for name in exact}, exact)
         if any(not torch.equal(mine[name], committed[name]) for name in exact):
@@ -555,9 +576,15 @@ def replayed_parts(replayed: Replayed, committed: dict[str, torch.Tensor], codec
     """Distance mode: the `distance_parts` of the replayed delta, re-encoded with the packet's
     codecs, against `committed` (a slice of the model, or all of it); (inf, 1) for a packet
     distance mode cannot reproduce (config keeps honest workers off it)."""
-    if replayed.delta is None or not packet_replayable(codecs, committed):
+    if replayed.delta is None or not packet_checkable(codecs, committed):
         return math.inf, 1.0
-    return distance_parts(as_committed({k: replayed.delta[k] for k in committed}, codecs), committed)
+    exact, low = _by_check(codecs, committed)
+    num, den = distance_parts(as_committed({k: replayed.delta[k] for k in exact}, exact),
+                              {k: committed[k] for k in exact}) if exact else (0.0, 0.0)
+    for name in sorted(low):  # PowerSGD: the replayed delta on the packet's own columns
+        n, d = lowrank_parts(replayed.delta[name], committed[name], low[name])
+        num, den = num + n, den + d
+    return num, den
 
 
 def slice_result(verify: VerifyConfig, replayed: Replayed, trace: list[str], committed: dict[str, torch.Tensor],
@@ -583,7 +610,7 @@ def replay_score(verify: VerifyConfig, run: Callable[[], Replayed], trace: list[
     """`score_replayed` of `run()` (a `replay_run`), except that distance mode does not replay a
     packet it cannot compare with. The one number round.py and audit.py both compute for an
     audit, so both reach the same verdict."""
-    if verify.replay_match != "exact" and not packet_replayable(codecs, committed):
+    if verify.replay_match != "exact" and not packet_checkable(codecs, committed):
         return math.inf
     return score_replayed(verify, run(), trace, committed, codecs)
 
