@@ -1,6 +1,7 @@
 """`[verify] replay_match = "distance"`: replay the whole round, compare deltas within a tolerance.
 
-On CPU an honest replay reproduces the committed delta exactly (distance 0); a lazy worker
+On CPU an honest replay reproduces the committed delta exactly (distance 0; with PowerSGD tensors
+their fp16 rounding: tests/test_lowrank_replay.py); a lazy worker
 lands far above the tolerance and is rejected as replay_mismatch with its distance as evidence;
 the offline audit recomputes the same verdicts, and a forged verdict fails it. No GPU here:
 nondeterministic kernels are simulated (and measured) in bench/verify.py, not in these tests.

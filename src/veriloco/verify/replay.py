@@ -569,13 +569,17 @@ def score_replayed(verify: VerifyConfig, replayed: Replayed, trace: list[str], c
             # a worker could train honestly (a clean trace) and send another delta
             return float(len(trace))
         return -1.0
-    return distance_of([replayed_parts(replayed, committed, codecs)])
+    return distance_of([replayed_parts(replayed, committed, codecs, verify.replay_tolerance)])
 
 
-def replayed_parts(replayed: Replayed, committed: dict[str, torch.Tensor], codecs: dict[str, str]) -> tuple[float, float]:
+def replayed_parts(replayed: Replayed, committed: dict[str, torch.Tensor], codecs: dict[str, str],
+                   tolerance: float) -> tuple[float, float]:
     """Distance mode: the `distance_parts` of the replayed delta, re-encoded with the packet's
-    codecs, against `committed` (a slice of the model, or all of it); (inf, 1) for a packet
-    distance mode cannot reproduce (config keeps honest workers off it)."""
+    codecs, against `committed` (a slice of the model, or all of it), a PowerSGD tensor's part
+    by `lowrank_parts`; (inf, 1) for a packet distance mode cannot judge (config keeps honest
+    workers off it) and for one whose PowerSGD tensor is on its own further than `tolerance`
+    from the replayed delta on its columns: summed into the packet's, a tiny tensor sent without
+    knowing M (a rank-1 blank) was charged about ||M||^2 / rows, not ||M||^2 (its review)."""
     if replayed.delta is None or not packet_checkable(codecs, committed):
         return math.inf, 1.0
     exact, low = _by_check(codecs, committed)
@@ -583,6 +587,8 @@ def replayed_parts(replayed: Replayed, committed: dict[str, torch.Tensor], codec
                               {k: committed[k] for k in exact}) if exact else (0.0, 0.0)
     for name in sorted(low):  # PowerSGD: the replayed delta on the packet's own columns
         n, d = lowrank_parts(replayed.delta[name], committed[name], low[name])
+        if not n <= tolerance**2 * d:
+            return math.inf, 1.0
         num, den = num + n, den + d
     return num, den
 
@@ -593,7 +599,7 @@ def slice_result(verify: VerifyConfig, replayed: Replayed, trace: list[str], com
     (its `score_replayed`, 0); distance mode, its `replayed_parts`. `worker_score` combines them."""
     if verify.replay_match == "exact":
         return score_replayed(verify, replayed, trace, committed, codecs), 0.0
-    return replayed_parts(replayed, committed, codecs)
+    return replayed_parts(replayed, committed, codecs, verify.replay_tolerance)
 
 
 def worker_score(verify: VerifyConfig, results: list[tuple[float, float]]) -> float:
