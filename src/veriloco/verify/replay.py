@@ -10,17 +10,19 @@ does not undo the compression. Two ways to compare (`[verify] replay_match`):
   replaying steps 0 .. (j+1)*k - 1 and comparing the state hashes at every boundary with the
   committed trace, bit for bit. When that covers the whole round, the replayed delta is also
   encoded with the packet's codecs and must decode to the packet bit for bit (the score is then
-  len(trace)): a clean trace does not vouch for a packet the worker made some other way. Not
-  for stateful encoders (error feedback, PowerSGD's warm start), which a replay cannot redo.
+  len(trace)): a clean trace does not vouch for a packet the worker made some other way. A
+  PowerSGD tensor, whose warm start a replay cannot redo, must instead be the replayed delta
+  projected onto its own columns (`lowrank_distance`); error feedback's packet, made from a
+  residual only the worker has, is not checked (`packet_differs`, `plan.unchecked_packets`).
   Needs deterministic kernels: CPU, same torch, same thread count.
 - "exact" with `[verify] replay_extent = "state"`: segment j > 0 is replayed alone, from its
   start state (params + AdamW moments), which the audited worker sends the auditor as a buffer
   in `state_layout`; it must hash to trace entry j (`state_matches`), else the replay fails
   there (withheld). k/H of a round's compute for the state's bytes (round.StateMoves).
 - "distance": the auditor replays the whole round (all H inner steps), passes its delta
-  S_r - theta through the codecs the packet names, and compares that with the committed delta
-  (the decoded packet): the round passes when ||replayed - committed|| <= tolerance *
-  ||committed||. For kernels that are not bit-reproducible (GPUs, other thread counts). The
+  S_r - theta through the codecs the packet names (a PowerSGD tensor: projected onto the
+  packet's columns, `lowrank_parts`), and compares that with the committed delta (the decoded
+  packet): the round passes when ||replayed - committed|| <= tolerance * ||committed||. For kernels that are not bit-reproducible (GPUs, other thread counts). The
   tolerance is a security parameter: Fang et al. 2023 ("Proof-of-Learning is Currently More
   Broken Than You Think", arXiv 2208.03567) spoof PoL exactly where its distance thresholds are
   loose, so it must sit just above honest nondeterminism (README: "Verification").
