@@ -15,6 +15,18 @@ from collections.abc import Callable
 MAX_SPEC_CHARS = 200
 MAX_BLOCK = 1 << 20  # int8/int4: elements per scale
 MAX_RANK = 4096  # lowrank
+# the adaptive controller's rungs when `[compress] ladder` is empty (config.codec_specs)
+DEFAULT_LADDER: tuple[str, ...] = (
+    "fp32",
+    "bf16",
+    "int8:block=64",
+    "int4:block=64",
+    "lowrank:rank=16",
+    "lowrank:rank=4",
+    "lowrank:rank=1",
+    "topk:bits=8,density=0.01",
+    "topk:bits=8,density=0.001",
+)
 
 
 class CodecError(ValueError):

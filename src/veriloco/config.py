@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .codecspec import DEFAULT_LADDER
+
 
 class ConfigError(ValueError):
     """Bad configuration: one line naming the key and what is wrong."""
@@ -553,6 +555,14 @@ def need(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def codec_specs(compress: CompressConfig) -> list[str]:
+    """The codec specs an honest worker encodes with: `[compress] codec`, or with "adaptive" each
+    rung of `[compress] ladder` (the built-in DEFAULT_LADDER when it is empty). Without torch."""
+    if compress.codec != "adaptive":
+        return [compress.codec]
+    return [s.strip() for s in compress.ladder.split(";") if s.strip()] or list(DEFAULT_LADDER)
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     m, t, d = cfg.model, cfg.train, cfg.data
@@ -643,12 +653,9 @@ def validate(cfg: Config) -> None:
     if v.replay_probability > 0 and v.replay_match == "distance":
         need(not cfg.compress.error_feedback, "verify.replay_match = 'distance' needs compress.error_feedback = false "
              "(the packet would hold the worker's private residual, which a replay cannot reproduce)")
-        from .compress import DEFAULT_LADDER
         from .verify.replay import checkable_codec
 
-        c = cfg.compress
-        specs = [c.codec] if c.codec != "adaptive" else [x.strip() for x in c.ladder.split(";") if x.strip()] or DEFAULT_LADDER
-        bad = [x for x in specs if not checkable_codec(x)]
+        bad = [x for x in codec_specs(cfg.compress) if not checkable_codec(x)]
         need(not bad, f"verify.replay_match = 'distance' cannot judge a packet under {bad[0] if bad else ''}")
     need(not cfg.adversary or cfg.train.mode == "diloco",
          f"adversary.{next(iter(cfg.adversary), '')}: an attacker needs train.mode = 'diloco' (the DDP baseline has "
@@ -796,10 +803,9 @@ def _check_link_and_codec(cfg: Config) -> None:
                               "in network namespaces)")
         if parse_bandwidth(cfg.link.bandwidth) == float("inf"):
             raise ConfigError("link.shaping = 'kernel' needs a link.bandwidth to shape to")
-    specs = [cfg.compress.codec] if cfg.compress.codec != "adaptive" else [s for s in cfg.compress.ladder.split(";") if s]
-    for spec in specs:
+    for spec in codec_specs(cfg.compress):
         try:
-            check_spec(spec.strip())
+            check_spec(spec)
         except CodecError as e:
             raise ConfigError(f"compress.{'codec' if cfg.compress.codec != 'adaptive' else 'ladder'}: {e}") from None
 

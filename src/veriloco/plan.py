@@ -479,8 +479,8 @@ def _verify_lines(plan: Plan) -> list[str]:
                        f"({_mb(vp.kept_states * state)}) in {'host memory' if v.keep_states == 'memory' else 'a file'}")
         else:
             out.append("  replays start from the round's public start (G and the worker's own packets): no model-sized traffic")
-        if unchecked_packets(cfg):
-            out.append(f"  {unchecked_packets(cfg)}")
+        if unchecked := unchecked_packets(cfg):
+            out.append(f"  {unchecked}")
     if vp.gain_forwards:
         out.append(f"loss-gain screen: {vp.gain_forwards:,} forward passes a round across the run ({v.loss_gain_batches} "
                    f"batch(es) x 2 a packet on each of its checkers): about {vp.gain_share(cfg, W):.1%} on top of the "

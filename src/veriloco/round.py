@@ -75,7 +75,6 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from .compress import (
-    DEFAULT_LADDER,
     AdaptiveController,
     Codec,
     ErrorFeedback,
@@ -84,7 +83,7 @@ from .compress import (
     round_budget_bytes,
 )
 from .compress.controller import UNLIMITED_BYTES, suggest_inner_steps
-from .config import CompressConfig, Config, VerifyConfig
+from .config import Config, VerifyConfig, codec_specs
 from .data import batch_digest
 from .exchange import Exchange, ExchangeError, ExchangeHandle
 from .hashing import alongside, canonical_json, json_hash, sha256_hex, tensors_hash
@@ -315,16 +314,10 @@ class Sent:
 COMMITMENT_RESERVE_BYTES = 4096  # a signed commitment with its trace is 1-3 KB
 
 
-def ladder_of(compress: CompressConfig) -> list[str]:
-    """The rungs an adaptive codec chooses from: `[compress] ladder`, or the built-in one."""
-    return [s.strip() for s in compress.ladder.split(";") if s.strip()] or list(DEFAULT_LADDER)
-
-
 def run_codecs(cfg: Config) -> frozenset[str]:
     """The codec specs (canonical, as a packet names them) an honest worker of this run encodes
     with: `[compress] codec`, or each rung of the adaptive ladder (check_bundles' `codecs`)."""
-    specs = ladder_of(cfg.compress) if cfg.compress.codec == "adaptive" else [cfg.compress.codec]
-    return frozenset(codec_from_spec(x).spec() for x in specs)
+    return frozenset(codec_from_spec(x).spec() for x in codec_specs(cfg.compress))
 
 
 class DeltaEncoder:
@@ -335,7 +328,7 @@ class DeltaEncoder:
         self.hops = exchange_hops(cfg.verify)
         self.feedback = ErrorFeedback() if cfg.compress.error_feedback else None
         if cfg.compress.codec == "adaptive":
-            ladder = ladder_of(cfg.compress)
+            ladder = codec_specs(cfg.compress)
             # the budget covers the wire, not just the payload: charge each tensor its share of the
             # safetensors header (names, dtypes, shapes, offsets, codec spec), as that codec writes it ...
             # (its offsets have at most the digits of 8 bytes an element: no rung sends more)

@@ -315,9 +315,10 @@ def start_warnings(cfg: Config, run: RunDir, done: int) -> None:
         return
     from .plan import disk_warning, unchecked_packets
 
-    for warning in (disk_warning(cfg, run.root, done), unchecked_packets(cfg)):
-        if warning is not None:
-            print(warning if warning.startswith("warning: ") else f"warning: {warning}", file=sys.stderr, flush=True)
+    disk, unchecked = disk_warning(cfg, run.root, done), unchecked_packets(cfg)
+    for warning in (disk, unchecked and f"warning: {unchecked}"):
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
 
 def train_task(task: Task, cfg: Config, out: str, quiet: bool = False, stop_after: int | None = None,

@@ -29,24 +29,13 @@ from typing import Any
 
 import torch
 
+from ..codecspec import DEFAULT_LADDER
 from .base import Codec, codec_from_spec, numel_of
 from .blockquant import Int4Codec, Int8Codec
 from .casts import Bf16Codec, Fp16Codec
 from .identity import IdentityCodec
 from .lowrank import LowRankCodec
 from .topk import TopKCodec
-
-DEFAULT_LADDER: tuple[str, ...] = (
-    "fp32",
-    "bf16",
-    "int8:block=64",
-    "int4:block=64",
-    "lowrank:rank=16",
-    "lowrank:rank=4",
-    "lowrank:rank=1",
-    "topk:bits=8,density=0.01",
-    "topk:bits=8,density=0.001",
-)
 
 LOSSLESS = "fp32"  # the rung with no error: when it fits, it is the choice
 UNLIMITED_BYTES = sys.maxsize  # the budget of a lone worker: it sends nothing

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compress import CodecError, codec_from_spec
+from ..compress import Codec, CodecError, codec_from_spec
 from ..config import TrainConfig, VerifyConfig
 from ..hashing import tensors_hash
 from ..inner import InnerLoop, Landing, shift_params
@@ -63,6 +63,7 @@ from .check import RoundCheck, round_seed
 # replayed delta exactly as the worker's did. PowerSGD (lowrank) warm-starts from
 # the sender's earlier rounds, which a replay of one round cannot know.
 REPLAYABLE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
+CHECKABLE_CODECS = (*REPLAYABLE_CODECS, "lowrank")  # lowrank by projection (packet_differs)
 # A PowerSGD tensor an exact replay checks by what its warm start cannot change: an honest one is
 # the worker's delta projected onto its own columns (P P^T M, sent as P and M^T P), off only by
 # fp16's rounding of P and Q: `lowrank_distance` 2-4e-4 on honest encodings of model-sized
@@ -320,47 +321,28 @@ def segments_to_sample(verify: VerifyConfig, train: TrainConfig) -> int:
     return max(train.inner_steps // (verify.trace_every or train.inner_steps), 1)
 
 
-def replayable_codec(spec: str) -> bool:
-    """Whether distance mode can re-encode a replayed delta with the codec `spec`."""
-    try:
-        return codec_from_spec(spec).name in REPLAYABLE_CODECS
-    except CodecError:
-        return False
-
-
-def _codec_name(spec: str) -> str | None:
+def _codec(spec: str) -> Codec | None:
     """The codec `spec` names; None for one that does not parse (check_bundles refuses those first)."""
     try:
-        return codec_from_spec(spec).name
+        return codec_from_spec(spec)
     except CodecError:
         return None
-
-
-def _low_rank(spec: str, shape: tuple[int, ...]) -> int | None:
-    """The rank of a tensor of `shape` sent under `spec` in PowerSGD's factored form (P, Q: a
-    warm start a replay cannot know); None for any other codec, and for lowrank's fp16 fallback
-    (vectors, small matrices), which a fresh codec re-encodes bit for bit."""
-    try:
-        codec = codec_from_spec(spec)
-    except CodecError:
-        return None
-    plan = codec._plan(shape) if codec.name == "lowrank" else None
-    return None if plan is None else plan[2]
 
 
 def packet_checkable(codecs: dict[str, str], committed: dict[str, torch.Tensor]) -> bool:
     """Whether an exact replay of the whole round checks every tensor of the packet: re-encoded
-    bit for bit (`replayable_codec`s, lowrank's fp16 fallback) or, for a PowerSGD
+    bit for bit (REPLAYABLE_CODECS, lowrank's fp16 fallback) or, for a PowerSGD
     matrix, by `lowrank_distance`. False with error feedback (`codecs` {}): its packet is made from
     a residual only the worker has."""
     return bool(codecs) and set(codecs) == set(committed) and all(checkable_codec(s) for s in codecs.values())
 
 
 def checkable_codec(spec: str) -> bool:
-    """Whether a replay can judge a tensor sent under `spec`: re-encoded (`replayable_codec`) or,
+    """Whether a replay can judge a tensor sent under `spec`: re-encoded (REPLAYABLE_CODECS) or,
     for PowerSGD, by `lowrank_parts`. Every codec veriloco has; config.py asks it of distance
     runs' codecs."""
-    return replayable_codec(spec) or _codec_name(spec) == "lowrank"
+    codec = _codec(spec)
+    return codec is not None and codec.name in CHECKABLE_CODECS
 
 
 def lowrank_parts(replayed: torch.Tensor, committed: torch.Tensor, rank: int) -> tuple[float, float]:
@@ -413,13 +395,16 @@ def _by_check(codecs: dict[str, str], committed: dict[str, torch.Tensor]) -> tup
     exact, low = {}, {}
     for name in committed:
         spec = codecs.get(name)
-        if spec is None:
+        codec = _codec(spec) if spec is not None else None
+        if codec is None or codec.name not in CHECKABLE_CODECS:
             continue
-        rank = _low_rank(spec, tuple(committed[name].shape))
-        if rank is not None:
-            low[name] = rank
-        elif checkable_codec(spec):
+        # PowerSGD's factored form (its warm start a replay cannot know); its fp16 fallback
+        # (vectors, small matrices) a fresh codec re-encodes bit for bit
+        plan = codec._plan(tuple(committed[name].shape)) if codec.name == "lowrank" else None
+        if plan is None:
             exact[name] = spec
+        else:
+            low[name] = plan[2]
     return exact, low
 
 
