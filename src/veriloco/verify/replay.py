@@ -66,10 +66,11 @@ REPLAYABLE_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "topk")
 CHECKABLE_CODECS = (*REPLAYABLE_CODECS, "lowrank")  # lowrank by projection (packet_differs)
 # A PowerSGD tensor an exact replay checks by what its warm start cannot change: an honest one is
 # the worker's delta projected onto its own columns (P P^T M, sent as P and M^T P), off only by
-# fp16's rounding of P and Q: `lowrank_distance` 2-4e-4 on honest encodings of model-sized
-# matrices, up to 6e-4 on the smallest ones the codec factors (3x3 at rank 1), x3.4 of room:
-# tests/test_lowrank_replay.py. A delta scaled by 1.01 is at 1e-2; what the room leaves a worker
-# (README, "Verification"): a push of its choosing under 2e-3 of the tensor's norm a round.
+# fp16's rounding of P and Q: `lowrank_distance` 2-3e-4 on honest encodings of model-sized
+# matrices, p99.9 under 9e-4 and up to 1.4e-3 on the smallest ones the codec factors (rank 1
+# of 3x3 .. 8x8, heavy-tailed values): `python bench/lowrank_check.py`. A delta scaled by 1.01 is
+# at 1e-2; what the room leaves a worker (README, "Verification"): a push of its choosing under
+# 2e-3 of the tensor's norm a round.
 LOWRANK_TOLERANCE = 2e-3
 
 
@@ -351,7 +352,7 @@ def lowrank_parts(replayed: torch.Tensor, committed: torch.Tensor, rank: int) ->
     orthonormal basis of M_hat's columns (its at most `rank` singular directions above fp32's
     rounding, from M_hat times a fixed Gaussian of rank + 10 columns). An honest packet is M
     projected onto span(P), whatever the warm start made P, so the first is fp16's rounding of P
-    and Q (2-6e-4 of the second's root); a scaled, shifted or foreign tensor is far off. A zero
+    and Q (2-3e-4 of the second's root on model-sized matrices, up to 1.4e-3 on tiny ones: bench/lowrank_check.py); a scaled, shifted or foreign tensor is far off. A zero
     M_hat leaves all of M as the difference; (inf, 1) when M_hat is not finite. Computed a block of
     columns at a time: float64 copies of a block, never of the whole matrix (a 50k x 1024
     embedding would be 400 MB each)."""
